@@ -1,0 +1,157 @@
+// Launch planning for the forward kernel: validation, TMA tensor maps, the grid, and the
+// explicit instantiations (bf16/f16 x head dim 64/128).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <mutex>
+#include <string>
+
+#include "flash_fwd.h"
+#include "flash_fwd_kernel.cuh"
+
+namespace jzyfa {
+namespace {
+
+std::string CudaError(const char* what, cudaError_t err) {
+  return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+}
+
+// cuTensorMapEncodeTiled lives in the driver API; fetch it through the runtime so the
+// extension links only cudart (statically) and imports on machines without a driver.
+PFN_cuTensorMapEncodeTiled_v12000 GetEncodeTiled(std::string* error) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::string load_error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                       cudaEnableDefault, &status);
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || ptr == nullptr) {
+      load_error = "cannot load cuTensorMapEncodeTiled from the CUDA driver";
+      if (err != cudaSuccess) load_error += ": " + CudaError("cudaGetDriverEntryPoint", err);
+      return;
+    }
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  });
+  if (fn == nullptr) *error = load_error;
+  return fn;
+}
+
+// A 4-D map over a [batch, seq, heads, head_dim] tensor (dims innermost first), loading
+// boxes of 64 head-dim columns x `box_rows` sequence rows of one head, 128-byte swizzled.
+// Rows past `seq` read as zeros: tails need no padded copies.
+bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_t batch,
+                     int64_t seq, int64_t heads, int64_t head_dim, int box_rows,
+                     std::string* error) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = GetEncodeTiled(error);
+  if (encode == nullptr) return false;
+  const cuuint64_t elem = 2;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seq),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads * head_dim) * elem,
+                                 static_cast<cuuint64_t>(head_dim) * elem,
+                                 static_cast<cuuint64_t>(seq * heads * head_dim) * elem};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype = type == ElementType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUresult res = encode(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box,
+                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    *error = "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(res);
+    return false;
+  }
+  return true;
+}
+
+template <typename Element, int kHeadDim>
+std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  auto kernel = FlashFwdKernel<Element, kHeadDim>;
+  // Per device and cheap: set on every launch rather than tracking devices.
+  cudaError_t attr_err = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kDynamicSmemBytes);
+  if (attr_err != cudaSuccess) return CudaError("cudaFuncSetAttribute", attr_err);
+
+  CUtensorMap tmap_q, tmap_k, tmap_v;
+  std::string error;
+  if (!EncodeTensorMap(&tmap_q, p.q, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+                       Tile::kBlockM, &error) ||
+      !EncodeTensorMap(&tmap_k, p.k, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
+                       Tile::kBlockN, &error) ||
+      !EncodeTensorMap(&tmap_v, p.v, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
+                       Tile::kBlockN, &error)) {
+    return error;
+  }
+  FwdArgs args;
+  args.out = p.out;
+  args.lse = p.lse;
+  args.seqlen_q = static_cast<int>(p.seqlen_q);
+  args.seqlen_k = static_cast<int>(p.seqlen_k);
+  args.heads_q = static_cast<int>(p.heads_q);
+  args.heads_kv = static_cast<int>(p.heads_kv);
+  args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  args.causal = p.causal ? 1 : 0;
+
+  const dim3 grid(static_cast<unsigned>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
+  return "";
+}
+
+}  // namespace
+
+std::string ValidateFlashFwd(const FlashFwdParams& p) {
+  if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
+    return "q, k and v need batch, sequence and head counts of at least 1";
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return "head_dim must be 64 or 128 for the jzyfa kernel, got " + std::to_string(p.head_dim);
+  }
+  if (p.heads_q % p.heads_kv != 0) {
+    return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
+           std::to_string(p.heads_kv) + ")";
+  }
+  // Grid limits: heads on y and batch on z (65535 each); sequence indices are int32.
+  if (p.heads_q > 65535 || p.batch > 65535) return "batch and heads must be at most 65535";
+  if (p.seqlen_q > (int64_t{1} << 30) || p.seqlen_k > (int64_t{1} << 30)) {
+    return "sequence lengths must be at most 2^30";
+  }
+  if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
+    return "softmax_scale must be a positive finite number";
+  }
+  return "";
+}
+
+std::string CheckDeviceSupport() {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (major != 9 || minor != 0) {
+    return "the jzyfa kernels need a Hopper GPU (compute capability 9.0); device " +
+           std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor);
+  }
+  return "";
+}
+
+std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
+  std::string error = ValidateFlashFwd(p);
+  if (!error.empty()) return error;
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  if (p.head_dim == 64) {
+    return bf16 ? Launch<__nv_bfloat16, 64>(p, stream) : Launch<__half, 64>(p, stream);
+  }
+  return bf16 ? Launch<__nv_bfloat16, 128>(p, stream) : Launch<__half, 128>(p, stream);
+}
+
+}  // namespace jzyfa
