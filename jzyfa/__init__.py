@@ -1,0 +1,25 @@
+"""jzyfa: FP8 and BF16 flash attention for NVIDIA Hopper, as JAX custom calls.
+
+Importing jzyfa never needs a GPU or the compiled extension; without them every call takes the
+pure-JAX path (see `kernel_available`).
+"""
+
+from jzyfa._extension import extension_loaded
+from jzyfa._platform import hopper_unavailable_reason as kernel_unavailable_reason
+from jzyfa._platform import kernel_available
+from jzyfa.api import flash_attention
+from jzyfa.merge import merge_attention_states
+from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
+from jzyfa.reference import attention_reference
+
+__all__ = [
+    "attention_reference",
+    "dequantize",
+    "extension_loaded",
+    "flash_attention",
+    "fp8_quantize",
+    "hadamard_rotate",
+    "kernel_available",
+    "kernel_unavailable_reason",
+    "merge_attention_states",
+]

@@ -1,0 +1,104 @@
+"""Argument checks for `flash_attention`: every bad input fails at trace time, naming the argument."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jzyfa.quantize import FP8_DTYPE
+
+SIXTEEN_BIT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# float32 has no kernel but runs on the pure-JAX path, which is convenient for tests and tools.
+NON_FP8_DTYPES = SIXTEEN_BIT_DTYPES + (jnp.dtype(jnp.float32),)
+FP8_DTYPES = (jnp.dtype(FP8_DTYPE),)
+IMPLEMENTATIONS = (None, "kernel", "xla")
+DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
+
+
+def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
+    return ", ".join(d.name for d in dtypes)
+
+
+def check_qkv(q, k, v) -> None:
+    """Checks ranks, dtypes and that the shapes of q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] agree."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {x.shape}")
+        if jnp.dtype(x.dtype) not in NON_FP8_DTYPES + FP8_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; expected one of {_dtype_names(NON_FP8_DTYPES + FP8_DTYPES)}"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape [batch, seq_k, kv_heads, head_dim], got {k.shape} and {v.shape}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
+    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(
+            f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv}) for GQA/MQA"
+        )
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in FP8_DTYPES
+
+
+def check_implementation(implementation) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The static scale the kernel is compiled with: 1/sqrt(head_dim) by default."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, jax.core.Tracer) or not np.isscalar(softmax_scale):
+        raise TypeError(
+            f"softmax_scale must be a static Python or NumPy real number (or None), got {type(softmax_scale).__name__}"
+        )
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    return scale
+
+
+def check_causal(causal) -> None:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:
+    """For FP8 inputs, returns the three float32 descales; for other inputs, insists there are none.
+
+    Each descale is a scalar (shape () or (1,)) or one value per (batch, kv_head), shape [B, Hkv].
+    """
+    given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
+    if not is_fp8(q.dtype):
+        if given:
+            raise ValueError(f"{', '.join(given)} given for {q.dtype} inputs; descales apply only to FP8 inputs")
+        return None
+    missing = [name for name, d in zip(DESCALE_NAMES, descales) if d is None]
+    if missing:
+        raise ValueError(f"FP8 inputs need descale_q, descale_k and descale_v; missing {', '.join(missing)}")
+    per_head_shape = (q.shape[0], k.shape[2])
+    checked = []
+    for name, d in zip(DESCALE_NAMES, descales):
+        d = jnp.asarray(d, jnp.float32) if isinstance(d, (int, float)) else d
+        if jnp.dtype(d.dtype) != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {d.dtype}")
+        if d.shape not in ((), (1,), per_head_shape):
+            raise ValueError(
+                f"{name} must have shape (), (1,) or [batch, kv_heads] = {list(per_head_shape)}, got {d.shape}"
+            )
+        checked.append(d)
+    return tuple(checked)

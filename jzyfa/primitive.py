@@ -1,0 +1,110 @@
+"""The `jzyfa_flash_attention_fwd` primitive: abstract eval, lowerings, batching, eager impl.
+
+CUDA lowers to the XLA FFI handler of the same name (contract in docs/architecture.md). Every other
+platform lowers to the pure-JAX reference, so one program runs on CPU too, unless the caller demanded
+the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from jzyfa.reference import attention_reference
+
+FFI_TARGET = "jzyfa_flash_attention_fwd"
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KERNEL_HEAD_DIMS = (64, 128)
+
+flash_attention_fwd_p = Primitive(FFI_TARGET)
+flash_attention_fwd_p.multiple_results = True
+
+
+def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array) -> str | None:
+    """None when the kernel serves these (already validated) inputs, else what it cannot serve."""
+    if not q.dtype == k.dtype == v.dtype or jnp.dtype(q.dtype) not in KERNEL_DTYPES:
+        return f"the kernel takes bf16 or f16 q, k and v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
+    return None
+
+
+def flash_attention_fwd(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float, causal: bool, kernel_required: bool
+) -> tuple[jax.Array, jax.Array]:
+    """Binds the primitive: (out like q, lse float32 [B, Hq, Sq])."""
+    out, lse = flash_attention_fwd_p.bind(
+        q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), kernel_required=bool(kernel_required)
+    )
+    return out, lse
+
+
+def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
+    batch, seq_q, heads_q, _ = q.shape
+    return (
+        jax.core.ShapedArray(q.shape, q.dtype),
+        jax.core.ShapedArray((batch, heads_q, seq_q), jnp.float32),
+    )
+
+
+flash_attention_fwd_p.def_abstract_eval(_abstract_eval)
+
+
+# Eager calls compile the primitive alone, once per shape and parameters.
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "kernel_required"))
+def _impl(q, k, v, *, softmax_scale, causal, kernel_required):
+    return flash_attention_fwd_p.bind(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+    )
+
+
+flash_attention_fwd_p.def_impl(_impl)
+
+
+def _reference_fallback(q, k, v, *, softmax_scale, causal, kernel_required):
+    if kernel_required:
+        raise ValueError(
+            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
+            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
+        )
+    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+_ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
+
+
+def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, kernel_required):
+    del kernel_required  # Only decides what non-CUDA platforms do.
+    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool.
+    return _ffi_lowering(ctx, q, k, v, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+
+
+mlir.register_lowering(flash_attention_fwd_p, mlir.lower_fun(_reference_fallback, multiple_results=True))
+mlir.register_lowering(flash_attention_fwd_p, _cuda_lowering, platform="cuda")
+
+
+def _batch_rule(args, dims, *, softmax_scale, causal, kernel_required):
+    """vmap: folds the mapped axis into the batch axis, one kernel launch for all of it."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+
+    def fold(x, d):
+        # An unmapped operand (e.g. K/V shared across the vmapped axis) is broadcast to match.
+        x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+        return x.reshape((size * x.shape[1],) + x.shape[2:])
+
+    out, lse = flash_attention_fwd(
+        *(fold(x, d) for x, d in zip(args, dims)),
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kernel_required=kernel_required,
+    )
+    unfold = lambda y: y.reshape((size, -1) + y.shape[1:])
+    return (unfold(out), unfold(lse)), (0, 0)
+
+
+batching.primitive_batchers[flash_attention_fwd_p] = _batch_rule

@@ -1,0 +1,108 @@
+"""FP8 (e4m3) quantization with power-of-two descales, and the Hadamard rotation that precedes it.
+
+Everything runs as device ops: descales are computed and stay on the device, so quantizing inside a
+jitted step never waits on the host.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+GRANULARITIES = ("tensor", "head")
+
+
+def _power_of_two_descale(amax: jax.Array) -> jax.Array:
+    """Smallest power of two d with amax / d <= FP8_MAX; 1 where amax is 0."""
+    # frexp is exact: ratio = mantissa * 2^exponent with mantissa in [0.5, 1), so 2^exponent >= ratio,
+    # and 2^(exponent - 1) suffices when the ratio is itself a power of two (mantissa 0.5).
+    mantissa, exponent = jnp.frexp(amax / FP8_MAX)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exponent), 1.0).astype(jnp.float32)
+
+
+def _group_heads(x: jax.Array, kv_heads: int | None) -> jax.Array:
+    """[B, S, H, D] -> [B, S, G, H/G, D], G = kv_heads (or H): heads sharing one descale grouped."""
+    batch, seq, heads, head_dim = x.shape
+    groups = heads if kv_heads is None else kv_heads
+    if heads % groups:
+        raise ValueError(f"kv_heads={kv_heads} must divide the {heads} heads of x")
+    return x.reshape(batch, seq, groups, heads // groups, head_dim)
+
+
+def fp8_quantize(
+    x: jax.Array, granularity: str = "tensor", *, kv_heads: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (x_fp8, descale) with x ~= x_fp8.astype(float32) * descale.
+
+    granularity="tensor": one float32 descale, shape ().
+    granularity="head": x is [B, S, H, D] and descale is [B, H]. For a GQA query, pass
+    kv_heads=Hkv to share one descale per KV group, giving the [B, Hkv] descale_q that
+    `flash_attention` takes (query head h belongs to group h // (H // Hkv)).
+    Descales are powers of two, so scaling is exact and only the e4m3 rounding loses precision.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    xf = jnp.asarray(x).astype(jnp.float32)
+    if granularity == "tensor":
+        if kv_heads is not None:
+            raise ValueError('kv_heads applies only to granularity="head"')
+        descale = _power_of_two_descale(jnp.max(jnp.abs(xf)))
+        scaled = xf / descale
+    else:
+        if xf.ndim != 4:
+            raise ValueError(f'granularity="head" needs x of rank 4 [B, S, H, D], got shape {xf.shape}')
+        grouped = _group_heads(xf, kv_heads)
+        descale = _power_of_two_descale(jnp.max(jnp.abs(grouped), axis=(1, 3, 4)))
+        scaled = (grouped / descale[:, None, :, None, None]).reshape(xf.shape)
+    # amax / descale <= FP8_MAX already; the clip only guards against NaN from an e4m3fn overflow.
+    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), descale
+
+
+def dequantize(x_fp8: jax.Array, descale: jax.Array) -> jax.Array:
+    """float32 values of x_fp8 [B, S, H, D] scaled by a descale of shape (), (1,) or [B, G], G | H.
+
+    A [B, G] descale applies to heads in G consecutive groups (head h uses descale[:, h // (H // G)]).
+    """
+    xf = x_fp8.astype(jnp.float32)
+    descale = jnp.asarray(descale, jnp.float32)
+    if descale.ndim < 2:
+        return xf * descale.reshape(())
+    grouped = _group_heads(xf, descale.shape[1])
+    return (grouped * descale[:, None, :, None, None]).reshape(xf.shape)
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Normalised Sylvester Hadamard matrix of order n (a power of two): orthogonal, entries +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"the Hadamard order must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def hadamard_rotate(
+    q: jax.Array, k: jax.Array, key: jax.Array | int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Rotates the head_dim of q and k by one random orthogonal matrix R = diag(signs) @ H.
+
+    q k^T is unchanged (R R^T = I), while outliers in a few channels are spread over all of them,
+    which lowers FP8 quantization error. key: a PRNG key or an int seed (None means seed 0); the
+    same key gives the same rotation. Outputs keep the input dtypes.
+    """
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q and k must share head_dim, got {head_dim} and {k.shape[-1]}")
+    if key is None or isinstance(key, int):
+        key = jax.random.key(0 if key is None else key)
+    signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
+    rotation = signs[:, None] * jnp.asarray(hadamard_matrix(head_dim), jnp.float32)
+
+    def rotate(x: jax.Array) -> jax.Array:
+        return jnp.matmul(x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+    return rotate(q), rotate(k)
