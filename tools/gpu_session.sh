@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One GPU session on a bare Hopper machine without network (CUDA, JAX, nanobind, CMake,
+# scikit-build-core present): build and install jzyfa from this working tree, read the
+# kernels' resource report and SASS, run the GPU tests, the example and the benchmark.
+# Everything lands in the folder given as $1 (default $OUT).
+#
+#   bash tools/gpu_session.sh /path/to/logs [extra bench flags...]
+set -uo pipefail
+OUT_DIR=${1:-${OUT:?give an output folder}}
+shift || true
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+SITE=${JZYFA_SITE:-/tmp/jzyfa-site}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+status=0
+step() { echo; echo "=== $* ==="; }
+
+step "machine"
+{ nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv;
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"; } \
+  2>&1 | tee "$OUT_DIR/machine.txt"
+
+step "build + install (pip, no network)"
+export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+rm -rf "$SITE"
+python3 -m pip install -v --no-build-isolation --no-deps --target "$SITE" "$REPO" > "$OUT_DIR/build.log" 2>&1 \
+  || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
+grep -E "registers|spill|stack frame" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/resources.txt"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+SO=$(ls "$SITE"/jzyfa/_jzyfa_ffi*.so)
+cuobjdump --dump-sass "$SO" > "$OUT_DIR/sass.txt" 2>&1
+grep -oE "\b(HGMMA|QGMMA|UTMALDG|UTMASTG|MUFU\.EX2|LDL|STL)[.A-Z0-9x_]*" "$OUT_DIR/sass.txt" | sort | uniq -c \
+  | tee "$OUT_DIR/sass_summary.txt"
+
+# Run from outside the tree so `import jzyfa` finds the installed package with its extension.
+cd /tmp
+step "extension"
+python3 -c "import jzyfa; print('kernel_available', jzyfa.kernel_available(), jzyfa.kernel_unavailable_reason())"
+
+step "GPU tests"
+python3 -m pytest -q -rs -p no:cacheprovider "$REPO/tests" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "example"
+python3 "$REPO/examples/prefill.py" 2>&1 | tee "$OUT_DIR/example.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+step "benchmark"
+python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" 2>"$OUT_DIR/bench_progress.log" \
+  | tee "$OUT_DIR/bench.md"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+exit $status
