@@ -61,7 +61,7 @@ def run_kernel_poisoned(q, k, v, *, causal: bool, scale: float | None = None):
   b, sq, hq, _ = q.shape
   out_poison = jnp.full(q.shape, jnp.nan, q.dtype)
   lse_poison = jnp.full((b, hq, sq), jnp.nan, jnp.float32)
-  fn = jax.jit(call, donate_argnums=(3, 4))
+  fn = jax.jit(call, donate_argnums=(3, 4), keep_unused=True)
   hlo = fn.lower(q, k, v, out_poison, lse_poison).compile().as_text()
   assert "jzyfa_flash_attention_fwd" in hlo
   # The poison only proves something if the kernel writes straight into the donated buffers.
