@@ -310,8 +310,10 @@ def cupti_kernel_time(
 
     One jitted program calls `fn` once on each argument set (so consecutive calls read different
     buffers); `profiler.measure` runs it `iterations` times and returns each iteration's kernels.
-    A sample is one iteration's summed kernel time divided by the number of sets. XLA may fuse or
-    reorder work across the independent calls, so only sums are used, never per-kernel positions.
+    A sample is one iteration's summed kernel time divided by the number of sets. XLA may fuse,
+    reorder or share work across the independent calls (on the H200 it computed XLA attention's
+    causal mask once for both calls: 0.3% of that call), so only sums are used, never per-kernel
+    positions; a single-kernel implementation is unaffected.
 
     Samples are gathered in chunks (each `measure` keeps all its outputs alive until it returns,
     so a chunk is bounded by memory) until there are `min_samples` and `min_seconds` have passed.

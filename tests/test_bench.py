@@ -13,6 +13,7 @@ import pytest
 from absl import flags
 from attention_oracle import naive_attention_f64, random_qkv
 
+import jzyfa
 from jzyfa import _timing
 from jzyfa import bench
 
@@ -266,6 +267,10 @@ def test_smoke_run_writes_sane_json(tmp_path):
             continue
         if impl == "cudnn" and not ON_GPU:
             assert r["status"] == "error" and "cuDNN" in r["message"]
+            continue
+        if impl == "jzyfa" and ON_GPU and not jzyfa.kernel_available():
+            # On a GPU the bench times the kernel or reports why not; it never falls back.
+            assert r["status"] == "error" and "kernel" in r["message"]
             continue
         assert r["status"] == "ok", r
         assert 0 <= r["rel_err"] < 1e-2
