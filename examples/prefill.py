@@ -42,7 +42,8 @@ class Config:
 
 
 PRESETS = {
-    "cpu": Config(batch=1, seq=256, layers=2, d_model=256, heads_q=4, heads_kv=2, head_dim=64, mlp=512, vocab=1024),
+    "cpu": Config(batch=1, seq=256, layers=2, d_model=256, heads_q=4, heads_kv=2, head_dim=64, mlp=512,
+                  vocab=1024),
     "gpu": Config(batch=4, seq=4096, layers=4, d_model=2048, heads_q=16, heads_kv=4, head_dim=128, mlp=5632,
                   vocab=32000),
 }
@@ -70,7 +71,8 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
             "w_down": dense(keys[7], cfg.mlp, cfg.d_model),
         },
         "final_norm": jnp.ones((cfg.d_model,), jnp.bfloat16),
-        "unembed": (jax.random.normal(keys[8], (cfg.d_model, cfg.vocab)) / cfg.d_model**0.5).astype(jnp.bfloat16),
+        "unembed": (jax.random.normal(keys[8], (cfg.d_model, cfg.vocab)) / cfg.d_model**0.5)
+        .astype(jnp.bfloat16),
     }
 
 
@@ -145,7 +147,9 @@ def parse_args(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     parser.add_argument("--iters", type=int, default=5, help="timed prefills")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
+    overrides = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None
+    }
     return dataclasses.replace(PRESETS[args.preset], **overrides), args
 
 
@@ -162,7 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     first_layer = jax.tree.map(lambda w: w[0], params["layers"])
     q, k, v = jax.jit(project_qkv, static_argnums=2)(params["embed"][tokens], first_layer, cfg)
     results = {
-        "tokens_per_second": tokens_per_second(lambda: jzyfa_prefill(params, tokens), cfg.batch * cfg.seq, args.iters),
+        "tokens_per_second": tokens_per_second(
+            lambda: jzyfa_prefill(params, tokens), cfg.batch * cfg.seq, args.iters
+        ),
         "attention_max_abs_diff": max_abs_diff(jax.jit(jzyfa_attention(implementation))(q, k, v),
                                                jax.jit(xla_attention)(q, k, v)),
         "logits_max_abs_diff": max_abs_diff(jzyfa_prefill(params, tokens), xla_prefill(params, tokens)),

@@ -31,5 +31,9 @@ def load_error() -> str | None:
 
 
 def extension_loaded() -> bool:
-    """True when the extension imported and its FFI targets were registered for CUDA."""
+    """True when the extension imported and its FFI targets were registered for CUDA.
+
+    Loads the extension on first use. A process that runs a deserialized `jax.export` artifact
+    without calling `flash_attention` should call this first, so the FFI targets are registered.
+    """
     return load_error() is None

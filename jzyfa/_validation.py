@@ -37,7 +37,9 @@ def check_qkv(q, k, v) -> None:
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape [batch, seq_k, kv_heads, head_dim], got {k.shape} and {v.shape}")
+        raise ValueError(
+            f"k and v must have the same shape [batch, seq_k, kv_heads, head_dim], got {k.shape} and {v.shape}"
+        )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[3] != k.shape[3]:
@@ -64,7 +66,8 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, jax.core.Tracer) or not np.isscalar(softmax_scale):
         raise TypeError(
-            f"softmax_scale must be a static Python or NumPy real number (or None), got {type(softmax_scale).__name__}"
+            "softmax_scale must be a static Python or NumPy real number (or None), "
+            f"got {type(softmax_scale).__name__}"
         )
     scale = float(softmax_scale)
     if not math.isfinite(scale):
@@ -85,7 +88,9 @@ def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:
     given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
     if not is_fp8(q.dtype):
         if given:
-            raise ValueError(f"{', '.join(given)} given for {q.dtype} inputs; descales apply only to FP8 inputs")
+            raise ValueError(
+                f"{', '.join(given)} given for {q.dtype} inputs; descales apply only to FP8 inputs"
+            )
         return None
     missing = [name for name, d in zip(DESCALE_NAMES, descales) if d is None]
     if missing:

@@ -20,11 +20,11 @@ class Path(enum.Enum):
     KERNEL_REQUIRED = "kernel_required"  # the primitive, and lowering anywhere but CUDA is an error
 
 
-def choose_path(q: jax.Array, k: jax.Array, v: jax.Array, implementation: str | None) -> Path:
-    """Which path serves a validated 16-bit (or float32) call; raises if the kernel is demanded but can't serve."""
+def choose_path(q: jax.Array, implementation: str | None) -> Path:
+    """Which path serves a validated non-FP8 call; raises if the kernel is demanded but cannot serve."""
     if implementation == "xla":
         return Path.REFERENCE
-    config_problem = kernel_config_problem(q, k, v)
+    config_problem = kernel_config_problem(q)
     backend = _platform.default_backend()
     if implementation == "kernel":
         if config_problem:
@@ -114,7 +114,7 @@ def flash_attention(
             )
         out, lse = _fp8_reference(q, k, v, descales, causal=causal, softmax_scale=softmax_scale)
     else:
-        path = choose_path(q, k, v, implementation)
+        path = choose_path(q, implementation)
         if path is Path.REFERENCE:
             out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
         else:

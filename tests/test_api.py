@@ -143,7 +143,8 @@ BAD_CALLS = [
     (dict(v=spec((2, 15, 2, 64))), {}, ValueError, "k and v must have the same shape"),
     (dict(k=spec((3, 16, 2, 64)), v=spec((3, 16, 2, 64))), {}, ValueError, "same batch size, got 2 and 3"),
     (dict(k=spec((2, 16, 2, 128)), v=spec((2, 16, 2, 128))), {}, ValueError, "same head_dim, got 64 and 128"),
-    (dict(k=spec((2, 16, 3, 64)), v=spec((2, 16, 3, 64))), {}, ValueError, r"q's heads \(4\) must be a multiple"),
+    (dict(k=spec((2, 16, 3, 64)), v=spec((2, 16, 3, 64))), {}, ValueError,
+     r"q's heads \(4\) must be a multiple"),
     (dict(v=spec((2, 16, 2, 64), jnp.float16)), {}, TypeError, "q, k and v must share a dtype"),
     ({n: spec(s.shape, jnp.int8) for n, s in GOOD.items()}, {}, TypeError, "q has dtype int8; expected one of"),
     ({}, dict(implementation="cudnn"), ValueError, "implementation must be one of"),
@@ -152,7 +153,8 @@ BAD_CALLS = [
     ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     ({}, dict(descale_k=SCALAR), ValueError, "descale_k given for bfloat16 inputs"),
     (FP8_QKV, dict(descale_q=SCALAR), ValueError, "missing descale_k, descale_v"),
-    (FP8_QKV, dict(FP8_DESCALES, descale_v=spec((2, 4), jnp.float32)), ValueError, r"descale_v must have shape \(\), \(1,\) or"),
+    (FP8_QKV, dict(FP8_DESCALES, descale_v=spec((2, 4), jnp.float32)), ValueError,
+     r"descale_v must have shape \(\), \(1,\) or"),
     (FP8_QKV, dict(FP8_DESCALES, descale_q=spec((), BF16)), TypeError, "descale_q must be float32"),
     (FP8_QKV, dict(FP8_DESCALES, implementation="kernel"), ValueError, "FP8 kernel does not exist yet"),
     (dict(q=spec((2, 8, 4, 64), FP8)), {}, TypeError, "q, k and v must share a dtype"),
@@ -202,7 +204,9 @@ def test_vmap_folds_into_batch(rng, kv_axis):
     for i in range(3):
         ki, vi = (kvs[0][i], kvs[1][i]) if kv_axis == 0 else kvs
         want_out, want_lse = reference(qs[i], ki, vi, causal=True)
-        np.testing.assert_allclose(np.asarray(out[i], np.float32), np.asarray(want_out, np.float32), atol=1e-2, rtol=1e-2)
+        np.testing.assert_allclose(
+            np.asarray(out[i], np.float32), np.asarray(want_out, np.float32), atol=1e-2, rtol=1e-2
+        )
         np.testing.assert_allclose(lse[i], want_lse, rtol=1e-6)
 
 
