@@ -19,6 +19,14 @@ def rng(request) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
+@pytest.fixture
+def cpu_backend(monkeypatch):
+    """Makes jzyfa's dispatch see a CPU default backend, so dispatch tests mean the same on a GPU host."""
+    from jzyfa import _platform
+
+    monkeypatch.setattr(_platform, "default_backend", lambda: "cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     if HOPPER_SKIP_REASON is None:
         return

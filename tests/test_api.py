@@ -23,6 +23,14 @@ def attention(implementation=None, **kwargs):
     ))
 
 
+def assert_matches_reference(got, want):
+    """Bitwise on CPU, where the primitive lowers to the reference; to kernel precision on a GPU."""
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-4)
+
+
 def binds_primitive(fn, *args) -> bool:
     # A fresh function each time: JAX caches traces per function, and dispatch reads global state.
     return FFI_TARGET in str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
@@ -37,15 +45,15 @@ def test_matches_reference(rng, implementation, dtype, causal):
     want_out, want_lse = reference(q, k, v, causal=causal, softmax_scale=0.2)
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (2, 4, 40)
-    np.testing.assert_array_equal(out, want_out)
-    np.testing.assert_array_equal(lse, want_lse)
+    assert_matches_reference(out, want_out)
+    assert_matches_reference(lse, want_lse)
 
 
 def test_eager_call_and_default_scale(rng):
     q, k, v = random_qkv(rng, seq_q=9, seq_k=9, head_dim=128)
     out = jzyfa.flash_attention(q, k, v, causal=True)
     want_out, _ = reference(q, k, v, causal=True, softmax_scale=1 / np.sqrt(128))
-    np.testing.assert_array_equal(out, want_out)
+    assert_matches_reference(out, want_out)
 
 
 def test_rows_without_keys(rng):
@@ -76,7 +84,7 @@ def fake_gpu(monkeypatch, compute_capability: str):
         (64, jnp.bfloat16, "kernel", True),
     ],
 )
-def test_dispatch_on_cpu(rng, head_dim, dtype, implementation, expected):
+def test_dispatch_on_cpu(rng, cpu_backend, head_dim, dtype, implementation, expected):
     q, k, v = random_qkv(rng, seq_q=4, head_dim=head_dim, dtype=dtype)
     fn = functools.partial(jzyfa.flash_attention, implementation=implementation)
     assert binds_primitive(fn, q, k, v) == expected
@@ -93,10 +101,15 @@ def test_non_hopper_gpu_uses_reference_or_refuses_kernel(rng, monkeypatch):
 def test_hopper_without_extension_reports_load_error(rng, monkeypatch):
     q, k, v = random_qkv(rng, seq_q=4)
     fake_gpu(monkeypatch, "9.0")
-    assert not jzyfa.extension_loaded()
+    monkeypatch.setattr(jzyfa._extension, "load_error", lambda: "the extension could not be imported (why)")
     assert not binds_primitive(jzyfa.flash_attention, q, k, v)
-    with pytest.raises(ValueError, match=r"implementation='kernel' cannot run here: .*jzyfa\._jzyfa_ffi"):
+    with pytest.raises(ValueError, match=r"implementation='kernel' cannot run here: the extension .* \(why\)"):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
+
+
+@pytest.mark.skipif(jzyfa.extension_loaded(), reason="the extension is built and registered here")
+def test_missing_extension_is_recorded_not_raised():
+    assert "jzyfa._jzyfa_ffi could not be imported" in jzyfa._extension.load_error()
 
 
 def test_hopper_with_extension_binds_primitive(rng, monkeypatch):
@@ -106,10 +119,11 @@ def test_hopper_with_extension_binds_primitive(rng, monkeypatch):
     assert binds_primitive(jzyfa.flash_attention, q, k, v)
 
 
-def test_kernel_demanded_on_cpu_fails_to_compile(rng):
+def test_kernel_demanded_on_cpu_fails_to_compile(rng, cpu_backend):
     q, k, v = random_qkv(rng, seq_q=4)
+    traced = jax.jit(functools.partial(jzyfa.flash_attention, implementation="kernel")).trace(q, k, v)
     with pytest.raises(ValueError, match="needs a Hopper GPU"):
-        jax.jit(functools.partial(jzyfa.flash_attention, implementation="kernel"))(q, k, v)
+        traced.lower(lowering_platforms=("cpu",))
 
 
 @pytest.mark.parametrize(
@@ -191,29 +205,32 @@ def test_non_array_input_is_refused(rng):
 
 
 @pytest.mark.parametrize("kv_axis", [0, None])
-def test_vmap_folds_into_batch(rng, kv_axis):
+def test_vmap_folds_into_batch(rng, monkeypatch, kv_axis):
     q, k, v = random_qkv(rng, batch=2, seq_q=12, seq_k=20, heads_q=4, heads_kv=2)
     qs = jnp.stack([q, -q, 2 * q])  # the mapped axis, size 3
     kvs = (jnp.stack([k, k + 1, -k]), jnp.stack([v, 2 * v, v - 1])) if kv_axis == 0 else (k, v)
     fn = functools.partial(jzyfa.flash_attention, causal=True, return_lse=True)
     batched = jax.vmap(fn, in_axes=(0, kv_axis, kv_axis))
 
-    jaxpr = str(jax.make_jaxpr(batched)(qs, *kvs))
-    assert FFI_TARGET in jaxpr and "bf16[6,12,4,64]" in jaxpr  # one call, batch 3 * 2
     out, lse = jax.jit(batched)(qs, *kvs)
+    monkeypatch.setattr(_platform, "default_backend", lambda: "cpu")  # the primitive on any host
+    jaxpr = str(jax.make_jaxpr(lambda *a: batched(*a))(qs, *kvs))
+    assert FFI_TARGET in jaxpr and "bf16[6,12,4,64]" in jaxpr  # one call, batch 3 * 2
     for i in range(3):
         ki, vi = (kvs[0][i], kvs[1][i]) if kv_axis == 0 else kvs
         want_out, want_lse = reference(qs[i], ki, vi, causal=True)
         np.testing.assert_allclose(
             np.asarray(out[i], np.float32), np.asarray(want_out, np.float32), atol=1e-2, rtol=1e-2
         )
-        np.testing.assert_allclose(lse[i], want_lse, rtol=1e-6)
+        np.testing.assert_allclose(lse[i], want_lse, rtol=1e-5)
 
 
 def test_vmap_over_a_non_leading_axis(rng):
     q, k, v = random_qkv(rng, batch=3, seq_q=8, seq_k=8)
     out = jax.vmap(jzyfa.flash_attention, in_axes=(1, 1, 1), out_axes=1)(q[:, None], k[:, None], v[:, None])
-    np.testing.assert_array_equal(out[:, 0], jzyfa.flash_attention(q, k, v))
+    np.testing.assert_allclose(
+        np.asarray(out[:, 0], np.float32), np.asarray(jzyfa.flash_attention(q, k, v), np.float32), atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("implementation", [None, "xla"])

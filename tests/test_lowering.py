@@ -11,6 +11,9 @@ import pytest
 import jzyfa
 from jzyfa.primitive import FFI_TARGET
 
+# Dispatch as on a CPU host (the kernel path is taken), even when these tests run on a GPU host.
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
 Q = jax.ShapeDtypeStruct((2, 40, 8, 128), jnp.bfloat16)
 KV = jax.ShapeDtypeStruct((2, 72, 2, 128), jnp.bfloat16)
 
@@ -88,7 +91,8 @@ def test_export_for_cpu_and_cuda_runs_on_cpu():
     checks = [jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET)]
     exported = jax.export.export(fn, platforms=("cpu", "cuda"), disabled_checks=checks)(Q, KV, KV)
     assert FFI_TARGET in exported.mlir_module()
-    q = jnp.ones(Q.shape, Q.dtype)
-    k = jnp.ones(KV.shape, KV.dtype)
-    v = jnp.arange(KV.size, dtype=jnp.float32).reshape(KV.shape).astype(KV.dtype) / KV.size
+    cpu = jax.devices("cpu")[0]  # runs the CPU branch on any host
+    q = jax.device_put(jnp.ones(Q.shape, Q.dtype), cpu)
+    k = jax.device_put(jnp.ones(KV.shape, KV.dtype), cpu)
+    v = jax.device_put(jnp.arange(KV.size, dtype=jnp.float32).reshape(KV.shape).astype(KV.dtype) / KV.size, cpu)
     assert jnp.array_equal(exported.call(q, k, v), fn(q, k, v))
