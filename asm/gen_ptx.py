@@ -30,6 +30,10 @@ class Wgmma:
   dtype: str  # "bf16" or "f16"
   a_from_registers: bool  # A in registers (P of P V) or in shared memory (Q of Q K^T)
   b_transposed: bool  # B is MN-major in shared memory (V of P V)
+  # D = A B, not D += A B: the accumulators are outputs only. Lets the compiler see that the
+  # first k-step of a GEMM does not read registers that ordinary code wrote while other
+  # wgmmas were in flight (otherwise ptxas serializes every wgmma, warning C7513).
+  overwrite: bool = False
 
   @property
   def num_acc(self) -> int:
@@ -39,7 +43,8 @@ class Wgmma:
   def name(self) -> str:
     a = "rs" if self.a_from_registers else "ss"
     b = "_tb" if self.b_transposed else ""
-    return f"wgmma_m64n{self.n}k16_f32_{self.dtype}_{a}{b}"
+    z = "_zero" if self.overwrite else ""
+    return f"wgmma_m64n{self.n}k16_f32_{self.dtype}_{a}{b}{z}"
 
   @property
   def mnemonic(self) -> str:
@@ -71,6 +76,8 @@ def wgmma_function(op: Wgmma) -> str:
     nxt += 1
   b_operand = f"%{nxt}"
   scale_operand = f"%{nxt + 1}"
+  if op.overwrite:
+    return _overwrite_function(op, acc, a_operand, a_param, a_inputs, b_operand)
   trans_b = 1 if op.b_transposed else 0
   # Immediate operands: scale-a, scale-b (1 = no negation), then the transpose flags.
   # With A from registers only tnsp-B exists.
@@ -100,11 +107,36 @@ def wgmma_function(op: Wgmma) -> str:
   return "\n".join(lines)
 
 
+def _overwrite_function(op: Wgmma, acc: str, a_operand: str, a_param: str, a_inputs: str,
+                        b_operand: str) -> str:
+  trans = "1" if op.b_transposed else "0"
+  imms = f"1, 1, {trans}" if op.a_from_registers else f"1, 1, 0, {trans}"
+  outputs = ", ".join(f'"=f"(d[{i}])' for i in range(op.num_acc))
+  lines = [
+      f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x 16] * B[16 x {op.n}]",
+      f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
+      "    uint64_t desc_b) {",
+      "  asm volatile(",
+      '      "{\\n"',
+      '      ".reg .pred p;\\n"',
+      '      "setp.ne.b32 p, 0, 0;\\n"',
+      f'      "{op.mnemonic} "',
+      f'      "{{{acc}}}, "',
+      f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
+      '      "}\\n"',
+      f"      : {outputs}",
+      f'      : {a_inputs}, "l"(desc_b));',
+      "}",
+  ]
+  return "\n".join(lines)
+
+
 def all_wgmma_ops() -> list[Wgmma]:
   ops = []
   for dtype in INPUT_TYPES:
     for n in WGMMA_N:
       ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False))
+      ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False, overwrite=True))
       ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
   return ops
 
@@ -159,6 +191,25 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tenso
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(smem_dst),
       "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+// Warp specialization: the producer warpgroup gives registers back, consumers take them.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// Named barriers (id 0 is __syncthreads): `count` threads, a multiple of 32, take part.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // 2^x on the MUFU unit (flush-to-zero, ~2 ulp): the softmax's exponential.
 __device__ __forceinline__ float ex2_approx(float x) {

@@ -81,7 +81,7 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   CUtensorMap tmap_q, tmap_k, tmap_v;
   std::string error;
   if (!EncodeTensorMap(&tmap_q, p.q, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
-                       Tile::kBlockM, &error) ||
+                       Tile::kRowsPerConsumer, &error) ||
       !EncodeTensorMap(&tmap_k, p.k, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
                        Tile::kBlockN, &error) ||
       !EncodeTensorMap(&tmap_v, p.v, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
@@ -98,8 +98,11 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
   args.causal = p.causal ? 1 : 0;
 
-  const dim3 grid(static_cast<unsigned>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  // Heads fastest, then query tiles (longest first inside the kernel), then batch: the CTAs
+  // in flight together share K/V blocks of neighbouring heads in L2.
+  const dim3 grid(static_cast<unsigned>(p.heads_q),
+                  static_cast<unsigned>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM),
+                  static_cast<unsigned>(p.batch));
   kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
@@ -119,10 +122,13 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
   }
-  // Grid limits: heads on y and batch on z (65535 each); sequence indices are int32.
-  if (p.heads_q > 65535 || p.batch > 65535) return "batch and heads must be at most 65535";
-  if (p.seqlen_q > (int64_t{1} << 30) || p.seqlen_k > (int64_t{1} << 30)) {
-    return "sequence lengths must be at most 2^30";
+  // Grid limits: query tiles on y and batch on z (65535 each); indices are int32.
+  if (p.batch > 65535) return "batch must be at most 65535, got " + std::to_string(p.batch);
+  if (p.seqlen_q > 65535 * 128) {
+    return "seqlen_q must be at most " + std::to_string(65535 * 128);
+  }
+  if (p.seqlen_k > (int64_t{1} << 30) || p.heads_q > (int64_t{1} << 30)) {
+    return "seqlen_k and heads must be at most 2^30";
   }
   if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
     return "softmax_scale must be a positive finite number";

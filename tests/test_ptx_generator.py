@@ -56,6 +56,14 @@ def test_register_a_operand_with_transposed_b():
   assert text.count('"r"(a[') == 4
 
 
+def test_overwrite_variant_writes_without_reading():
+  op = gen_ptx.Wgmma(128, "bf16", a_from_registers=False, b_transposed=False, overwrite=True)
+  text = gen_ptx.wgmma_function(op)
+  assert op.name.endswith("_zero")
+  assert text.count('"=f"(d[') == 64 and '"+f"' not in text
+  assert "setp.ne.b32 p, 0, 0;" in text and '"%64, %65, p, 1, 1, 0, 0;' in text
+
+
 def test_header_has_every_shape_once():
   header = gen_ptx.render_header()
   for op in gen_ptx.all_wgmma_ops():
@@ -76,7 +84,7 @@ __global__ void probe_%NAME%(float* out, uint64_t da, uint64_t db, uint32_t a0) 
   const uint32_t a[4] = {a0, a0 + 1, a0 + 2, a0 + 3};
   float d[%ACC%] = {};
   wgmma_fence();
-  %NAME%(d, %A%, db, 1);
+  %NAME%(d, %A%, db%ACCUMULATE%);
   wgmma_commit_group();
   wgmma_wait_group<0>();
   for (int i = 0; i < %ACC%; ++i) out[i * blockDim.x + threadIdx.x] = d[i];
@@ -91,6 +99,7 @@ def probe_source() -> str:
         PROBE_KERNEL.replace("%NAME%", op.name)
         .replace("%ACC%", str(op.num_acc))
         .replace("%A%", "a" if op.a_from_registers else "da")
+        .replace("%ACCUMULATE%", "" if op.overwrite else ", 1")
     )
   return "\n".join(kernels)
 

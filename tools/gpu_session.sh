@@ -25,12 +25,13 @@ export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 rm -rf "$SITE"
 python3 -m pip install -v --no-build-isolation --no-deps --target "$SITE" "$REPO" > "$OUT_DIR/build.log" 2>&1 \
   || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
-grep -E "registers|spill|stack frame" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/resources.txt"
+# At most 8 files come back from the device tool: keep resources and SASS counts in one.
+grep -E "registers|spill|stack frame|C75" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/summary.txt"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 SO=$(ls "$SITE"/jzyfa/_jzyfa_ffi*.so)
-cuobjdump --dump-sass "$SO" > "$OUT_DIR/sass.txt" 2>&1
-grep -oE "\b(HGMMA|QGMMA|UTMALDG|UTMASTG|MUFU\.EX2|LDL|STL)[.A-Z0-9x_]*" "$OUT_DIR/sass.txt" | sort | uniq -c \
-  | tee "$OUT_DIR/sass_summary.txt"
+cuobjdump --dump-sass "$SO" > /tmp/jzyfa_sass.txt 2>&1
+grep -oE "\b(HGMMA|QGMMA|UTMALDG|UTMASTG|MUFU\.EX2|LDL|STL|WARPGROUP\.ARRIVE)[.A-Z0-9x_]*" /tmp/jzyfa_sass.txt \
+  | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
 
 # Run from outside the tree so `import jzyfa` finds the installed package with its extension.
 cd /tmp
@@ -49,4 +50,13 @@ step "benchmark"
 python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" 2>"$OUT_DIR/bench_progress.log" \
   | tee "$OUT_DIR/bench.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# More configurations, one bench call each: JZYFA_BENCH_EXTRA="--nocausal;--heads 32 --kv_heads 8 --shapes 1x16384"
+IFS=';' read -ra extra_runs <<< "${JZYFA_BENCH_EXTRA:-}"
+for i in "${!extra_runs[@]}"; do
+  step "benchmark extra $i: ${extra_runs[$i]}"
+  # shellcheck disable=SC2086
+  python3 -m jzyfa.bench --markdown --json_out "/tmp/bench_extra$i.json" ${extra_runs[$i]} \
+    2>>"$OUT_DIR/bench_progress.log" | tee -a "$OUT_DIR/bench.md"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 exit $status
