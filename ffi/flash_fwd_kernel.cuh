@@ -219,11 +219,10 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
   const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
 
-  float o[kSlices][32];
+  // O accumulator, wgmma layout of an m64n{kHeadDim} result (see OnlineSoftmax).
+  float o[kHeadDim / 2];
 #pragma unroll
-  for (int s = 0; s < kSlices; ++s)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[s][i] = 0.f;
+  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
   OnlineSoftmax<Element, kBlockN> softmax;
 
   if (work.num_blocks > 0) {
@@ -257,17 +256,16 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       }
       ptx::wgmma_commit_group();
     };
-    // V is [keys x head_dim] with head_dim contiguous: an MN-major B operand.
+    // V is [keys x head_dim] with head_dim contiguous: an MN-major B operand whose
+    // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
+    // are two 8-key groups starting at byte 2048 j.
     auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], int stage) {
       ptx::wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < kSlices; ++s)
-#pragma unroll
-        for (int j = 0; j < kBlockN / 16; ++j) {
-          const uint64_t desc_v =
-              SmemDescSw128(smem_v(stage) + s * Tile::kKVSliceBytes + j * 2048, 1024);
-          Mma::rs_n64(o[s], p[j], desc_v);
-        }
+      for (int j = 0; j < kBlockN / 16; ++j) {
+        const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
+        Mma::template rs_tb<kHeadDim>(o, p[j], desc_v);
+      }
       ptx::wgmma_commit_group();
     };
     auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
@@ -316,13 +314,14 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       FenceRegisters(s_acc);
       softmax_step(s_acc, p_next, correction, block);
       ptx::wgmma_wait_group<0>();
-#pragma unroll
-      for (int s = 0; s < kSlices; ++s) FenceRegisters(o[s]);
+      FenceRegisters(o);
       release(prev);
+      // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
+      // this saves the work, never changes a bit). The branch is warp-uniform.
+      if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-      for (int s = 0; s < kSlices; ++s)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) o[s][i] *= correction[(i >> 1) & 1];
+        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= correction[(i >> 1) & 1];
+      }
     };
     for (int block = 1; block < work.num_blocks; block += 2) {
       iteration(block, p_even, p_odd);
@@ -340,8 +339,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     }
     end_turn();
     ptx::wgmma_wait_group<0>();
-#pragma unroll
-    for (int s = 0; s < kSlices; ++s) FenceRegisters(o[s]);
+    FenceRegisters(o);
   }
 
   // Epilogue: normalise, write O (bf16/f16) and the LSE (natural log). Rows with no
@@ -358,13 +356,10 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
         ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
         kHeadDim;
 #pragma unroll
-    for (int s = 0; s < kSlices; ++s)
-#pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        const int col = s * 64 + 8 * c + quad_col;
-        *reinterpret_cast<uint32_t*>(out + out_row + col) =
-            Mma::pack(o[s][4 * c + 2 * h] * inv, o[s][4 * c + 2 * h + 1] * inv);
-      }
+    for (int c = 0; c < kHeadDim / 8; ++c) {
+      *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+          Mma::pack(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+    }
     if (lane % 4 == 0) {
       const float lse =
           total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f

@@ -11,11 +11,9 @@
 
 namespace jzyfa {
 
-// wgmma shared-memory descriptor for a 128-byte-swizzled operand.
-// K-major (Q, K): rows of 128 bytes, 8-row groups 1024 bytes apart (stride offset);
-// the leading offset is unused. MN-major (V as B of P V): 8-key groups 1024 bytes apart;
-// each wgmma we issue spans one 64-column atom in N, so the leading offset (next atom in
-// N) is never taken; we set it to 1024 as well.
+// wgmma shared-memory descriptor for a 128-byte-swizzled operand: 8-row groups 1024 bytes
+// apart (the stride offset). K-major (Q, K): the leading offset is unused. MN-major (V as
+// B of P V): the leading offset is the distance between 64-column atoms along N.
 __device__ __forceinline__ uint64_t SmemDescSw128(uint32_t smem_addr, uint32_t lbo_bytes) {
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
@@ -43,9 +41,13 @@ struct Wgmma<__nv_bfloat16> {
     if constexpr (N == 128) ptx::wgmma_m64n128k16_f32_bf16_ss_zero(d, a, b);
     if constexpr (N == 256) ptx::wgmma_m64n256k16_f32_bf16_ss_zero(d, a, b);
   }
-  static __device__ __forceinline__ void rs_n64(float (&d)[32], const uint32_t (&a)[4],
-                                                uint64_t b) {
-    ptx::wgmma_m64n64k16_f32_bf16_rs_tb(d, a, b, 1);
+  // D += A B with A from registers and B MN-major (V of P V).
+  template <int N>
+  static __device__ __forceinline__ void rs_tb(float (&d)[N / 2], const uint32_t (&a)[4],
+                                               uint64_t b) {
+    if constexpr (N == 64) ptx::wgmma_m64n64k16_f32_bf16_rs_tb(d, a, b, 1);
+    if constexpr (N == 128) ptx::wgmma_m64n128k16_f32_bf16_rs_tb(d, a, b, 1);
+    if constexpr (N == 256) ptx::wgmma_m64n256k16_f32_bf16_rs_tb(d, a, b, 1);
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
@@ -67,9 +69,13 @@ struct Wgmma<__half> {
     if constexpr (N == 128) ptx::wgmma_m64n128k16_f32_f16_ss_zero(d, a, b);
     if constexpr (N == 256) ptx::wgmma_m64n256k16_f32_f16_ss_zero(d, a, b);
   }
-  static __device__ __forceinline__ void rs_n64(float (&d)[32], const uint32_t (&a)[4],
-                                                uint64_t b) {
-    ptx::wgmma_m64n64k16_f32_f16_rs_tb(d, a, b, 1);
+  // D += A B with A from registers and B MN-major (V of P V).
+  template <int N>
+  static __device__ __forceinline__ void rs_tb(float (&d)[N / 2], const uint32_t (&a)[4],
+                                               uint64_t b) {
+    if constexpr (N == 64) ptx::wgmma_m64n64k16_f32_f16_rs_tb(d, a, b, 1);
+    if constexpr (N == 128) ptx::wgmma_m64n128k16_f32_f16_rs_tb(d, a, b, 1);
+    if constexpr (N == 256) ptx::wgmma_m64n256k16_f32_f16_rs_tb(d, a, b, 1);
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
