@@ -24,121 +24,122 @@ INPUT_TYPES = {"bf16": "bf16", "f16": "f16"}
 
 @dataclasses.dataclass(frozen=True)
 class Wgmma:
-  """One wgmma.mma_async variant: m64nNk16, f32 accumulators, 16-bit inputs."""
+    """One wgmma.mma_async variant: m64nNk16, f32 accumulators, 16-bit inputs."""
 
-  n: int
-  dtype: str  # "bf16" or "f16"
-  a_from_registers: bool  # A in registers (P of P V) or in shared memory (Q of Q K^T)
-  b_transposed: bool  # B is MN-major in shared memory (V of P V)
-  # D = A B, not D += A B: the accumulators are outputs only. Lets the compiler see that the
-  # first k-step of a GEMM does not read registers that ordinary code wrote while other
-  # wgmmas were in flight (otherwise ptxas serializes every wgmma, warning C7513).
-  overwrite: bool = False
+    n: int
+    dtype: str  # "bf16" or "f16"
+    a_from_registers: bool  # A in registers (P of P V) or in shared memory (Q of Q K^T)
+    b_transposed: bool  # B is MN-major in shared memory (V of P V)
+    # D = A B, not D += A B: the accumulators are outputs only. Lets the compiler see that the
+    # first k-step of a GEMM does not read registers that ordinary code wrote while other
+    # wgmmas were in flight (otherwise ptxas serializes every wgmma, warning C7513).
+    overwrite: bool = False
 
-  @property
-  def num_acc(self) -> int:
-    return self.n // 2
+    @property
+    def num_acc(self) -> int:
+        return self.n // 2
 
-  @property
-  def name(self) -> str:
-    a = "rs" if self.a_from_registers else "ss"
-    b = "_tb" if self.b_transposed else ""
-    z = "_zero" if self.overwrite else ""
-    return f"wgmma_m64n{self.n}k16_f32_{self.dtype}_{a}{b}{z}"
+    @property
+    def name(self) -> str:
+        a = "rs" if self.a_from_registers else "ss"
+        b = "_tb" if self.b_transposed else ""
+        z = "_zero" if self.overwrite else ""
+        return f"wgmma_m64n{self.n}k16_f32_{self.dtype}_{a}{b}{z}"
 
-  @property
-  def mnemonic(self) -> str:
-    t = INPUT_TYPES[self.dtype]
-    return f"wgmma.mma_async.sync.aligned.m64n{self.n}k16.f32.{t}.{t}"
+    @property
+    def mnemonic(self) -> str:
+        t = INPUT_TYPES[self.dtype]
+        return f"wgmma.mma_async.sync.aligned.m64n{self.n}k16.f32.{t}.{t}"
 
 
 def _acc_list(count: int, first: int) -> str:
-  return ", ".join(f"%{first + i}" for i in range(count))
+    return ", ".join(f"%{first + i}" for i in range(count))
 
 
 def wgmma_function(op: Wgmma) -> str:
-  """A C++ inline function wrapping one wgmma instruction.
+    """A C++ inline function wrapping one wgmma instruction.
 
-  Operand numbering: accumulators first (read-write "+f"), then A (descriptor or four
-  32-bit registers), the B descriptor and the scale-d flag.
-  """
-  acc = _acc_list(op.num_acc, 0)
-  nxt = op.num_acc
-  if op.a_from_registers:
-    a_operand = "{" + _acc_list(4, nxt) + "}"
-    a_param = "const uint32_t (&a)[4]"
-    a_inputs = ", ".join(f'"r"(a[{i}])' for i in range(4))
-    nxt += 4
-  else:
-    a_operand = f"%{nxt}"
-    a_param = "uint64_t desc_a"
-    a_inputs = '"l"(desc_a)'
-    nxt += 1
-  b_operand = f"%{nxt}"
-  scale_operand = f"%{nxt + 1}"
-  if op.overwrite:
-    return _overwrite_function(op, acc, a_operand, a_param, a_inputs, b_operand)
-  trans_b = 1 if op.b_transposed else 0
-  # Immediate operands: scale-a, scale-b (1 = no negation), then the transpose flags.
-  # With A from registers only tnsp-B exists.
-  if op.a_from_registers:
-    imms = f"1, 1, {trans_b}"
-  else:
-    imms = f"1, 1, 0, {trans_b}"
-  outputs = ", ".join(f'"+f"(d[{i}])' for i in range(op.num_acc))
-  lines = [
-      f"// {op.mnemonic}: D[64 x {op.n}] (+)= A[64 x 16] * B[16 x {op.n}]"
-      + (", B MN-major" if op.b_transposed else "")
-      + (", A from registers" if op.a_from_registers else ""),
-      f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
-      "    uint64_t desc_b, int accumulate) {",
-      "  asm volatile(",
-      '      "{\\n"',
-      '      ".reg .pred p;\\n"',
-      f'      "setp.ne.b32 p, {scale_operand}, 0;\\n"',
-      f'      "{op.mnemonic} "',
-      f'      "{{{acc}}}, "',
-      f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
-      '      "}\\n"',
-      f"      : {outputs}",
-      f'      : {a_inputs}, "l"(desc_b), "r"(accumulate));',
-      "}",
-  ]
-  return "\n".join(lines)
+    Operand numbering: accumulators first (read-write "+f"), then A (descriptor or four
+    32-bit registers), the B descriptor and the scale-d flag.
+    """
+    acc = _acc_list(op.num_acc, 0)
+    nxt = op.num_acc
+    if op.a_from_registers:
+        a_operand = "{" + _acc_list(4, nxt) + "}"
+        a_param = "const uint32_t (&a)[4]"
+        a_inputs = ", ".join(f'"r"(a[{i}])' for i in range(4))
+        nxt += 4
+    else:
+        a_operand = f"%{nxt}"
+        a_param = "uint64_t desc_a"
+        a_inputs = '"l"(desc_a)'
+        nxt += 1
+    b_operand = f"%{nxt}"
+    scale_operand = f"%{nxt + 1}"
+    if op.overwrite:
+        return _overwrite_function(op, acc, a_operand, a_param, a_inputs, b_operand)
+    trans_b = 1 if op.b_transposed else 0
+    # Immediate operands: scale-a, scale-b (1 = no negation), then the transpose flags.
+    # With A from registers only tnsp-B exists.
+    if op.a_from_registers:
+        imms = f"1, 1, {trans_b}"
+    else:
+        imms = f"1, 1, 0, {trans_b}"
+    outputs = ", ".join(f'"+f"(d[{i}])' for i in range(op.num_acc))
+    lines = [
+        f"// {op.mnemonic}: D[64 x {op.n}] (+)= A[64 x 16] * B[16 x {op.n}]"
+        + (", B MN-major" if op.b_transposed else "")
+        + (", A from registers" if op.a_from_registers else ""),
+        f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
+        "    uint64_t desc_b, int accumulate) {",
+        "  asm volatile(",
+        '      "{\\n"',
+        '      ".reg .pred p;\\n"',
+        f'      "setp.ne.b32 p, {scale_operand}, 0;\\n"',
+        f'      "{op.mnemonic} "',
+        f'      "{{{acc}}}, "',
+        f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
+        '      "}\\n"',
+        f"      : {outputs}",
+        f'      : {a_inputs}, "l"(desc_b), "r"(accumulate));',
+        "}",
+    ]
+    return "\n".join(lines)
 
 
-def _overwrite_function(op: Wgmma, acc: str, a_operand: str, a_param: str, a_inputs: str,
-                        b_operand: str) -> str:
-  trans = "1" if op.b_transposed else "0"
-  imms = f"1, 1, {trans}" if op.a_from_registers else f"1, 1, 0, {trans}"
-  outputs = ", ".join(f'"=f"(d[{i}])' for i in range(op.num_acc))
-  lines = [
-      f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x 16] * B[16 x {op.n}]",
-      f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
-      "    uint64_t desc_b) {",
-      "  asm volatile(",
-      '      "{\\n"',
-      '      ".reg .pred p;\\n"',
-      '      "setp.ne.b32 p, 0, 0;\\n"',
-      f'      "{op.mnemonic} "',
-      f'      "{{{acc}}}, "',
-      f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
-      '      "}\\n"',
-      f"      : {outputs}",
-      f'      : {a_inputs}, "l"(desc_b));',
-      "}",
-  ]
-  return "\n".join(lines)
+def _overwrite_function(
+    op: Wgmma, acc: str, a_operand: str, a_param: str, a_inputs: str, b_operand: str
+) -> str:
+    trans = "1" if op.b_transposed else "0"
+    imms = f"1, 1, {trans}" if op.a_from_registers else f"1, 1, 0, {trans}"
+    outputs = ", ".join(f'"=f"(d[{i}])' for i in range(op.num_acc))
+    lines = [
+        f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x 16] * B[16 x {op.n}]",
+        f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
+        "    uint64_t desc_b) {",
+        "  asm volatile(",
+        '      "{\\n"',
+        '      ".reg .pred p;\\n"',
+        '      "setp.ne.b32 p, 0, 0;\\n"',
+        f'      "{op.mnemonic} "',
+        f'      "{{{acc}}}, "',
+        f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
+        '      "}\\n"',
+        f"      : {outputs}",
+        f'      : {a_inputs}, "l"(desc_b));',
+        "}",
+    ]
+    return "\n".join(lines)
 
 
 def all_wgmma_ops() -> list[Wgmma]:
-  ops = []
-  for dtype in INPUT_TYPES:
-    for n in WGMMA_N:
-      ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False))
-      ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False, overwrite=True))
-      ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
-  return ops
+    ops = []
+    for dtype in INPUT_TYPES:
+        for n in WGMMA_N:
+            ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False))
+            ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False, overwrite=True))
+            ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
+    return ops
 
 
 # Synchronisation, TMA and mbarrier wrappers. Fixed text: one instruction each.
@@ -224,34 +225,34 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 
 
 def render_header() -> str:
-  parts = [
-      "// Generated by asm/gen_ptx.py. Do not edit: change the generator.",
-      "#pragma once",
-      "#include <cstdint>",
-      "",
-      "namespace jzyfa {",
-      "namespace ptx {",
-      _COMMON,
-  ]
-  for op in all_wgmma_ops():
-    parts.append(wgmma_function(op))
-    parts.append("")
-  parts += ["}  // namespace ptx", "}  // namespace jzyfa", ""]
-  return "\n".join(parts)
+    parts = [
+        "// Generated by asm/gen_ptx.py. Do not edit: change the generator.",
+        "#pragma once",
+        "#include <cstdint>",
+        "",
+        "namespace jzyfa {",
+        "namespace ptx {",
+        _COMMON,
+    ]
+    for op in all_wgmma_ops():
+        parts.append(wgmma_function(op))
+        parts.append("")
+    parts += ["}  // namespace ptx", "}  // namespace jzyfa", ""]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True, help="path of the header to write")
-  args = parser.parse_args(argv)
-  out = pathlib.Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  text = render_header()
-  # Rewrite only on change, so builds that track timestamps stay incremental.
-  if not out.exists() or out.read_text() != text:
-    out.write_text(text)
-  return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="path of the header to write")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = render_header()
+    # Rewrite only on change, so builds that track timestamps stay incremental.
+    if not out.exists() or out.read_text() != text:
+        out.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+    sys.exit(main())

@@ -25,48 +25,67 @@ pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-  nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
-  assert nvcc, "nvcc not found: install the CUDA toolkit (or set JZYFA_SKIP_NVCC=1)"
-  assert cuobjdump, "cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
-  tmp = tmp_path_factory.mktemp("kernel")
-  subprocess.run([sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(tmp / "jzyfa_ptx.h")], check=True)
-  obj = tmp / "flash_fwd.o"
-  build = subprocess.run(
-      [nvcc, "-gencode", "arch=compute_90a,code=sm_90a", "-std=c++17", "-O3", "--expt-relaxed-constexpr",
-       "-Xptxas=-v,-warn-spills,-Werror", "-I", str(tmp), "-I", str(REPO / "ffi"), "-c",
-       str(REPO / "ffi" / "flash_fwd.cu"), "-o", str(obj)],
-      capture_output=True, text=True,
-  )
-  assert build.returncode == 0, build.stderr
-  env = dict(os.environ, PATH=f"{pathlib.Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-  sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], check=True, capture_output=True, text=True, env=env).stdout
-  return build.stderr, sass
+    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    assert nvcc, "nvcc not found: install the CUDA toolkit (or set JZYFA_SKIP_NVCC=1)"
+    assert cuobjdump, "cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
+    tmp = tmp_path_factory.mktemp("kernel")
+    subprocess.run(
+        [sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(tmp / "jzyfa_ptx.h")], check=True
+    )
+    obj = tmp / "flash_fwd.o"
+    build = subprocess.run(
+        [
+            nvcc,
+            "-gencode",
+            "arch=compute_90a,code=sm_90a",
+            "-std=c++17",
+            "-O3",
+            "--expt-relaxed-constexpr",
+            "-Xptxas=-v,-warn-spills,-Werror",
+            "-I",
+            str(tmp),
+            "-I",
+            str(REPO / "ffi"),
+            "-c",
+            str(REPO / "ffi" / "flash_fwd.cu"),
+            "-o",
+            str(obj),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    env = dict(os.environ, PATH=f"{pathlib.Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    sass = subprocess.run(
+        [cuobjdump, "--dump-sass", str(obj)], check=True, capture_output=True, text=True, env=env
+    ).stdout
+    return build.stderr, sass
 
 
 def kernels(sass: str) -> dict[str, str]:
-  """SASS text per kernel function."""
-  parts = re.split(r"\n\s*Function : (\S+)", sass)
-  return dict(zip(parts[1::2], parts[2::2]))
+    """SASS text per kernel function."""
+    parts = re.split(r"\n\s*Function : (\S+)", sass)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 def test_no_spills_and_no_wgmma_serialization(compiled):
-  report, _ = compiled
-  assert "C7513" not in report, "ptxas serialized the wgmma pipeline:\n" + report
-  assert "C7508" not in report, "ptxas ignored setmaxnreg:\n" + report
-  frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-  assert frames and all(f == ("0", "0", "0") for f in frames), report
+    report, _ = compiled
+    assert "C7513" not in report, "ptxas serialized the wgmma pipeline:\n" + report
+    assert "C7508" not in report, "ptxas ignored setmaxnreg:\n" + report
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert frames and all(f == ("0", "0", "0") for f in frames), report
 
 
 def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
-  _, sass = compiled
-  found = kernels(sass)
-  assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
-  for name, text in found.items():
-    hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
-    fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
-    assert hgmma >= 16, name
-    # Each fence opens a batch of k-steps (8 for Q K^T at hd128, 8 for P V); serialized
-    # code would show one fence per HGMMA.
-    assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
-    assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
-    assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+    _, sass = compiled
+    found = kernels(sass)
+    assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
+    for name, text in found.items():
+        hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
+        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+        assert hgmma >= 16, name
+        # Each fence opens a batch of k-steps (8 for Q K^T at hd128, 8 for P V); serialized
+        # code would show one fence per HGMMA.
+        assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
+        assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
