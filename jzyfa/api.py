@@ -20,11 +20,11 @@ class Path(enum.Enum):
     KERNEL_REQUIRED = "kernel_required"  # the primitive, and lowering anywhere but CUDA is an error
 
 
-def choose_path(q: jax.Array, implementation: str | None) -> Path:
+def choose_path(q: jax.Array, softmax_scale: float, implementation: str | None) -> Path:
     """Which path serves a validated non-FP8 call; raises if the kernel is demanded but cannot serve."""
     if implementation == "xla":
         return Path.REFERENCE
-    config_problem = kernel_config_problem(q)
+    config_problem = kernel_config_problem(q, softmax_scale)
     backend = _platform.default_backend()
     if implementation == "kernel":
         if config_problem:
@@ -114,7 +114,7 @@ def flash_attention(
             )
         out, lse = _fp8_reference(q, k, v, descales, causal=causal, softmax_scale=softmax_scale)
     else:
-        path = choose_path(q, implementation)
+        path = choose_path(q, softmax_scale, implementation)
         if path is Path.REFERENCE:
             out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
         else:

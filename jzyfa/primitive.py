@@ -25,12 +25,23 @@ flash_attention_fwd_p = Primitive(FFI_TARGET)
 flash_attention_fwd_p.multiple_results = True
 
 
-def kernel_config_problem(q: jax.Array) -> str | None:
+# Launch-grid limits of the kernel (ffi/flash_fwd.cu): batch on grid z, 128-row query tiles on y.
+KERNEL_MAX_BATCH = 65535
+KERNEL_MAX_SEQ_Q = 65535 * 128
+
+
+def kernel_config_problem(q: jax.Array, softmax_scale: float) -> str | None:
     """None when the kernel serves a validated call with this q (k and v match it), else why not."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
         return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
+    if softmax_scale <= 0:
+        return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
+    if q.shape[0] > KERNEL_MAX_BATCH:
+        return f"the kernel takes batch <= {KERNEL_MAX_BATCH}, got {q.shape[0]}"
+    if q.shape[1] > KERNEL_MAX_SEQ_Q:
+        return f"the kernel takes seq_q <= {KERNEL_MAX_SEQ_Q}, got {q.shape[1]}"
     return None
 
 
@@ -39,7 +50,12 @@ def flash_attention_fwd(
 ) -> tuple[jax.Array, jax.Array]:
     """Binds the primitive: (out like q, lse float32 [B, Hq, Sq])."""
     out, lse = flash_attention_fwd_p.bind(
-        q, k, v, softmax_scale=float(softmax_scale), causal=bool(causal), kernel_required=bool(kernel_required)
+        q,
+        k,
+        v,
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        kernel_required=bool(kernel_required),
     )
     return out, lse
 

@@ -18,9 +18,9 @@ reference = jax.jit(jzyfa.attention_reference, static_argnames=("causal", "softm
 
 def attention(implementation=None, **kwargs):
     """A jitted flash_attention returning (out, lse)."""
-    return jax.jit(functools.partial(
-        jzyfa.flash_attention, return_lse=True, implementation=implementation, **kwargs
-    ))
+    return jax.jit(
+        functools.partial(jzyfa.flash_attention, return_lse=True, implementation=implementation, **kwargs)
+    )
 
 
 def assert_matches_reference(got, want):
@@ -28,7 +28,9 @@ def assert_matches_reference(got, want):
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(got, want)
     else:
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=1e-4
+        )
 
 
 def binds_primitive(fn, *args) -> bool:
@@ -103,7 +105,9 @@ def test_hopper_without_extension_reports_load_error(rng, monkeypatch):
     fake_gpu(monkeypatch, "9.0")
     monkeypatch.setattr(jzyfa._extension, "load_error", lambda: "the extension could not be imported (why)")
     assert not binds_primitive(jzyfa.flash_attention, q, k, v)
-    with pytest.raises(ValueError, match=r"implementation='kernel' cannot run here: the extension .* \(why\)"):
+    with pytest.raises(
+        ValueError, match=r"implementation='kernel' cannot run here: the extension .* \(why\)"
+    ):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
 
 
@@ -157,18 +161,31 @@ BAD_CALLS = [
     (dict(v=spec((2, 15, 2, 64))), {}, ValueError, "k and v must have the same shape"),
     (dict(k=spec((3, 16, 2, 64)), v=spec((3, 16, 2, 64))), {}, ValueError, "same batch size, got 2 and 3"),
     (dict(k=spec((2, 16, 2, 128)), v=spec((2, 16, 2, 128))), {}, ValueError, "same head_dim, got 64 and 128"),
-    (dict(k=spec((2, 16, 3, 64)), v=spec((2, 16, 3, 64))), {}, ValueError,
-     r"q's heads \(4\) must be a multiple"),
+    (
+        dict(k=spec((2, 16, 3, 64)), v=spec((2, 16, 3, 64))),
+        {},
+        ValueError,
+        r"q's heads \(4\) must be a multiple",
+    ),
     (dict(v=spec((2, 16, 2, 64), jnp.float16)), {}, TypeError, "q, k and v must share a dtype"),
-    ({n: spec(s.shape, jnp.int8) for n, s in GOOD.items()}, {}, TypeError, "q has dtype int8; expected one of"),
+    (
+        {n: spec(s.shape, jnp.int8) for n, s in GOOD.items()},
+        {},
+        TypeError,
+        "q has dtype int8; expected one of",
+    ),
     ({}, dict(implementation="cudnn"), ValueError, "implementation must be one of"),
     ({}, dict(causal=1), TypeError, "causal must be a bool"),
     ({}, dict(softmax_scale=np.ones(2)), TypeError, "softmax_scale must be a static"),
     ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     ({}, dict(descale_k=SCALAR), ValueError, "descale_k given for bfloat16 inputs"),
     (FP8_QKV, dict(descale_q=SCALAR), ValueError, "missing descale_k, descale_v"),
-    (FP8_QKV, dict(FP8_DESCALES, descale_v=spec((2, 4), jnp.float32)), ValueError,
-     r"descale_v must have shape \(\), \(1,\) or"),
+    (
+        FP8_QKV,
+        dict(FP8_DESCALES, descale_v=spec((2, 4), jnp.float32)),
+        ValueError,
+        r"descale_v must have shape \(\), \(1,\) or",
+    ),
     (FP8_QKV, dict(FP8_DESCALES, descale_q=spec((), BF16)), TypeError, "descale_q must be float32"),
     (FP8_QKV, dict(FP8_DESCALES, implementation="kernel"), ValueError, "FP8 kernel does not exist yet"),
     (dict(q=spec((2, 8, 4, 64), FP8)), {}, TypeError, "q, k and v must share a dtype"),
@@ -252,3 +269,12 @@ def test_grad_matches_reference(rng, implementation):
     for g, w in zip(grads, want):
         assert g.dtype == jnp.float16
         np.testing.assert_array_equal(g, w)
+
+
+def test_kernel_refuses_nonpositive_scale_but_default_path_serves_it():
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 8, 2, 64)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="softmax_scale > 0"):
+        jzyfa.flash_attention(q, q, q, softmax_scale=-0.5, implementation="kernel")
+    out = jzyfa.flash_attention(q, q, q, softmax_scale=-0.5)
+    ref, _ = jzyfa.attention_reference(q, q, q, softmax_scale=-0.5)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=1e-2)
