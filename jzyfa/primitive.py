@@ -1,8 +1,13 @@
 """The `jzyfa_flash_attention_fwd` primitive: abstract eval, lowerings, batching, eager impl.
 
-CUDA lowers to the XLA FFI handler of the same name (contract in docs/architecture.md). Every other
-platform lowers to the pure-JAX reference, so one program runs on CPU too, unless the caller demanded
-the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
+Two primitives, as JAX's own cuDNN attention does it:
+- `flash_attention_fwd_p`, what programs bind: abstract eval, vmap rule, eager impl. It lowers through
+  `jax.experimental.custom_partitioning` (rules in `jzyfa.sharding`), so a sharded jit splits it over
+  the mesh; on one device, or inside `shard_map`, that lowering is just the per-shard call.
+- `flash_attention_shard_p`, the call on one device's blocks. CUDA lowers it to the XLA FFI handler
+  `jzyfa_flash_attention_fwd` (contract in docs/architecture.md). Every other platform lowers it to
+  the pure-JAX reference, so one program runs on CPU too, unless the caller demanded the kernel
+  (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import dispatch  # No public hook yet; JAX's cuDNN attention registers the same way.
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jzyfa import sharding
 from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
@@ -23,6 +30,8 @@ KERNEL_HEAD_DIMS = (64, 128)
 
 flash_attention_fwd_p = Primitive(FFI_TARGET)
 flash_attention_fwd_p.multiple_results = True
+flash_attention_shard_p = Primitive(FFI_TARGET + "_shard")
+flash_attention_shard_p.multiple_results = True
 
 
 # Launch-grid limits of the kernel (ffi/flash_fwd.cu): batch on grid z, 128-row query tiles on y.
@@ -69,6 +78,7 @@ def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
 
 
 flash_attention_fwd_p.def_abstract_eval(_abstract_eval)
+flash_attention_shard_p.def_abstract_eval(_abstract_eval)
 
 
 # Eager calls compile the primitive alone, once per shape and parameters.
@@ -100,8 +110,29 @@ def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, kernel_required):
     return _ffi_lowering(ctx, q, k, v, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
 
 
-mlir.register_lowering(flash_attention_fwd_p, mlir.lower_fun(_reference_fallback, multiple_results=True))
-mlir.register_lowering(flash_attention_fwd_p, _cuda_lowering, platform="cuda")
+mlir.register_lowering(flash_attention_shard_p, mlir.lower_fun(_reference_fallback, multiple_results=True))
+mlir.register_lowering(flash_attention_shard_p, _cuda_lowering, platform="cuda")
+
+
+def flash_attention_shard(q, k, v, *, softmax_scale, causal, kernel_required):
+    """The call on one device's blocks: (out, lse)."""
+    out, lse = flash_attention_shard_p.bind(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+    )
+    return out, lse
+
+
+_partitioned_shard_call = sharding.partitioned(flash_attention_shard)
+
+
+def _partitioned(q, k, v, *, softmax_scale, causal, kernel_required):
+    return _partitioned_shard_call(q, k, v, softmax_scale, causal, kernel_required)
+
+
+mlir.register_lowering(flash_attention_fwd_p, mlir.lower_fun(_partitioned, multiple_results=True))
+# Lowering a custom_partitioning call needs the device assignment, which jit provides only for
+# programs that hold a primitive in this set.
+dispatch.prim_requires_devices_during_lowering.add(flash_attention_fwd_p)
 
 
 def _batch_rule(args, dims, *, softmax_scale, causal, kernel_required):

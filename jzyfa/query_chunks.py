@@ -1,0 +1,51 @@
+"""Attention of one chunk of queries whose place in the whole query sequence is known statically.
+
+The kernel's causal mask is aligned bottom-right (query i sees key j iff j <= i + Sk - Sq), so a chunk
+of queries attends correctly to the whole key sequence when it is given exactly the key prefix its
+last row sees: the kernel then puts the chunk's rows at the right offset. Sharded prefill (the
+partition callback in `jzyfa.sharding`) and context parallelism (`jzyfa.context_parallel`) both build
+on this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+# attend(q, k, v, causal) -> (out like q, lse float32 [B, Hq, Sq]); bottom-right causal alignment.
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, bool], tuple[jax.Array, jax.Array]]
+
+
+def no_keys_seen(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What attention gives rows that see no key: out = 0 and lse = -inf."""
+    batch, seq_q, heads_q, _ = q.shape
+    return jnp.zeros_like(q), jnp.full((batch, heads_q, seq_q), -jnp.inf, jnp.float32)
+
+
+def visible_key_prefix(chunk_start: int, chunk_len: int, seq_q: int, seq_k: int) -> int:
+    """How many leading keys the last row of a causal query chunk sees (<= 0: none at all)."""
+    return chunk_start + chunk_len + seq_k - seq_q
+
+
+def attend_query_chunk(
+    attend: AttendFn,
+    q_chunk: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    chunk_start: int,
+    seq_q: int,
+    causal: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of queries [chunk_start, chunk_start + len) of a seq_q-long sequence to all of k, v.
+
+    Causal: keys past the chunk's visible prefix are never read, which is also the work saved.
+    """
+    if not causal:
+        return attend(q_chunk, k, v, False)
+    visible = min(visible_key_prefix(chunk_start, q_chunk.shape[1], seq_q, k.shape[1]), k.shape[1])
+    if visible <= 0:
+        return no_keys_seen(q_chunk)
+    return attend(q_chunk, k[:, :visible], v[:, :visible], True)

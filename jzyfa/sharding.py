@@ -1,0 +1,196 @@
+"""How the flash-attention primitive is split over a device mesh under a sharded `jax.jit`.
+
+JAX's partitioner (Shardy, the default) reads a sharding rule: batch and heads are passthrough
+factors shared by q, k, v, out and lse, so sharding them needs no collective; for GQA the query-head
+dimension is the compound factor (kv_heads, group), so KV heads shard with their query groups;
+head_dim and the key sequence need replication. The query sequence is a passthrough factor too: a
+sequence-sharded q stays where it is, K/V are gathered (the rule's replication of the key sequence),
+and each shard attends with its own causal offset. That is context parallelism without load
+balancing; `jzyfa.context_parallel` has the balanced and ring forms.
+
+After propagation the partitioner calls `partition` with the chosen shardings, which returns the
+per-shard computation: the kernel on the local blocks. `infer_sharding_from_operands` serves the
+older GSPMD partitioner (`jax_use_shardy_partitioner=False`) with the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import (
+    ArrayMapping,
+    CompoundFactor,
+    SdyShardingRule,
+    custom_partitioning,
+)
+from jax.extend.mlir import ir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jzyfa.query_chunks import attend_query_chunk
+
+Axes = tuple[str, ...]
+# shard_kernel(q, k, v, *, softmax_scale, causal, kernel_required) -> (out, lse) on local blocks.
+ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def sharding_rule(softmax_scale, causal, kernel_required, mesh, operand_types, result_types):
+    """The Shardy rule: b, sq, heads pass through; d and sk need replication."""
+    del softmax_scale, causal, kernel_required, mesh, result_types
+    heads_q = ir.ShapedType(operand_types[0]).shape[2]
+    heads_kv = ir.ShapedType(operand_types[1]).shape[2]
+    group = heads_q // heads_kv
+    # Query head h uses KV head h // group: heads_q is (h, g) with h major, so splitting h splits
+    # KV heads and their query groups alike, and splitting g leaves K/V whole on those devices.
+    # Shardy refuses size-1 parts of a compound factor: MHA is just h, MQA just g.
+    if group == 1:
+        q_heads, group_size = "h", {}
+    elif heads_kv == 1:
+        q_heads, group_size = "g", {}
+    else:
+        q_heads, group_size = CompoundFactor("h", "g"), {"g": group}
+    q = ArrayMapping("b", "sq", q_heads, "d")
+    kv = ArrayMapping("b", "sk", "h", "d")
+    lse = ArrayMapping("b", q_heads, "sq")
+    # Special factors are listed in order of first appearance (d in q, before sk in k).
+    return SdyShardingRule((q, kv, kv), (q, lse), need_replication_factors=("d", "sk"), **group_size)
+
+
+def _axes(entry) -> Axes:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: Axes):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """The mesh axes that split q's batch, sequence and heads; how K/V heads follow."""
+
+    batch: Axes
+    seq_q: Axes
+    heads_q: Axes
+    # True: K/V heads are split over heads_q's axes too (heads_kv divisible by their size). False:
+    # there are more query-head shards than KV heads; each shard holds all KV heads and slices one.
+    kv_heads_split: bool
+
+    def q_spec(self) -> P:
+        return P(_entry(self.batch), _entry(self.seq_q), _entry(self.heads_q), None)
+
+    def kv_spec(self) -> P:
+        return P(_entry(self.batch), None, _entry(self.heads_q) if self.kv_heads_split else None, None)
+
+    def lse_spec(self) -> P:
+        return P(_entry(self.batch), _entry(self.heads_q), _entry(self.seq_q))
+
+
+def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads_kv: int) -> ShardPlan:
+    """The plan for q sharded as q_spec; shardings the kernel cannot use are dropped (gathered)."""
+    entries = tuple(q_spec) + (None,) * (4 - len(q_spec))
+    batch, seq_q, heads_q = (_axes(e) for e in entries[:3])
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    # Uneven splits are padded: harmless for batch rows, wrong for causal offsets and head groups.
+    if q_shape[1] % size(seq_q):
+        seq_q = ()
+    head_shards = size(heads_q)
+    if q_shape[2] % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
+        heads_q = ()
+    return ShardPlan(batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0)
+
+
+def per_shard_attention(
+    shard_kernel: ShardKernel,
+    plan: ShardPlan,
+    mesh: jax.sharding.Mesh,
+    *,
+    seq_q: int,
+    heads_kv: int,
+    softmax_scale: float,
+    causal: bool,
+    kernel_required: bool,
+) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """The computation each device runs on its blocks (local q, the K/V heads it needs, all keys)."""
+
+    def attend(q, k, v, causal):
+        return shard_kernel(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+        )
+
+    def run(q, k, v):
+        if not plan.kv_heads_split:
+            shards_per_kv_head = math.prod(mesh.shape[a] for a in plan.heads_q) // heads_kv
+            kv_head = lax.axis_index(plan.heads_q) // shards_per_kv_head
+            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
+        if not (causal and plan.seq_q):
+            return attend(q, k, v, causal)
+        # A sequence shard's causal offset depends on which shard it is: one static branch each.
+        chunk = q.shape[1]
+        shards = math.prod(mesh.shape[a] for a in plan.seq_q)
+        branches = [
+            functools.partial(attend_query_chunk, attend, chunk_start=s * chunk, seq_q=seq_q, causal=True)
+            for s in range(shards)
+        ]
+        return lax.switch(lax.axis_index(plan.seq_q), branches, q, k, v)
+
+    return run
+
+
+def _plan_from_shapes(mesh, arg_shapes) -> ShardPlan:
+    q, k, _ = arg_shapes
+    if not isinstance(q.sharding, NamedSharding):
+        raise NotImplementedError(
+            "jzyfa.flash_attention under a sharded jit needs a mesh: shard its inputs with "
+            f"jax.sharding.NamedSharding (got {type(q.sharding).__name__})"
+        )
+    return plan_for(mesh, q.sharding.spec, q.shape, k.shape[2])
+
+
+def _result_shardings(mesh, plan: ShardPlan):
+    return NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.lse_spec())
+
+
+def _infer_sharding_from_operands(softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape):
+    del softmax_scale, causal, kernel_required, result_shape
+    return _result_shardings(mesh, _plan_from_shapes(mesh, arg_shapes))
+
+
+def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
+    """shard_kernel wrapped for the partitioner; call it as f(q, k, v, softmax_scale, causal, kernel_required)."""
+
+    def call(q, k, v, softmax_scale, causal, kernel_required):
+        return shard_kernel(
+            q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+        )
+
+    def partition(softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape):
+        del result_shape  # Derived from q's sharding, which the rule ties it to.
+        plan = _plan_from_shapes(mesh, arg_shapes)
+        q, k, _ = arg_shapes
+        run = per_shard_attention(
+            shard_kernel,
+            plan,
+            mesh,
+            seq_q=q.shape[1],
+            heads_kv=k.shape[2],
+            softmax_scale=softmax_scale,
+            causal=causal,
+            kernel_required=kernel_required,
+        )
+        q_sharding, kv_sharding = NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.kv_spec())
+        return mesh, run, _result_shardings(mesh, plan), (q_sharding, kv_sharding, kv_sharding)
+
+    fn = custom_partitioning(call, static_argnums=(3, 4, 5))
+    fn.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=_infer_sharding_from_operands,
+        sharding_rule=sharding_rule,
+    )
+    return fn
