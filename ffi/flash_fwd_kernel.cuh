@@ -18,6 +18,12 @@
 
 #include "sm90_mma.cuh"
 
+// K/V ring depth. 2 fits every head dim; 3 fits hd128 too (225 KB of shared memory). A
+// build can pick it (-DJZYFA_KV_STAGES=3) to measure the deeper ring.
+#ifndef JZYFA_KV_STAGES
+#define JZYFA_KV_STAGES 2
+#endif
+
 namespace jzyfa {
 
 // Runtime arguments of one launch (the tensor maps travel as separate kernel parameters).
@@ -38,7 +44,7 @@ struct FwdTile {
   static constexpr int kRowsPerConsumer = 64;  // one wgmma M
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
   static constexpr int kBlockN = 128;  // keys per block: the N of S = Q K^T
-  static constexpr int kStages = 2;    // K/V ring depth
+  static constexpr int kStages = JZYFA_KV_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -61,7 +67,10 @@ struct FwdBarriers {
   uint64_t q_full;
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
-  uint64_t kv_empty[kStages];  // one arrival per consumer warp
+  // K and V stages are released separately: K as soon as S = Q K^T has landed, V once
+  // P V has. A shared release (after P V) left the next K load no time to arrive.
+  uint64_t k_empty[kStages];  // one arrival per consumer warp
+  uint64_t v_empty[kStages];
 };
 
 // Named barriers 1 and 2: consumer c may issue its GEMMs once barrier 1 + c completes.
@@ -173,7 +182,8 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
       ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
-      ptx::mbarrier_init(SmemAddress(&bars.kv_empty[s]), 4 * Tile::kConsumers);
+      ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * Tile::kConsumers);
+      ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * Tile::kConsumers);
     }
     ptx::fence_mbarrier_init();
   }
@@ -194,15 +204,16 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                          work.q_start + c * Tile::kRowsPerConsumer, work.head, work.batch);
     for (int block = 0; block < work.num_blocks; ++block) {
       const int stage = block % kStages;
-      // Reuse a stage once both consumers released the block that was in it.
-      if (block >= kStages)
-        ptx::mbarrier_wait(SmemAddress(&bars.kv_empty[stage]), (block / kStages - 1) & 1);
+      // Refill a stage once both consumers released the block that was in it.
+      const uint32_t empty_parity = (block / kStages - 1) & 1;
       const uint32_t k_full = SmemAddress(&bars.k_full[stage]);
       const uint32_t v_full = SmemAddress(&bars.v_full[stage]);
+      if (block >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[stage]), empty_parity);
       ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKVBytes);
       for (int s = 0; s < kSlices; ++s)
         ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, k_full, s * 64,
                          block * kBlockN, work.kv_head, work.batch);
+      if (block >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[stage]), empty_parity);
       ptx::mbarrier_arrive_expect_tx(v_full, Tile::kKVBytes);
       for (int s = 0; s < kSlices; ++s)
         ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, v_full, s * 64,
@@ -277,8 +288,9 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, args.seqlen_k,
                    args.causal, work.diagonal, args.scale_log2);
     };
-    auto release = [&](int stage) {
-      if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&bars.kv_empty[stage]));
+    // Each warp's wait_group covered its warpgroup's wgmma, so one lane per warp arrives.
+    auto release = [&](uint64_t (&empty)[kStages], int stage) {
+      if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty[stage]));
     };
 
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), 0);
@@ -296,6 +308,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     end_turn();
     ptx::wgmma_wait_group<0>();
     FenceRegisters(s_acc);
+    release(bars.k_empty, 0);
     softmax_step(s_acc, p_even, correction, 0);
 
     // Block b: S_b and P_{b-1} V_{b-1} go to the tensor cores, then softmax(S_b) runs
@@ -312,10 +325,11 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       end_turn();
       ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
       FenceRegisters(s_acc);
+      release(bars.k_empty, stage);
       softmax_step(s_acc, p_next, correction, block);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
-      release(prev);
+      release(bars.v_empty, prev);
       // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
       // this saves the work, never changes a bit). The branch is warp-uniform.
       if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
