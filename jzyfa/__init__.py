@@ -8,18 +8,24 @@ from jzyfa._extension import extension_loaded
 from jzyfa._platform import hopper_unavailable_reason as kernel_unavailable_reason
 from jzyfa._platform import kernel_available
 from jzyfa.api import flash_attention
+from jzyfa.context_parallel import context_parallel_attention
 from jzyfa.merge import merge_attention_states
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_reference
+from jzyfa.sequence_layout import balanced_positions, from_balanced_layout, to_balanced_layout
 
 __all__ = [
     "attention_reference",
+    "balanced_positions",
+    "context_parallel_attention",
     "dequantize",
     "extension_loaded",
     "flash_attention",
     "fp8_quantize",
+    "from_balanced_layout",
     "hadamard_rotate",
     "kernel_available",
     "kernel_unavailable_reason",
     "merge_attention_states",
+    "to_balanced_layout",
 ]

@@ -20,8 +20,9 @@ AttendFn = Callable[[jax.Array, jax.Array, jax.Array, bool], tuple[jax.Array, ja
 
 def no_keys_seen(q: jax.Array) -> tuple[jax.Array, jax.Array]:
     """What attention gives rows that see no key: out = 0 and lse = -inf."""
-    batch, seq_q, heads_q, _ = q.shape
-    return jnp.zeros_like(q), jnp.full((batch, heads_q, seq_q), -jnp.inf, jnp.float32)
+    # Built from q (not jnp.full) so that inside shard_map both vary over the mesh like q does.
+    lse = jnp.swapaxes(jnp.zeros_like(q[..., 0], dtype=jnp.float32), 1, 2) - jnp.inf
+    return jnp.zeros_like(q), lse
 
 
 def visible_key_prefix(chunk_start: int, chunk_len: int, seq_q: int, seq_k: int) -> int:
