@@ -151,7 +151,7 @@ struct OnlineSoftmax {
     for (int j = 0; j < kBlockN / 16; ++j)
 #pragma unroll
       for (int r = 0; r < 4; ++r)
-        p[j][r] = Wgmma<Element>::pack(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+        p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
   }
 };
 
@@ -161,7 +161,6 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                    const __grid_constant__ CUtensorMap tmap_k,
                    const __grid_constant__ CUtensorMap tmap_v, const FwdArgs args) {
   using Tile = FwdTile<kHeadDim>;
-  using Mma = Wgmma<Element>;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kSlices = Tile::kSlices;
   constexpr int kStages = Tile::kStages;
@@ -260,9 +259,9 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
         const uint64_t desc_k =
             SmemDescSw128(smem_k(stage) + (kk / 4) * Tile::kKVSliceBytes + col_bytes, 16);
         if (kk == 0) {
-          Mma::template ss_zero<kBlockN>(s, desc_q, desc_k);
+          ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
         } else {
-          Mma::template ss<kBlockN>(s, desc_q, desc_k, 1);
+          ptx::Wgmma<Element, kBlockN>::ss(s, desc_q, desc_k, 1);
         }
       }
       ptx::wgmma_commit_group();
@@ -275,7 +274,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < kBlockN / 16; ++j) {
         const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
-        Mma::template rs_tb<kHeadDim>(o, p[j], desc_v);
+        ptx::Wgmma<Element, kHeadDim>::rs_tb(o, p[j], desc_v, 1);
       }
       ptx::wgmma_commit_group();
     };
@@ -372,7 +371,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int c = 0; c < kHeadDim / 8; ++c) {
       *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
-          Mma::pack(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+          PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
     }
     if (lane % 4 == 0) {
       const float lse =

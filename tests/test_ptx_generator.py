@@ -72,6 +72,15 @@ def test_header_has_every_shape_once():
         assert f" {name}(" in header
 
 
+def test_dispatch_structs_name_every_role():
+    text = gen_ptx.dispatch_structs()
+    for dtype, element in gen_ptx.CPP_ELEMENT_TYPES.items():
+        for n in gen_ptx.WGMMA_N:
+            assert f"struct Wgmma<{element}, {n}> {{" in text
+            for role, suffix in (("ss", "ss"), ("ss_zero", "ss_zero"), ("rs_tb", "rs_tb")):
+                assert f"static constexpr auto {role} = wgmma_m64n{n}k16_f32_{dtype}_{suffix};" in text
+
+
 def test_generator_cli_writes_header(tmp_path):
     out = tmp_path / "sub" / "jzyfa_ptx.h"
     subprocess.run([sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(out)], check=True)
