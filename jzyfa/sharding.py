@@ -162,6 +162,27 @@ def _infer_sharding_from_operands(softmax_scale, causal, kernel_required, mesh, 
     return _result_shardings(mesh, _plan_from_shapes(mesh, arg_shapes))
 
 
+def partition(
+    shard_kernel: ShardKernel, softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape
+):
+    """The partitioner's callback: the per-shard computation and the shardings it needs."""
+    del result_shape  # Derived from q's sharding, which the rule ties it to.
+    plan = _plan_from_shapes(mesh, arg_shapes)
+    q, k, _ = arg_shapes
+    run = per_shard_attention(
+        shard_kernel,
+        plan,
+        mesh,
+        seq_q=q.shape[1],
+        heads_kv=k.shape[2],
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kernel_required=kernel_required,
+    )
+    q_sharding, kv_sharding = NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.kv_spec())
+    return mesh, run, _result_shardings(mesh, plan), (q_sharding, kv_sharding, kv_sharding)
+
+
 def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
     """shard_kernel wrapped for the partitioner; call it as f(q, k, v, softmax_scale, causal, kernel_required)."""
 
@@ -170,26 +191,9 @@ def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
             q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
         )
 
-    def partition(softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape):
-        del result_shape  # Derived from q's sharding, which the rule ties it to.
-        plan = _plan_from_shapes(mesh, arg_shapes)
-        q, k, _ = arg_shapes
-        run = per_shard_attention(
-            shard_kernel,
-            plan,
-            mesh,
-            seq_q=q.shape[1],
-            heads_kv=k.shape[2],
-            softmax_scale=softmax_scale,
-            causal=causal,
-            kernel_required=kernel_required,
-        )
-        q_sharding, kv_sharding = NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.kv_spec())
-        return mesh, run, _result_shardings(mesh, plan), (q_sharding, kv_sharding, kv_sharding)
-
     fn = custom_partitioning(call, static_argnums=(3, 4, 5))
     fn.def_partition(
-        partition=partition,
+        partition=functools.partial(partition, shard_kernel),
         infer_sharding_from_operands=_infer_sharding_from_operands,
         sharding_rule=sharding_rule,
     )

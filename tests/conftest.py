@@ -4,8 +4,13 @@ import os
 import zlib
 import sys
 
+import jax
 import numpy as np
 import pytest
+
+# The sharding tests need a mesh: 8 CPU devices. This must run before any backend starts (gpu_utils
+# starts one); it changes only the CPU backend, so GPU tests still see the GPUs.
+jax.config.update("jax_num_cpu_devices", 8)
 
 # Test helper modules (attention_oracle, gpu_utils) live next to the tests.
 sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,28 @@
+"""Test helpers: reading collectives and custom calls out of HLO text."""
+
+from __future__ import annotations
+
+import re
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+# An instruction's opcode follows its result shape: `%name = bf16[2,8]{1,0} all-gather(...)`;
+# async forms (GPU) are `all-gather-start(...)`.
+_OPCODE = re.compile(r"=\s*\S+\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """How many of each collective the HLO holds."""
+    counts = dict.fromkeys(COLLECTIVES, 0)
+    for match in _OPCODE.finditer(hlo_text):
+        counts[match.group(1)] += 1
+    return counts
+
+
+def collective_result_shapes(hlo_text: str, collective: str) -> list[str]:
+    """Result shapes (e.g. 'bf16[2,64,2,64]') of every `collective` instruction."""
+    pattern = re.compile(r"=\s*(\w+\[[\d,]*\])\S*\s+" + re.escape(collective) + r"(?:-start)?\(")
+    return pattern.findall(hlo_text)
+
+
+def custom_call_lines(hlo_text: str, target: str) -> list[str]:
+    return [line for line in hlo_text.splitlines() if f'custom_call_target="{target}"' in line]
