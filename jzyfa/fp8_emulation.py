@@ -1,0 +1,349 @@
+"""FP8 attention computed as the Hopper FP8 kernel will compute it, in pure JAX.
+
+This pins the FP8 algorithm down on the CPU before the kernel exists (docs/fp8.md explains it):
+scores in float32 from the e4m3 inputs, an online softmax over 128-key blocks in the log2 domain
+with one integer reference exponent r per row, probabilities rounded to e4m3 as P~ = 2^(t - r)
+(t the score in log2 units), per-block power-of-two scaling by moving r, lean P (the e4m3 code from
+one FFMA), and the row sum taken over exactly the rounded probabilities. The switches turn each
+ingredient off for ablations; with all of them off it is the FA3-style scheme (a fixed 2^8 offset
+from the running maximum, sum of the unrounded probabilities).
+
+What is bit-exact: the reference exponents, and given the float32 scores, every lean-P code. What
+is not: the float32 scores themselves (the tensor cores sum q k products in another order), the
+exact path's exp2, and the order of the float32 sums in O and l.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jzyfa import _validation, e4m3_codes
+from jzyfa.quantize import FP8_MAX
+
+BLOCK_N = 128
+# A fresh reference exponent puts the block's largest probability in (2^(E-1), 2^E] = (128, 256].
+P_EXPONENT = 8
+# The reference is raised only when a block's largest probability would pass 2^(E + tau). The
+# ceiling is log2(448) - E = 0.807; 0.75 keeps P~ <= 2^8.75 = 430.5 and the largest lean code at
+# RNE(8 * 8.75 + 56) = 126 = 0x7E, so the kernel needs no upper clamp (0x7F is NaN).
+LAZY_RESCALE_THRESHOLD = 0.75
+MAX_LAZY_RESCALE_THRESHOLD = math.log2(FP8_MAX) - P_EXPONENT
+# Block scaling lowers the reference only when a block's largest probability would fall below
+# 2^(E - H): the scale of O then changes rarely on ordinary inputs, so O is rarely rescaled.
+BLOCK_SCALE_HYSTERESIS = 4
+# The reference never goes further than this many doublings below the fresh reference of the row's
+# running maximum: O (scaled by 2^-r) stays far from float32 overflow, and what is cut off weighs
+# under 2^-32 of the maximum per key.
+MAX_BLOCK_EXPONENT = 32
+
+_HIGHEST = lax.Precision.HIGHEST
+_LOG2_E = math.log2(math.e)
+_LN_2 = math.log(2.0)
+
+
+class Fp8AttentionTrace(NamedTuple):
+    """The emulation's result and the per-(row, block) state a kernel debug dump can be checked against.
+
+    out: [B, Sq, Hq, D] in out_dtype; lse: float32 [B, Hq, Sq], natural log, -inf for rows that see
+    no key. reference_exponent: float32 [B, Hq, Sq, blocks], r after each block (-inf
+    until the row sees a key); P~ = 2^(t - r). rescaled: bool [B, Hq, Sq, blocks], whether the
+    block changed r after the row had seen a key, that is whether O and l were rescaled.
+    """
+
+    out: jax.Array
+    lse: jax.Array
+    reference_exponent: jax.Array
+    rescaled: jax.Array
+
+
+def scale_log2(softmax_scale: float, descale_q: jax.Array, descale_k: jax.Array) -> jax.Array:
+    """Factor from raw float32 scores to log2 units: (descale_q * descale_k) * f32(scale * log2 e).
+
+    softmax_scale * log2(e) is rounded to float32 once, on the host; the descale product is exact
+    for the power-of-two descales `fp8_quantize` makes.
+    """
+    return (descale_q * descale_k) * np.float32(softmax_scale * _LOG2_E)
+
+
+def _per_kv_head(descale: jax.Array) -> jax.Array:
+    """A () / (1,) / [B, Hkv] descale as [B or 1, Hkv or 1, 1, 1] to broadcast over [B, Hkv, G, Sq]."""
+    descale = jnp.asarray(descale, jnp.float32)
+    if descale.ndim < 2:
+        return descale.reshape(1, 1, 1, 1)
+    return descale[:, :, None, None]
+
+
+def _next_reference(r, running_max, block_max, *, integer_reference, block_scaling, threshold, hysteresis):
+    """The reference exponent after a block whose largest score (log2 units) is block_max.
+
+    For an integer reference the decision takes comparisons only, against integers (plus tau), so
+    no rounding enters it. Rows whose block is fully masked (block_max = -inf) keep r.
+    """
+    if integer_reference:
+        fresh, floor = jnp.ceil(block_max), jnp.ceil(running_max)
+    else:
+        fresh, floor = block_max, running_max
+    fresh = fresh - P_EXPONENT
+    change = block_max > r + P_EXPONENT + threshold  # would pass the headroom; r = -inf at first
+    if block_scaling:
+        fresh = jnp.maximum(fresh, floor - P_EXPONENT - MAX_BLOCK_EXPONENT)
+        change |= (block_max < r + P_EXPONENT - hysteresis) & (fresh < r)
+    change &= block_max > -jnp.inf
+    return jnp.where(change, fresh, r)
+
+
+def _rescale_factor(r: jax.Array, new_r: jax.Array, *, integer_reference: bool) -> jax.Array:
+    """2^(r - new_r), exactly for integer references; 0 before the row's first visible key."""
+    finite = jnp.isfinite(r)
+    difference = jnp.where(finite, r - new_r, 0.0)
+    if integer_reference:
+        factor = jnp.ldexp(jnp.float32(1), jnp.clip(difference, -200, 200).astype(jnp.int32))
+    else:
+        factor = jnp.exp2(difference)
+    return jnp.where(finite, factor, 0.0)
+
+
+def _block_probabilities(s, r, row_scale, *, lean_p):
+    """(P~ as float32 e4m3 values, the unrounded 2^(t - r)) for scores s [..., Sq, N], r [..., Sq]."""
+    finite_r = jnp.where(jnp.isfinite(r), r, 0.0)[..., None]  # rows with r = -inf have s = -inf
+    scale = row_scale[..., None]
+    exact = jnp.exp2(s * scale - finite_r)
+    if lean_p:
+        c1 = e4m3_codes.CODE_SLOPE * scale  # exact: a power-of-two multiple
+        c0 = e4m3_codes.CODE_OF_ONE - e4m3_codes.CODE_SLOPE * finite_r
+        rounded = e4m3_codes.decode(e4m3_codes.lean_codes(s, c1, c0))
+    else:
+        rounded = e4m3_codes.round_to_e4m3(exact)
+    return rounded, exact
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "causal",
+        "softmax_scale",
+        "block_n",
+        "lean_p",
+        "block_scaling",
+        "rounded_sum",
+        "integer_reference",
+        "lazy_rescale_threshold",
+        "block_scale_hysteresis",
+        "out_dtype",
+    ),
+)
+def _emulate(
+    q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_scale, block_n, lean_p,
+    block_scaling, rounded_sum, integer_reference, lazy_rescale_threshold, block_scale_hysteresis, out_dtype,
+):  # fmt: skip
+    batch, seq_q, heads_q, head_dim = q8.shape
+    seq_k, heads_kv = k8.shape[1], k8.shape[2]
+    group = heads_q // heads_kv
+    num_blocks = max(1, -(-seq_k // block_n))
+    padded = num_blocks * block_n
+
+    # e4m3 products are exact in float32; only the order of the sums is unspecified.
+    qf = q8.astype(jnp.float32).reshape(batch, seq_q, heads_kv, group, head_dim)
+    qf = jnp.transpose(qf, (0, 2, 3, 1, 4))  # [B, Hkv, G, Sq, D]
+
+    def blocks(x):  # [B, Sk, Hkv, D] -> [blocks, B, Hkv, N, D], zero padded
+        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, padded - seq_k), (0, 0), (0, 0)))
+        return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, head_dim), (1, 0, 3, 2, 4))
+
+    row_scale = scale_log2(softmax_scale, _per_kv_head(descale_q), _per_kv_head(descale_k))
+    rows = jnp.arange(seq_q)[:, None]
+
+    def step(carry, block):
+        r, running_max, row_sum, o = carry
+        index, k_block, v_block = block
+        keys = index * block_n + jnp.arange(block_n)[None, :]
+        visible = keys < seq_k
+        if causal:
+            visible &= keys <= rows + (seq_k - seq_q)
+        s = jnp.einsum("bhgqd,bhkd->bhgqk", qf, k_block, precision=_HIGHEST)
+        s = jnp.where(visible, s, -jnp.inf)
+        # max commutes with the positive scale: one FMUL per row, as the kernel does it.
+        block_max = jnp.max(s, axis=-1) * row_scale
+        running_max = jnp.maximum(running_max, block_max)
+        new_r = _next_reference(
+            r,
+            running_max,
+            block_max,
+            integer_reference=integer_reference,
+            block_scaling=block_scaling,
+            threshold=lazy_rescale_threshold,
+            hysteresis=block_scale_hysteresis,
+        )
+        rescaled = (new_r != r) & jnp.isfinite(r)
+        alpha = _rescale_factor(r, new_r, integer_reference=integer_reference)
+        rounded, exact = _block_probabilities(s, new_r, row_scale, lean_p=lean_p)
+        summed = rounded if rounded_sum else exact
+        row_sum = alpha * row_sum + jnp.sum(summed, axis=-1)
+        o = alpha[..., None] * o + jnp.einsum("bhgqk,bhkd->bhgqd", rounded, v_block, precision=_HIGHEST)
+        return (new_r, running_max, row_sum, o), (new_r, rescaled)
+
+    state_shape = (batch, heads_kv, group, seq_q)
+    init = (
+        jnp.full(state_shape, -jnp.inf, jnp.float32),
+        jnp.full(state_shape, -jnp.inf, jnp.float32),
+        jnp.zeros(state_shape, jnp.float32),
+        jnp.zeros((*state_shape, head_dim), jnp.float32),
+    )
+    xs = (jnp.arange(num_blocks), blocks(k8), blocks(v8))
+    (r, _, row_sum, o), (references, rescaled) = lax.scan(step, init, xs)
+
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    out = jnp.where(seen[..., None], o * (_per_kv_head(descale_v)[..., None] / safe_sum[..., None]), 0.0)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq_q, heads_q, head_dim)
+    lse = jnp.where(seen, (r + jnp.log2(safe_sum)) * np.float32(_LN_2), -jnp.inf)
+
+    def per_row(x):  # [blocks, B, Hkv, G, Sq] -> [B, Hq, Sq, blocks]
+        return jnp.moveaxis(x, 0, -1).reshape(batch, heads_q, seq_q, num_blocks)
+
+    return Fp8AttentionTrace(
+        out.astype(out_dtype), lse.reshape(batch, heads_q, seq_q), per_row(references), per_row(rescaled)
+    )
+
+
+def _check_options(
+    lazy_rescale_threshold, block_scale_hysteresis, block_n, softmax_scale, lean_p, integer_reference
+):
+    if lean_p and not integer_reference:
+        raise ValueError(
+            "lean_p needs integer_reference: the one-FFMA code takes c0 = 56 - 8 r as an integer"
+        )
+    if not 0 <= lazy_rescale_threshold <= MAX_LAZY_RESCALE_THRESHOLD:
+        raise ValueError(
+            f"lazy_rescale_threshold must lie in [0, {MAX_LAZY_RESCALE_THRESHOLD:.4f}] "
+            f"(P~ <= 2^(8 + threshold) <= 448), got {lazy_rescale_threshold}"
+        )
+    if int(block_scale_hysteresis) != block_scale_hysteresis or block_scale_hysteresis < 1:
+        raise ValueError(f"block_scale_hysteresis must be an integer >= 1, got {block_scale_hysteresis}")
+    if int(block_n) != block_n or block_n < 1:
+        raise ValueError(f"block_n must be a positive integer, got {block_n}")
+    if softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
+
+
+def trace_attention_fp8_emulated(
+    q8: jax.Array,
+    k8: jax.Array,
+    v8: jax.Array,
+    descale_q: jax.Array,
+    descale_k: jax.Array,
+    descale_v: jax.Array,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    block_n: int = BLOCK_N,
+    lean_p: bool = True,
+    block_scaling: bool = True,
+    rounded_sum: bool = True,
+    integer_reference: bool = True,
+    lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
+    block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS,
+    out_dtype=jnp.bfloat16,
+) -> Fp8AttentionTrace:
+    """`attention_fp8_emulated`, also returning the reference exponents and rescale events."""
+    _validation.check_qkv(q8, k8, v8)
+    if not _validation.is_fp8(q8.dtype):
+        raise TypeError(f"q8, k8 and v8 must be float8_e4m3fn, got {q8.dtype}")
+    _validation.check_causal(causal)
+    softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q8.shape[-1])
+    descales = _validation.check_descales(q8, k8, (descale_q, descale_k, descale_v))
+    _check_options(
+        lazy_rescale_threshold, block_scale_hysteresis, block_n, softmax_scale, lean_p, integer_reference
+    )
+    return _emulate(
+        q8,
+        k8,
+        v8,
+        *descales,
+        causal=bool(causal),
+        softmax_scale=softmax_scale,
+        block_n=int(block_n),
+        lean_p=bool(lean_p),
+        block_scaling=bool(block_scaling),
+        rounded_sum=bool(rounded_sum),
+        integer_reference=bool(integer_reference),
+        lazy_rescale_threshold=float(lazy_rescale_threshold),
+        block_scale_hysteresis=int(block_scale_hysteresis),
+        out_dtype=jnp.dtype(out_dtype),
+    )
+
+
+def attention_fp8_emulated(
+    q8: jax.Array,
+    k8: jax.Array,
+    v8: jax.Array,
+    descale_q: jax.Array,
+    descale_k: jax.Array,
+    descale_v: jax.Array,
+    *,
+    causal: bool,
+    softmax_scale: float | None = None,
+    block_n: int = BLOCK_N,
+    lean_p: bool = True,
+    block_scaling: bool = True,
+    rounded_sum: bool = True,
+    integer_reference: bool = True,
+    lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
+    block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS,
+    out_dtype=jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+    """FP8 attention as the Hopper FP8 kernel computes it; returns (out, lse).
+
+    Args:
+      q8: float8_e4m3fn [B, Sq, Hq, D]; k8, v8: float8_e4m3fn [B, Sk, Hkv, D], Hq a multiple of Hkv.
+      descale_q, descale_k, descale_v: float32, shape (), (1,) or [B, Hkv]; the values used are
+        x8 * descale, as `flash_attention` takes them.
+      causal: bottom-right aligned mask (query i sees key j iff j <= i + Sk - Sq).
+      softmax_scale: static; default 1 / sqrt(D).
+      block_n: keys per block (the kernel's is 128); blocks are visited in increasing key order.
+      lean_p: the e4m3 code of each probability from one FFMA (piecewise-linear 2^x); False rounds
+        the exact exp2 to the nearest e4m3 value.
+      block_scaling: move the reference exponent down for blocks far below the running maximum, so
+        their probabilities stay normal; False keeps it at the running maximum minus 8 (FA3 style).
+      rounded_sum: the denominator sums the rounded probabilities (weights sum to one); False sums
+        the unrounded 2^(t - r) (FA3 style).
+      integer_reference: keep r an integer (power-of-two rescales, the one-FFMA lean code, results
+        independent of where key ranges are split). False (exact P only) sets r to the block
+        maximum minus 8 itself, so the row's largest probability is exactly 2^8 (FA3 style).
+      lazy_rescale_threshold: tau; the reference is raised only when a block's largest probability
+        would pass 2^(8 + tau). At most log2(448) - 8.
+      block_scale_hysteresis: H; block scaling lowers the reference only when a block's largest
+        probability would fall below 2^(8 - H).
+      out_dtype: bf16 like the kernel; float32 skips the final rounding (for merging tests).
+
+    Returns:
+      out [B, Sq, Hq, D] in out_dtype, and lse float32 [B, Hq, Sq] (natural log) of exactly the
+      probabilities in the denominator, so key ranges that split at block boundaries merge with
+      `merge_attention_states`. Rows that see no key give out = 0 and lse = -inf.
+    """
+    trace = trace_attention_fp8_emulated(
+        q8,
+        k8,
+        v8,
+        descale_q,
+        descale_k,
+        descale_v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        block_n=block_n,
+        lean_p=lean_p,
+        block_scaling=block_scaling,
+        rounded_sum=rounded_sum,
+        integer_reference=integer_reference,
+        lazy_rescale_threshold=lazy_rescale_threshold,
+        block_scale_hysteresis=block_scale_hysteresis,
+        out_dtype=out_dtype,
+    )
+    return trace.out, trace.lse
