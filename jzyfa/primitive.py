@@ -17,9 +17,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import dispatch  # No public hook yet; JAX's cuDNN attention registers the same way.
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec as P
 
 from jzyfa import sharding
 from jzyfa.reference import attention_reference
@@ -58,6 +60,7 @@ def flash_attention_fwd(
     q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float, causal: bool, kernel_required: bool
 ) -> tuple[jax.Array, jax.Array]:
     """Binds the primitive: (out like q, lse float32 [B, Hq, Sq])."""
+    q, k, v = _vary_alike(q, k, v)
     out, lse = flash_attention_fwd_p.bind(
         q,
         k,
@@ -69,11 +72,30 @@ def flash_attention_fwd(
     return out, lse
 
 
+def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
+    """Inside shard_map, marks every operand as varying over the mesh axes any of them varies over.
+
+    lax operations do this implicitly; a primitive of our own must, so its results' types are right.
+    """
+    varying = [jax.typeof(x).manual_axis_type.varying for x in xs]
+    union = frozenset().union(*varying)
+    return [
+        x if axes == union else lax.pcast(x, tuple(union - axes), to="varying")
+        for x, axes in zip(xs, varying)
+    ]
+
+
 def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
     batch, seq_q, heads_q, _ = q.shape
+    # Results are sharded (explicit mesh axes) and vary over shard_map's axes as q does; lse's
+    # [B, H, Sq] takes q's batch, head and sequence shardings.
+    spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
+    lse_sharding = q.sharding.update(spec=P(spec[0], spec[2], spec[1]))
     return (
-        jax.core.ShapedArray(q.shape, q.dtype),
-        jax.core.ShapedArray((batch, heads_q, seq_q), jnp.float32),
+        q.update(weak_type=False),
+        jax.core.ShapedArray(
+            (batch, heads_q, seq_q), jnp.float32, sharding=lse_sharding, manual_axis_type=q.manual_axis_type
+        ),
     )
 
 

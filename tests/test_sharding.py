@@ -16,6 +16,7 @@ from attention_oracle import random_qkv
 from hlo_utils import collective_counts, collective_result_shapes, custom_call_lines
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_utils import cpu_mesh
 
 import jzyfa
 from jzyfa import primitive, sharding
@@ -28,11 +29,6 @@ F16 = jnp.float16
 NO_COLLECTIVES = dict.fromkeys(
     ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter"), 0
 )
-
-
-def cpu_mesh(shape, names):
-    devices = np.array(jax.devices("cpu")[: int(np.prod(shape))]).reshape(shape)
-    return jax.sharding.Mesh(devices, names)
 
 
 def sharded_attention(mesh, q_spec, kv_spec, **options):
