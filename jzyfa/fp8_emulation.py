@@ -15,6 +15,7 @@ exact path's exp2, and the order of the float32 sums in O and l.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -28,20 +29,60 @@ from jzyfa import _validation, e4m3_codes
 from jzyfa.quantize import FP8_MAX
 
 BLOCK_N = 128
-# A fresh reference exponent puts the block's largest probability in (2^(E-1), 2^E] = (128, 256].
+# A fresh reference exponent puts the block's largest probability at 2^E (real reference) or in
+# (2^(E-1), 2^E] (integer reference): E = 8 leaves 15 doublings of normal e4m3 values below it.
 P_EXPONENT = 8
 # The reference is raised only when a block's largest probability would pass 2^(E + tau). The
 # ceiling is log2(448) - E = 0.807; 0.75 keeps P~ <= 2^8.75 = 430.5 and the largest lean code at
 # RNE(8 * 8.75 + 56) = 126 = 0x7E, so the kernel needs no upper clamp (0x7F is NaN).
 LAZY_RESCALE_THRESHOLD = 0.75
-MAX_LAZY_RESCALE_THRESHOLD = math.log2(FP8_MAX) - P_EXPONENT
 # Block scaling lowers the reference only when a block's largest probability would fall below
 # 2^(E - H): the scale of O then changes rarely on ordinary inputs, so O is rarely rescaled.
 BLOCK_SCALE_HYSTERESIS = 4
 # The reference never goes further than this many doublings below the fresh reference of the row's
-# running maximum: O (scaled by 2^-r) stays far from float32 overflow, and what is cut off weighs
-# under 2^-32 of the maximum per key.
+# running maximum, so O (scaled by 2^-r) stays far from float32 overflow; keys more than about
+# 2^-(32 + 15) below the row maximum flush to zero (FA3 style: 2^-17 below it).
 MAX_BLOCK_EXPONENT = 32
+
+
+def max_lazy_rescale_threshold(p_exponent: int = P_EXPONENT) -> float:
+    """The largest tau for which P~ <= 2^(E + tau) stays within e4m3's 448."""
+    return math.log2(FP8_MAX) - p_exponent
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Options:
+    """The algorithm's switches and constants (see `attention_fp8_emulated`); hashable, so static."""
+
+    block_n: int = BLOCK_N
+    lean_p: bool = True
+    block_scaling: bool = True
+    rounded_sum: bool = True
+    integer_reference: bool | None = None
+    lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD
+    block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS
+    p_exponent: int = P_EXPONENT
+
+    def __post_init__(self):
+        if self.integer_reference is None:  # the natural choice of each path (docs/fp8.md)
+            object.__setattr__(self, "integer_reference", self.lean_p)
+        if self.lean_p and not self.integer_reference:
+            raise ValueError(
+                "lean_p needs integer_reference: the one-FFMA code takes c0 = 56 - 8 r as an integer"
+            )
+        for name in ("block_n", "block_scale_hysteresis", "p_exponent"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}")
+        if self.p_exponent > 8:
+            raise ValueError(f"p_exponent must be at most 8 (2^9 > 448), got {self.p_exponent}")
+        ceiling = max_lazy_rescale_threshold(self.p_exponent)
+        if not 0 <= self.lazy_rescale_threshold <= ceiling:
+            raise ValueError(
+                f"lazy_rescale_threshold must lie in [0, {ceiling:.4f}] "
+                f"(P~ <= 2^({self.p_exponent} + threshold) <= 448), got {self.lazy_rescale_threshold}"
+            )
+
 
 _HIGHEST = lax.Precision.HIGHEST
 _LOG2_E = math.log2(math.e)
@@ -80,42 +121,43 @@ def _per_kv_head(descale: jax.Array) -> jax.Array:
     return descale[:, :, None, None]
 
 
-def _next_reference(r, running_max, block_max, *, integer_reference, block_scaling, threshold, hysteresis):
+def _next_reference(r, running_max, block_max, options: Fp8Options):
     """The reference exponent after a block whose largest score (log2 units) is block_max.
 
     For an integer reference the decision takes comparisons only, against integers (plus tau), so
     no rounding enters it. Rows whose block is fully masked (block_max = -inf) keep r.
     """
-    if integer_reference:
+    if options.integer_reference:
         fresh, floor = jnp.ceil(block_max), jnp.ceil(running_max)
     else:
         fresh, floor = block_max, running_max
-    fresh = fresh - P_EXPONENT
-    change = block_max > r + P_EXPONENT + threshold  # would pass the headroom; r = -inf at first
-    if block_scaling:
-        fresh = jnp.maximum(fresh, floor - P_EXPONENT - MAX_BLOCK_EXPONENT)
-        change |= (block_max < r + P_EXPONENT - hysteresis) & (fresh < r)
+    top = options.p_exponent
+    fresh = fresh - top
+    change = block_max > r + top + options.lazy_rescale_threshold  # r = -inf before the first key
+    if options.block_scaling:
+        fresh = jnp.maximum(fresh, floor - top - MAX_BLOCK_EXPONENT)
+        change |= (block_max < r + top - options.block_scale_hysteresis) & (fresh < r)
     change &= block_max > -jnp.inf
     return jnp.where(change, fresh, r)
 
 
-def _rescale_factor(r: jax.Array, new_r: jax.Array, *, integer_reference: bool) -> jax.Array:
+def _rescale_factor(r: jax.Array, new_r: jax.Array, options: Fp8Options) -> jax.Array:
     """2^(r - new_r), exactly for integer references; 0 before the row's first visible key."""
     finite = jnp.isfinite(r)
     difference = jnp.where(finite, r - new_r, 0.0)
-    if integer_reference:
+    if options.integer_reference:
         factor = jnp.ldexp(jnp.float32(1), jnp.clip(difference, -200, 200).astype(jnp.int32))
     else:
         factor = jnp.exp2(difference)
     return jnp.where(finite, factor, 0.0)
 
 
-def _block_probabilities(s, r, row_scale, *, lean_p):
+def _block_probabilities(s, r, row_scale, options: Fp8Options):
     """(P~ as float32 e4m3 values, the unrounded 2^(t - r)) for scores s [..., Sq, N], r [..., Sq]."""
     finite_r = jnp.where(jnp.isfinite(r), r, 0.0)[..., None]  # rows with r = -inf have s = -inf
     scale = row_scale[..., None]
     exact = jnp.exp2(s * scale - finite_r)
-    if lean_p:
+    if options.lean_p:
         c1 = e4m3_codes.CODE_SLOPE * scale  # exact: a power-of-two multiple
         c0 = e4m3_codes.CODE_OF_ONE - e4m3_codes.CODE_SLOPE * finite_r
         rounded = e4m3_codes.decode(e4m3_codes.lean_codes(s, c1, c0))
@@ -124,28 +166,12 @@ def _block_probabilities(s, r, row_scale, *, lean_p):
     return rounded, exact
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "causal",
-        "softmax_scale",
-        "block_n",
-        "lean_p",
-        "block_scaling",
-        "rounded_sum",
-        "integer_reference",
-        "lazy_rescale_threshold",
-        "block_scale_hysteresis",
-        "out_dtype",
-    ),
-)
-def _emulate(
-    q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_scale, block_n, lean_p,
-    block_scaling, rounded_sum, integer_reference, lazy_rescale_threshold, block_scale_hysteresis, out_dtype,
-):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "options", "out_dtype"))
+def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_scale, options, out_dtype):
     batch, seq_q, heads_q, head_dim = q8.shape
     seq_k, heads_kv = k8.shape[1], k8.shape[2]
     group = heads_q // heads_kv
+    block_n = options.block_n
     num_blocks = max(1, -(-seq_k // block_n))
     padded = num_blocks * block_n
 
@@ -172,19 +198,11 @@ def _emulate(
         # max commutes with the positive scale: one FMUL per row, as the kernel does it.
         block_max = jnp.max(s, axis=-1) * row_scale
         running_max = jnp.maximum(running_max, block_max)
-        new_r = _next_reference(
-            r,
-            running_max,
-            block_max,
-            integer_reference=integer_reference,
-            block_scaling=block_scaling,
-            threshold=lazy_rescale_threshold,
-            hysteresis=block_scale_hysteresis,
-        )
+        new_r = _next_reference(r, running_max, block_max, options)
         rescaled = (new_r != r) & jnp.isfinite(r)
-        alpha = _rescale_factor(r, new_r, integer_reference=integer_reference)
-        rounded, exact = _block_probabilities(s, new_r, row_scale, lean_p=lean_p)
-        summed = rounded if rounded_sum else exact
+        alpha = _rescale_factor(r, new_r, options)
+        rounded, exact = _block_probabilities(s, new_r, row_scale, options)
+        summed = rounded if options.rounded_sum else exact
         row_sum = alpha * row_sum + jnp.sum(summed, axis=-1)
         o = alpha[..., None] * o + jnp.einsum("bhgqk,bhkd->bhgqd", rounded, v_block, precision=_HIGHEST)
         return (new_r, running_max, row_sum, o), (new_r, rescaled)
@@ -213,26 +231,6 @@ def _emulate(
     )
 
 
-def _check_options(
-    lazy_rescale_threshold, block_scale_hysteresis, block_n, softmax_scale, lean_p, integer_reference
-):
-    if lean_p and not integer_reference:
-        raise ValueError(
-            "lean_p needs integer_reference: the one-FFMA code takes c0 = 56 - 8 r as an integer"
-        )
-    if not 0 <= lazy_rescale_threshold <= MAX_LAZY_RESCALE_THRESHOLD:
-        raise ValueError(
-            f"lazy_rescale_threshold must lie in [0, {MAX_LAZY_RESCALE_THRESHOLD:.4f}] "
-            f"(P~ <= 2^(8 + threshold) <= 448), got {lazy_rescale_threshold}"
-        )
-    if int(block_scale_hysteresis) != block_scale_hysteresis or block_scale_hysteresis < 1:
-        raise ValueError(f"block_scale_hysteresis must be an integer >= 1, got {block_scale_hysteresis}")
-    if int(block_n) != block_n or block_n < 1:
-        raise ValueError(f"block_n must be a positive integer, got {block_n}")
-    if softmax_scale <= 0:
-        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
-
-
 def trace_attention_fp8_emulated(
     q8: jax.Array,
     k8: jax.Array,
@@ -243,14 +241,8 @@ def trace_attention_fp8_emulated(
     *,
     causal: bool,
     softmax_scale: float | None = None,
-    block_n: int = BLOCK_N,
-    lean_p: bool = True,
-    block_scaling: bool = True,
-    rounded_sum: bool = True,
-    integer_reference: bool = True,
-    lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
-    block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS,
     out_dtype=jnp.bfloat16,
+    **options,
 ) -> Fp8AttentionTrace:
     """`attention_fp8_emulated`, also returning the reference exponents and rescale events."""
     _validation.check_qkv(q8, k8, v8)
@@ -258,10 +250,9 @@ def trace_attention_fp8_emulated(
         raise TypeError(f"q8, k8 and v8 must be float8_e4m3fn, got {q8.dtype}")
     _validation.check_causal(causal)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q8.shape[-1])
+    if softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
     descales = _validation.check_descales(q8, k8, (descale_q, descale_k, descale_v))
-    _check_options(
-        lazy_rescale_threshold, block_scale_hysteresis, block_n, softmax_scale, lean_p, integer_reference
-    )
     return _emulate(
         q8,
         k8,
@@ -269,13 +260,7 @@ def trace_attention_fp8_emulated(
         *descales,
         causal=bool(causal),
         softmax_scale=softmax_scale,
-        block_n=int(block_n),
-        lean_p=bool(lean_p),
-        block_scaling=bool(block_scaling),
-        rounded_sum=bool(rounded_sum),
-        integer_reference=bool(integer_reference),
-        lazy_rescale_threshold=float(lazy_rescale_threshold),
-        block_scale_hysteresis=int(block_scale_hysteresis),
+        options=Fp8Options(**options),
         out_dtype=jnp.dtype(out_dtype),
     )
 
@@ -294,9 +279,10 @@ def attention_fp8_emulated(
     lean_p: bool = True,
     block_scaling: bool = True,
     rounded_sum: bool = True,
-    integer_reference: bool = True,
+    integer_reference: bool | None = None,
     lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
     block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS,
+    p_exponent: int = P_EXPONENT,
     out_dtype=jnp.bfloat16,
 ) -> tuple[jax.Array, jax.Array]:
     """FP8 attention as the Hopper FP8 kernel computes it; returns (out, lse).
@@ -306,7 +292,7 @@ def attention_fp8_emulated(
       descale_q, descale_k, descale_v: float32, shape (), (1,) or [B, Hkv]; the values used are
         x8 * descale, as `flash_attention` takes them.
       causal: bottom-right aligned mask (query i sees key j iff j <= i + Sk - Sq).
-      softmax_scale: static; default 1 / sqrt(D).
+      softmax_scale: static, positive; default 1 / sqrt(D).
       block_n: keys per block (the kernel's is 128); blocks are visited in increasing key order.
       lean_p: the e4m3 code of each probability from one FFMA (piecewise-linear 2^x); False rounds
         the exact exp2 to the nearest e4m3 value.
@@ -314,19 +300,21 @@ def attention_fp8_emulated(
         their probabilities stay normal; False keeps it at the running maximum minus 8 (FA3 style).
       rounded_sum: the denominator sums the rounded probabilities (weights sum to one); False sums
         the unrounded 2^(t - r) (FA3 style).
-      integer_reference: keep r an integer (power-of-two rescales, the one-FFMA lean code, results
-        independent of where key ranges are split). False (exact P only) sets r to the block
-        maximum minus 8 itself, so the row's largest probability is exactly 2^8 (FA3 style).
-      lazy_rescale_threshold: tau; the reference is raised only when a block's largest probability
-        would pass 2^(8 + tau). At most log2(448) - 8.
-      block_scale_hysteresis: H; block scaling lowers the reference only when a block's largest
-        probability would fall below 2^(8 - H).
+      integer_reference: keep the reference exponent r an integer (power-of-two rescales, the
+        one-FFMA lean code, lean results independent of where key ranges are split); False sets r
+        to the block maximum minus E itself, so that maximum's P~ is exactly 2^E (FA3 style). None
+        (default): integer for lean P, which needs it, real for exact P, where it is more accurate.
+      lazy_rescale_threshold: tau; r is raised only when a block's largest probability would pass
+        2^(E + tau). At most log2(448) - E.
+      block_scale_hysteresis: H; block scaling lowers r only when a block's largest probability
+        would fall below 2^(E - H).
+      p_exponent: E, where a fresh reference puts the block's largest probability (at most 8).
       out_dtype: bf16 like the kernel; float32 skips the final rounding (for merging tests).
 
     Returns:
       out [B, Sq, Hq, D] in out_dtype, and lse float32 [B, Hq, Sq] (natural log) of exactly the
-      probabilities in the denominator, so key ranges that split at block boundaries merge with
-      `merge_attention_states`. Rows that see no key give out = 0 and lse = -inf.
+      probabilities in the denominator, so results over key ranges that split at block boundaries
+      merge with `merge_attention_states`. Rows that see no key give out = 0 and lse = -inf.
     """
     trace = trace_attention_fp8_emulated(
         q8,
@@ -337,6 +325,7 @@ def attention_fp8_emulated(
         descale_v,
         causal=causal,
         softmax_scale=softmax_scale,
+        out_dtype=out_dtype,
         block_n=block_n,
         lean_p=lean_p,
         block_scaling=block_scaling,
@@ -344,6 +333,6 @@ def attention_fp8_emulated(
         integer_reference=integer_reference,
         lazy_rescale_threshold=lazy_rescale_threshold,
         block_scale_hysteresis=block_scale_hysteresis,
-        out_dtype=out_dtype,
+        p_exponent=p_exponent,
     )
     return trace.out, trace.lse

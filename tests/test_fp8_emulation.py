@@ -17,9 +17,9 @@ import jzyfa
 from jzyfa import e4m3_codes
 from jzyfa.fp8_emulation import (
     LAZY_RESCALE_THRESHOLD,
-    MAX_LAZY_RESCALE_THRESHOLD,
     P_EXPONENT,
     attention_fp8_emulated,
+    max_lazy_rescale_threshold,
     trace_attention_fp8_emulated,
 )
 
@@ -74,7 +74,7 @@ def sink_inputs(rng, *, gap=12.0, sink_value=0.1, seq_q=256, seq_k=2048, heads=2
     return tuple(x.astype(np.float32) for x in (q, k, v))
 
 
-def _variant(lean_p, block_scaling, rounded_sum, integer_reference=True):
+def _variant(lean_p, block_scaling, rounded_sum, integer_reference=None):
     return {
         "lean_p": lean_p,
         "block_scaling": block_scaling,
@@ -83,7 +83,7 @@ def _variant(lean_p, block_scaling, rounded_sum, integer_reference=True):
     }
 
 
-VARIANTS = {
+VARIANTS = {  # lean P takes an integer reference exponent, exact P a real one, unless stated
     "lean, block scaling, rounded sum": _variant(True, True, True),
     "lean, block scaling, unrounded sum": _variant(True, True, False),
     "lean, fixed 2^8 offset, rounded sum": _variant(True, False, True),
@@ -92,8 +92,8 @@ VARIANTS = {
     "exact, block scaling, unrounded sum": _variant(False, True, False),
     "exact, fixed 2^8 offset, rounded sum": _variant(False, False, True),
     "exact, FA3 style (fixed offset, unrounded sum)": _variant(False, False, False),
-    "exact, real reference, block scaling, rounded sum": _variant(False, True, True, False),
-    "exact, real reference, FA3 style": _variant(False, False, False, False),
+    "exact, integer reference, block scaling, rounded sum": _variant(False, True, True, True),
+    "exact, integer reference, FA3 style": _variant(False, False, False, True),
 }
 
 
@@ -319,7 +319,7 @@ def test_argument_errors():
         attention_fp8_emulated(x8, x8, x8, one, one, one, causal=True, integer_reference=False)
     with pytest.raises(ValueError, match="descale_v"):
         attention_fp8_emulated(x8, x8, x8, one, one, jnp.ones((3,)), causal=True)
-    assert MAX_LAZY_RESCALE_THRESHOLD == pytest.approx(math.log2(448) - 8)
+    assert max_lazy_rescale_threshold() == pytest.approx(math.log2(448) - 8)
 
 
 # --- accuracy: what the FP8 issue asks ------------------------------------------------------------
@@ -337,20 +337,28 @@ def test_gaussian_lean_p_close_to_exact_p(rng):
 def test_attention_sink_block_scaling_and_rounded_sums(rng):
     # Errors against float64 attention on the dequantized inputs: what the softmax changes, without
     # the quantization of q, k and v (which all variants share).
-    compared = [
-        name
-        for name in VARIANTS
-        if "real reference" not in name and name != "exact, block scaling, unrounded sum"
-    ]
-    errors = {name: pair[1] for name, pair in variant_errors(*sink_inputs(rng), variants=compared).items()}
-    for path in ("lean", "exact"):
-        ours = errors[f"{path}, block scaling, rounded sum"]
-        assert ours < 0.6 * errors[f"{path}, FA3 style (fixed offset, unrounded sum)"], (path, errors)
+    lean = [name for name in VARIANTS if name.startswith("lean")]
+    errors = {name: pair[1] for name, pair in variant_errors(*sink_inputs(rng), variants=lean).items()}
     # For lean P each ingredient matters on its own: without block scaling the keys far below the
     # sink fall under the smallest code, and unrounded sums miss the codes' upward bias.
     ours = errors["lean, block scaling, rounded sum"]
+    assert ours < 0.6 * errors["lean, FA3 style (fixed offset, unrounded sum)"], errors
     assert ours < 0.6 * errors["lean, fixed 2^8 offset, rounded sum"], errors
     assert ours < 0.8 * errors["lean, block scaling, unrounded sum"], errors
+    # Exact P keeps the sink's probability exact (2^8) and rounds the rest without bias; block
+    # scaling shows when the other keys carry all of the output (a sink with zero value).
+    exact = ("exact, block scaling, rounded sum", "exact, FA3 style (fixed offset, unrounded sum)")
+    inputs = sink_inputs(rng, gap=14.0, sink_value=0.0)
+    errors = {name: pair[1] for name, pair in variant_errors(*inputs, variants=exact).items()}
+    assert errors[exact[0]] < 0.8 * errors[exact[1]], errors
+
+
+def rescale_rates(q, k, v, **options):
+    """(share of (row, block) steps, share of (16-row warp, block) steps) that rescale O."""
+    trace = trace_attention_fp8_emulated(*quantize_all(q, k, v), causal=True, **options)
+    rescaled = np.asarray(trace.rescaled)  # [B, H, Sq, blocks]; a warp owns 16 consecutive rows
+    per_warp = rescaled.reshape(*rescaled.shape[:2], -1, 16, rescaled.shape[-1]).any(axis=3)
+    return rescaled.mean(), per_warp.mean()
 
 
 def print_error_tables():
@@ -364,7 +372,20 @@ def print_error_tables():
     for name, inputs in cases.items():
         print(f"\n{name}: relative L2 error vs float64 on the unquantized / dequantized inputs")
         for variant, (unquantized, dequantized_error) in variant_errors(*inputs).items():
-            print(f"  {variant:48s} {unquantized:.4f}  {dequantized_error:.4f}")
+            print(f"  {variant:52s} {unquantized:.4f}  {dequantized_error:.4f}")
+    print("\nO rescales (lean P), share of (row, block) / (warp, block) steps")
+    for name in ("Gaussian", "sink, gap 12 nats, sink value x0.1"):
+        for block_scaling in (True, False):
+            for threshold in (0.0, 0.125, 0.75):
+                for hysteresis in (2, 4, 6) if block_scaling else (4,):
+                    rates = rescale_rates(
+                        *cases[name],
+                        block_scaling=block_scaling,
+                        lazy_rescale_threshold=threshold,
+                        block_scale_hysteresis=hysteresis,
+                    )
+                    print(f"  {name:36s} block scaling {block_scaling!s:5s} tau {threshold:5.3f} H {hysteresis}:"
+                          f" {rates[0]:.3f} / {rates[1]:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
