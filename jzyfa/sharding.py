@@ -1,11 +1,12 @@
 """How the flash-attention primitive is split over a device mesh under a sharded `jax.jit`.
 
 JAX's partitioner (Shardy, the default) reads a sharding rule: batch and heads are passthrough
-factors shared by q, k, v, out and lse, so sharding them needs no collective; for GQA the query-head
-dimension is the compound factor (kv_heads, group), so KV heads shard with their query groups;
-head_dim and the key sequence need replication. The query sequence is a passthrough factor too: a
-sequence-sharded q stays where it is, K/V are gathered (the rule's replication of the key sequence),
-and each shard attends with its own causal offset. That is context parallelism without load
+factors of q, k, v, out and lse, so sharding them needs no collective; head_dim and the key sequence
+need replication. For GQA, KV heads shard with their query groups: `partition` splits K/V heads
+over q's head axes when heads_kv allows, else each device keeps all KV heads and uses its own.
+The query sequence is a passthrough factor too: a sequence-sharded q stays where it is, K/V are
+gathered (the rule's replication of the key sequence), and each shard attends with its own causal
+offset. That is context parallelism without load
 balancing; `jzyfa.context_parallel` has the balanced and ring forms.
 
 After propagation the partitioner calls `partition` with the chosen shardings, which returns the
@@ -22,13 +23,7 @@ from collections.abc import Callable
 
 import jax
 from jax import lax
-from jax.experimental.custom_partitioning import (
-    ArrayMapping,
-    CompoundFactor,
-    SdyShardingRule,
-    custom_partitioning,
-)
-from jax.extend.mlir import ir
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -39,26 +34,20 @@ Axes = tuple[str, ...]
 ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def sharding_rule(softmax_scale, causal, kernel_required, mesh, operand_types, result_types):
-    """The Shardy rule: b, sq, heads pass through; d and sk need replication."""
-    del softmax_scale, causal, kernel_required, mesh, result_types
-    heads_q = ir.ShapedType(operand_types[0]).shape[2]
-    heads_kv = ir.ShapedType(operand_types[1]).shape[2]
-    group = heads_q // heads_kv
-    # Query head h uses KV head h // group: heads_q is (h, g) with h major, so splitting h splits
-    # KV heads and their query groups alike, and splitting g leaves K/V whole on those devices.
-    # Shardy refuses size-1 parts of a compound factor: MHA is just h, MQA just g.
-    if group == 1:
-        q_heads, group_size = "h", {}
-    elif heads_kv == 1:
-        q_heads, group_size = "g", {}
-    else:
-        q_heads, group_size = CompoundFactor("h", "g"), {"g": group}
-    q = ArrayMapping("b", "sq", q_heads, "d")
-    kv = ArrayMapping("b", "sk", "h", "d")
-    lse = ArrayMapping("b", q_heads, "sq")
-    # Special factors are listed in order of first appearance (d in q, before sk in k).
-    return SdyShardingRule((q, kv, kv), (q, lse), need_replication_factors=("d", "sk"), **group_size)
+# Query heads (hq) and KV heads (h) are separate factors. The exact relation, hq = (h, group) with h
+# major, is a compound factor, but then Shardy may split h over a sub-axis (4 devices, 2 KV heads),
+# which custom_partitioning cannot hand to `partition` as a NamedSharding. So `partition` ties them
+# instead: K/V heads split like q's, or stay whole (see ShardPlan). Special factors are listed in
+# order of first appearance (d in q, before sk in k).
+SHARDING_RULE = SdyShardingRule(
+    (
+        ArrayMapping("b", "sq", "hq", "d"),
+        ArrayMapping("b", "sk", "h", "d"),
+        ArrayMapping("b", "sk", "h", "d"),
+    ),
+    (ArrayMapping("b", "sq", "hq", "d"), ArrayMapping("b", "hq", "sq")),
+    need_replication_factors=("d", "sk"),
+)
 
 
 def _axes(entry) -> Axes:
@@ -195,6 +184,6 @@ def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
     fn.def_partition(
         partition=functools.partial(partition, shard_kernel),
         infer_sharding_from_operands=_infer_sharding_from_operands,
-        sharding_rule=sharding_rule,
+        sharding_rule=SHARDING_RULE,
     )
     return fn

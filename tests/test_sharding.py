@@ -101,6 +101,25 @@ def test_batch_and_head_sharding_needs_no_collective(
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, q_spec), 4)
 
 
+def test_kv_computed_in_the_program_with_more_head_shards_than_kv_heads(rng):
+    """K/V from replicated weights, q heads over 4 devices, 2 KV heads: no collective, no reshard."""
+    mesh = cpu_mesh((4,), ("tensor",))
+    x = jnp.asarray(rng.standard_normal((1, 32, 64)), F16)
+    w_q = jnp.asarray(rng.standard_normal((64, 8 * 64)) / 8, F16)
+    w_kv = jnp.asarray(rng.standard_normal((64, 2 * 64)) / 8, F16)
+
+    def attention(x, w_q, w_kv):
+        q = (x @ w_q).reshape(1, 32, 8, 64)
+        kv = (x @ w_kv).reshape(1, 32, 2, 64)
+        return jzyfa.flash_attention(q, kv, kv, causal=True, return_lse=True)
+
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "tensor")), NamedSharding(mesh, P()))
+    fn = jax.jit(attention, in_shardings=shardings)
+    assert collective_counts(compiled_hlo(fn, x, w_q, w_kv)) == NO_COLLECTIVES
+    q, kv = (x @ w_q).reshape(1, 32, 8, 64), (x @ w_kv).reshape(1, 32, 2, 64)
+    assert_close_to_reference(fn(x, w_q, w_kv), jzyfa.attention_reference(q, kv, kv, causal=True))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("seq_q,seq_k", [(64, 64), (32, 64)])
 def test_sequence_sharded_q_stays_local_and_gathers_kv(rng, seq_q, seq_k, causal):
@@ -169,8 +188,11 @@ def test_cuda_lowering_of_sharded_call_carries_the_rule():
     text = fn.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     # The partitioner expands this call per shard when it compiles for the GPUs.
     assert 'call_target_name = "CustomSPMDPartitioning"' in text or "@CustomSPMDPartitioning" in text
-    assert "sdy.sharding_rule = #sdy.op_sharding_rule<([i, j, kl, m], [i, n, k, m], [i, n, k, m])" in text
-    assert "need_replication={m, n}" in text
+    # b, sq, hq, d / b, sk, h, d -> out, lse [b, hq, sq]; d and sk replicated.
+    assert (
+        "sdy.op_sharding_rule<([i, j, k, l], [i, m, n, l], [i, m, n, l])->([i, j, k, l], [i, k, j])" in text
+    )
+    assert "need_replication={l, m}" in text
 
 
 @pytest.mark.parametrize(
