@@ -1,7 +1,8 @@
-"""Timing helpers for `jzyfa.bench`: CUPTI kernel time, wall-clock time, and the SM clock.
+"""Timing helpers for `jzyfa.bench`: CUPTI kernel time, CUDA-event time, wall-clock time, the SM clock.
 
 Kernel time comes from CUPTI through `jax.experimental.mosaic.gpu.profiler.measure`, which records
-the duration of every kernel a jitted function launches. Wall time is measured over many
+the duration of every kernel a jitted function launches. PyTorch peers are timed with CUDA events
+around each rotation over the input sets (`torch_event_time`). Wall time is measured over many
 asynchronously dispatched calls, synchronised only at the end of each round. The SM clock is polled
 by a background thread (NVML, else `nvidia-smi`) while a timed loop runs.
 
@@ -97,9 +98,11 @@ class _NvidiaSmiReader:
         self.read()  # fail now, not in the thread
 
     def read(self) -> tuple[float, float | None]:
-        text = subprocess.run(
-            self._cmd, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip().splitlines()[0]
+        text = (
+            subprocess.run(self._cmd, capture_output=True, text=True, check=True, timeout=10)
+            .stdout.strip()
+            .splitlines()[0]
+        )
         fields = [f.strip() for f in text.split(",")]
         watts = None
         if len(fields) > 1:
@@ -223,7 +226,7 @@ class Timing:
             "median_ms": self.median_ms,
             "min_ms": ordered[0],
             "p10_ms": ordered[int(0.1 * (len(ordered) - 1))],
-            "p90_ms": ordered[int(math.ceil(0.9 * (len(ordered) - 1)))],
+            "p90_ms": ordered[math.ceil(0.9 * (len(ordered) - 1))],
             "samples": len(ordered),
             "calls_per_sample": self.calls_per_sample,
             "sm_clock": dataclasses.asdict(self.clock),
@@ -232,14 +235,19 @@ class Timing:
 
 
 def warm_up(
-    fn: Callable, arg_sets: Sequence[tuple], min_seconds: float, min_calls: int = 2
+    fn: Callable,
+    arg_sets: Sequence[tuple],
+    min_seconds: float,
+    min_calls: int = 2,
+    sync: Callable[[Any], Any] = jax.block_until_ready,
 ) -> float:
     """Calls fn over the rotating argument sets (compiling it) and returns the time of one call (s).
 
     Runs at least `min_calls` calls per set, and for at least `min_seconds` so the GPU clocks
-    ramp up. The estimate is taken after the first (compiling) round.
+    ramp up. The estimate is taken after the first (compiling) round. `sync(out)` waits for an
+    output (JAX's by default; PyTorch peers pass a CUDA synchronize).
     """
-    jax.block_until_ready(fn(*arg_sets[0]))
+    sync(fn(*arg_sets[0]))
     calls = 0
     start = time.perf_counter()
     while True:
@@ -247,7 +255,7 @@ def warm_up(
         for args in arg_sets:
             out = fn(*args)
             calls += 1
-        jax.block_until_ready(out)
+        sync(out)
         elapsed = time.perf_counter() - start
         if calls >= min_calls * len(arg_sets) and elapsed >= min_seconds:
             return elapsed / calls
@@ -260,6 +268,7 @@ def wall_clock(
     calls: int,
     rounds: int,
     monitor: ClockMonitor,
+    sync: Callable[[Any], Any] = jax.block_until_ready,
 ) -> Timing:
     """Per-call wall time: `rounds` rounds of asynchronously dispatched calls, inputs rotating.
 
@@ -276,7 +285,7 @@ def wall_clock(
             out = None
             for i in range(per_round):
                 out = fn(*arg_sets[i % len(arg_sets)])
-            jax.block_until_ready(out)
+            sync(out)
             samples.append((time.perf_counter() - start) * 1e3 / per_round)
             del out
     return Timing("wall", samples, per_round, monitor.stats())
@@ -356,3 +365,41 @@ def cupti_kernel_time(
         for name, total in sorted(per_kernel_ms.items(), key=lambda kv: -kv[1])
     ][:max_kernel_names]
     return Timing("cupti", samples, n_sets, monitor.stats(), kernels)
+
+
+def torch_event_time(
+    fn: Callable,
+    arg_sets: Sequence[tuple],
+    *,
+    min_samples: int,
+    min_seconds: float,
+    monitor: ClockMonitor,
+    samples_per_chunk: int = 20,
+) -> Timing:
+    """Per-call GPU time of a PyTorch function, from CUDA events around each rotation over the sets.
+
+    A sample is the time between two events recorded on the current stream before and after one
+    call per argument set, divided by the number of sets; a chunk of samples is queued back to back
+    and synchronised once, so the GPU does not idle between samples. The events bracket everything
+    the stream runs, including any launch gaps (negligible once a call takes more than ~50 us).
+    Call `warm_up` first (it compiles nothing here, but ramps the clock up).
+    """
+    import torch
+
+    n_sets = len(arg_sets)
+    samples: list[float] = []
+    start = time.perf_counter()
+    with monitor:
+        while len(samples) < min_samples or time.perf_counter() - start < min_seconds:
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(samples_per_chunk)
+            ]
+            for begin, end in events:
+                begin.record()
+                for args in arg_sets:
+                    fn(*args)
+                end.record()
+            torch.cuda.synchronize()
+            samples += [begin.elapsed_time(end) / n_sets for begin, end in events]
+    return Timing("cuda-events", samples, n_sets, monitor.stats())

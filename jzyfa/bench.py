@@ -1,21 +1,25 @@
-r"""Benchmark jzyfa's attention forward against cuDNN and XLA: `python -m jzyfa.bench`.
+r"""The attention benchmark: `python -m jzyfa.bench`.
 
-For every shape and implementation: check the output against a float64 NumPy reference on a
-slice of (batch, head) pairs, then time it (CUPTI kernel time on a GPU, and wall-clock time per
-call everywhere), reading the SM clock while the timed loop runs. Progress goes to stderr; the
-table (plain, or markdown with --markdown) to stdout; everything to --json_out.
+For every input kind, shape and implementation: check the output against float64 attention
+(NumPy, on a slice of (batch, head) pairs of the unquantized inputs), then time it: the median of
+many launches after a warm-up, with the inputs rotating over enough sets that L2 cannot hold them,
+and the SM clock read while the timed loop runs. JAX implementations are timed by CUPTI kernel
+time (and wall clock per call), PyTorch ones by CUDA events. A progress line per measurement goes
+to stderr; the table (plain, or markdown with --markdown) to stdout; everything to --json_out; a
+PNG of TFLOP/s against sequence length per implementation to --plot.
 
-Standard run on a Hopper GPU (the defaults): causal, head dim 128, 16 heads, bf16,
-(batch, seq) in (16,1024) (8,2048) (4,4096) (2,8192) (1,16384):
+Standard runs on a Hopper GPU (docs/measuring.md explains every column):
 
-  python -m jzyfa.bench --json_out bench.json --markdown
+  python -m jzyfa.bench --json_out bench.json --markdown --plot bench.png        # bf16
+  python -m jzyfa.bench --dtype fp8 --json_out bench_fp8.json --markdown          # FP8 (+ bf16 baselines)
 
-Without a GPU the command runs in smoke mode (small shapes, few iterations), which is also what
-`--smoke` forces on a GPU.
+Defaults: causal, head dim 128, 16 heads, (batch, seq) in (16,1024) (8,2048) (4,4096) (2,8192)
+(1,16384), Gaussian and activation-like inputs (`jzyfa.realistic_inputs`), every implementation
+of the run's precision (`jzyfa.peers`; those that cannot run here say why). Without a GPU the
+command runs in smoke mode (small shapes, few iterations); `--smoke` forces it on a GPU.
 
 FLOPs: 4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the FA3 / cuDNN convention);
-for causal with Sq != Sk the count uses the number of (query, key) pairs the bottom-right
-aligned mask leaves visible.
+for causal with Sq != Sk the count uses the (query, key) pairs the bottom-right mask leaves visible.
 """
 
 from __future__ import annotations
@@ -23,70 +27,108 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from absl import app
-from absl import flags
 import jax
-import jax.numpy as jnp
 import numpy as np
+from absl import app, flags
 
-from jzyfa import _timing
+from jzyfa import _timing, peers, realistic_inputs
+from jzyfa.accuracy import attention_float64, take_pairs
+from jzyfa.peers import Problem, Unsupported, attention_flops, parse_shapes, visible_pairs
+
+__all__ = ["Problem", "Unsupported", "attention_float64", "attention_flops", "parse_shapes", "visible_pairs"]
 
 STANDARD_SHAPES = "16x1024,8x2048,4x4096,2x8192,1x16384"
 SMOKE_SHAPES = "2x128,1x256"
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string(
-    "shapes", STANDARD_SHAPES,
-    "Comma-separated BxS (Sq = Sk = S) or BxSqxSk problem sizes.")
+flags.DEFINE_string("shapes", STANDARD_SHAPES, "Comma-separated BxS (Sq = Sk = S) or BxSqxSk problem sizes.")
 flags.DEFINE_integer("heads", 16, "Query heads (Hq).")
 flags.DEFINE_integer("kv_heads", None, "Key/value heads (Hkv, GQA/MQA); default: --heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension D.")
 flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned); --nocausal for none.")
-flags.DEFINE_enum("dtype", "bf16", ["bf16", "f16"], "Input and output dtype.")
+flags.DEFINE_enum(
+    "dtype",
+    "bf16",
+    ["bf16", "f16", "fp8"],
+    "Precision of the run: 16-bit inputs and outputs, or fp8 (bf16 inputs quantized to e4m3 outside "
+    "the timed call, one power-of-two descale per tensor; bf16 peers run on the unquantized inputs).",
+)
 flags.DEFINE_string(
-    "impls", "jzyfa,cudnn,xla",
-    "Comma-separated implementations: jzyfa (the kernel on a GPU, the default path elsewhere), "
-    "jzyfa_xla (jzyfa's pure-JAX path), cudnn and xla (jax.nn.dot_product_attention), "
-    "pallas (Pallas Mosaic GPU attention; f16 only).")
+    "inputs",
+    "gaussian,activations",
+    "Comma-separated input kinds: gaussian (standard normal), activations (activation-like: RoPE, "
+    "outlier channels in k, an attention sink, head scale spread), model (q/k/v from a packaged "
+    "model: not available, see docs/measuring.md).",
+)
+flags.DEFINE_string(
+    "impls",
+    "auto",
+    "Comma-separated implementations, or auto (every one of the run's precision; in fp8 runs also "
+    f"the bf16 jzyfa and cuDNN). Known: {', '.join(peers.PEERS)}.",
+)
+flags.DEFINE_bool(
+    "allow_xla_fallback",
+    False,
+    "Where jzyfa's kernel cannot serve on a GPU (FP8 today), time jzyfa's pure-JAX path instead, "
+    "reported as jzyfa...[xla-fallback]; without it the kernel's absence is reported.",
+)
 flags.DEFINE_integer(
-    "iters", 100,
+    "iters",
+    100,
     "Minimum number of timed samples (kernel time: one per rotation over the input sets) and of "
-    "wall-clock calls.")
+    "wall-clock calls.",
+)
 flags.DEFINE_float("min_time_s", 1.0, "Minimum duration of each timed loop, in seconds.")
 flags.DEFINE_float("warmup_s", 0.5, "Minimum warm-up per measurement, in seconds.")
 flags.DEFINE_integer("wall_rounds", 10, "Wall-clock rounds; the median over rounds is reported.")
 flags.DEFINE_integer(
-    "rotate_mb", 256,
+    "rotate_mb",
+    256,
     "Inputs rotate over enough sets (q, k, v, out) to span this many MB (2 sets at least), so "
-    "the 60 MB L2 cannot hold them between calls.")
+    "the 60 MB L2 cannot hold them between calls.",
+)
 flags.DEFINE_integer(
-    "cupti_mem_mb", 16384,
-    "Memory the outputs of one CUPTI chunk may take (they stay alive until the chunk ends).")
+    "cupti_mem_mb",
+    16384,
+    "Memory the outputs of one CUPTI chunk may take (they stay alive until the chunk ends).",
+)
 flags.DEFINE_integer(
-    "ref_pairs", -1,
+    "ref_pairs",
+    -1,
     "(batch, head) pairs checked against the float64 reference; -1: as many as a fixed budget "
-    "of reference FLOPs allows (2 to 16), 0: all.")
+    "of reference FLOPs allows (2 to 16), 0: all.",
+)
 flags.DEFINE_float(
-    "max_rel_err", None, "Relative L2 error above which a result is marked BAD; default by "
-    "dtype (bf16 2e-2, f16 5e-3).")
-flags.DEFINE_bool("cupti", True, "Use CUPTI kernel time on GPUs (wall time is always measured).")
+    "max_rel_err",
+    None,
+    "Relative L2 error above which a result is marked BAD; default by what the implementation "
+    "computes in (bf16 2e-2, f16 5e-3, fp8 0.15).",
+)
 flags.DEFINE_bool(
-    "smoke", None,
-    "Small shapes and few iterations (the default when the backend is not a GPU). Flags given "
-    "explicitly still apply.")
-flags.DEFINE_integer("seed", 0, "Seed of the random normal inputs.")
+    "cupti", True, "Use CUPTI kernel time for JAX implementations on GPUs (wall time is always measured)."
+)
+flags.DEFINE_bool(
+    "smoke",
+    None,
+    "Small shapes and few iterations (the default when the backend is not a GPU). Flags given explicitly still apply.",
+)
+flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON to this path.")
 flags.DEFINE_bool("markdown", False, "Print markdown tables (for docs/benchmarks.md).")
+flags.DEFINE_string("plot", None, "Write a PNG of TFLOP/s against sequence length per implementation here.")
 
 # What --smoke changes, unless the flag was given explicitly.
 _SMOKE_OVERRIDES = {
@@ -101,196 +143,37 @@ _SMOKE_OVERRIDES = {
 }
 
 _REF_FLOP_BUDGET = 2e11  # float64 reference FLOPs per shape when --ref_pairs=-1
-
-
-# ----------------------------------------------------------------------------------------------
-# Problems and FLOPs
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    causal: bool
-    dtype: str  # "bf16" | "f16"
-
-    @property
-    def jnp_dtype(self):
-        return {"bf16": jnp.bfloat16, "f16": jnp.float16}[self.dtype]
-
-    @property
-    def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    @property
-    def q_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.seq_q, self.heads_q, self.head_dim)
-
-    @property
-    def kv_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
-
-    @property
-    def set_bytes(self) -> int:
-        """Bytes of one input set plus its output."""
-        itemsize = jnp.dtype(self.jnp_dtype).itemsize
-        return itemsize * (2 * math.prod(self.q_shape) + 2 * math.prod(self.kv_shape))
-
-    @property
-    def flops(self) -> float:
-        return attention_flops(self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim,
-                               self.causal)
-
-    @property
-    def label(self) -> str:
-        seq = f"{self.seq_q}" if self.seq_q == self.seq_k else f"{self.seq_q}x{self.seq_k}"
-        return f"{self.batch}x{seq}"
-
-
-def visible_pairs(seq_q: int, seq_k: int, causal: bool) -> int:
-    """(query, key) pairs the mask leaves visible; causal is bottom-right aligned."""
-    if not causal:
-        return seq_q * seq_k
-    # Query i sees keys j <= i + seq_k - seq_q: clamp(i + seq_k - seq_q + 1, 0, seq_k) of them.
-    per_row = np.clip(np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q + 1), 0, seq_k)
-    return int(per_row.sum())
-
-
-def attention_flops(batch: int, seq_q: int, seq_k: int, heads_q: int, head_dim: int,
-                    causal: bool) -> float:
-    """Forward FLOPs of attention: two matmuls of 2 * D FLOPs per (query, key) pair.
-
-    4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the convention of FA3, cuDNN and
-    Pallas, slightly under the S(S+1)/2 pairs really computed); for causal with Sq != Sk, the
-    visible pairs of the bottom-right aligned mask are counted.
-    """
-    full = 4.0 * batch * heads_q * seq_q * seq_k * head_dim
-    if not causal:
-        return full
-    if seq_q == seq_k:
-        return full / 2
-    return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, True)
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """'16x1024,1x512x4096' -> [(16, 1024, 1024), (1, 512, 4096)] as (batch, seq_q, seq_k)."""
-    shapes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        try:
-            dims = [int(d) for d in item.split("x")]
-        except ValueError:
-            dims = []
-        if len(dims) not in (2, 3) or min(dims) < 1:
-            raise ValueError(f"--shapes: {item!r} is not BxS or BxSqxSk with positive integers")
-        shapes.append((dims[0], dims[1], dims[-1]))
-    if not shapes:
-        raise ValueError("--shapes: no shape given")
-    return shapes
-
-
-# ----------------------------------------------------------------------------------------------
-# Implementations
-
-
-class Unsupported(Exception):
-    """The implementation does not serve this problem (reported, not an error)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Impl:
-    name: str
-    description: str
-    # build(problem) -> fn(q, k, v) -> out; raises Unsupported for problems it does not serve.
-    build: Callable[[Problem], Callable]
-    # prepare(problem, q, k, v) -> (q, k, v): input transforms kept out of the timed call.
-    prepare: Callable[[Problem, Any, Any, Any], tuple] = lambda problem, q, k, v: (q, k, v)
-
-
-def _jzyfa_impl(implementation: str | None) -> Callable[[Problem], Callable]:
-    def build(problem: Problem) -> Callable:
-        import jzyfa
-
-        mode = implementation
-        if mode == "auto":  # on a GPU, time the kernel or fail; never a silent fallback
-            mode = "kernel" if jax.default_backend() == "gpu" else None
-
-        def fn(q, k, v):
-            return jzyfa.flash_attention(q, k, v, causal=problem.causal,
-                                         softmax_scale=problem.softmax_scale,
-                                         implementation=mode)
-        return fn
-    return build
-
-
-def _jax_nn_impl(implementation: str) -> Callable[[Problem], Callable]:
-    def build(problem: Problem) -> Callable:
-        if problem.causal and problem.seq_q != problem.seq_k:
-            raise Unsupported("jax.nn.dot_product_attention aligns is_causal top-left; "
-                              "jzyfa's mask is bottom-right, so Sq != Sk is not comparable")
-
-        def fn(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, scale=problem.softmax_scale,
-                                                is_causal=problem.causal,
-                                                implementation=implementation)
-        return fn
-    return build
-
-
-def _pallas_build(problem: Problem) -> Callable:
-    if jax.default_backend() != "gpu":
-        raise Unsupported("Pallas Mosaic GPU attention needs a GPU")
-    if problem.dtype != "f16":
-        raise Unsupported("Pallas Mosaic GPU attention fails in bf16 (its scratch is f16); "
-                          "use --dtype f16")
-    if problem.causal and problem.seq_q != problem.seq_k:
-        raise Unsupported("Pallas attention's causal mask is not bottom-right aligned for Sq != Sk")
-    from jax.experimental.pallas.ops.gpu import attention_mgpu
-
-    config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
-                                         causal=problem.causal)
-    return lambda q, k, v: attention_mgpu.attention(q, k, v, config)
-
-
-def _prescale_q(problem: Problem, q, k, v):
-    """Pallas' attention takes no softmax scale: scale q once, outside the timed call."""
-    return (q.astype(jnp.float32) * problem.softmax_scale).astype(q.dtype), k, v
-
-
-IMPLS = {
-    impl.name: impl for impl in [
-        Impl("jzyfa", "jzyfa.flash_attention (kernel on GPU)", _jzyfa_impl("auto")),
-        Impl("jzyfa_xla", 'jzyfa.flash_attention(implementation="xla")', _jzyfa_impl("xla")),
-        Impl("cudnn", 'jax.nn.dot_product_attention(implementation="cudnn")',
-             _jax_nn_impl("cudnn")),
-        Impl("xla", 'jax.nn.dot_product_attention(implementation="xla")', _jax_nn_impl("xla")),
-        Impl("pallas", "jax.experimental.pallas.ops.gpu.attention_mgpu (block 64x128)",
-             _pallas_build, _prescale_q),
-    ]
-}
+# BAD above this relative L2 error of O, by what the implementation computes in.
+DEFAULT_MAX_REL_ERR = {"bf16": 2e-2, "f16": 5e-3, "fp8": 0.15}
+# JAX preallocates 75% of GPU memory; with PyTorch peers in the run it gets this share instead.
+_JAX_MEMORY_FRACTION_WITH_TORCH = "0.5"
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs and the float64 reference
 
 
-def make_inputs(problem: Problem, n_sets: int, seed: int) -> list[tuple[jax.Array, ...]]:
-    """n_sets independent (q, k, v) sets of standard normal values, generated on the device."""
-    @jax.jit
-    def one_set(key):
-        kq, kk, kv = jax.random.split(key, 3)
-        return (jax.random.normal(kq, problem.q_shape, jnp.float32).astype(problem.jnp_dtype),
-                jax.random.normal(kk, problem.kv_shape, jnp.float32).astype(problem.jnp_dtype),
-                jax.random.normal(kv, problem.kv_shape, jnp.float32).astype(problem.jnp_dtype))
+def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list[peers.InputSet]:
+    """n_sets independent input sets of the given kind, generated on the device.
 
+    Set i comes from key i of jax.random.split(key(seed), n_sets), so the first set is the same for
+    every rotation count (and the Gaussian sets match the earlier benchmark runs).
+    """
     keys = jax.random.split(jax.random.key(seed), n_sets)
-    return [jax.block_until_ready(one_set(keys[i])) for i in range(n_sets)]
+    shape = {
+        "batch": problem.batch,
+        "seq_q": problem.seq_q,
+        "seq_k": problem.seq_k,
+        "heads_q": problem.heads_q,
+        "heads_kv": problem.heads_kv,
+        "head_dim": problem.head_dim,
+        "dtype": problem.jnp_dtype,
+    }
+    sets = []
+    for i in range(n_sets):
+        q, k, v = realistic_inputs.make_qkv(kind, keys[i], **shape)
+        sets.append(peers.InputSet(*jax.block_until_ready((q, k, v))))
+    return sets
 
 
 def rotation_sets(problem: Problem, rotate_mb: int) -> int:
@@ -306,44 +189,10 @@ def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
     elif requested > 0:
         n = min(requested, total)
     else:
-        per_pair = 4.0 * problem.head_dim * visible_pairs(problem.seq_q, problem.seq_k,
-                                                          problem.causal)
+        per_pair = 4.0 * problem.head_dim * visible_pairs(problem.seq_q, problem.seq_k, problem.causal)
         n = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
     flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
     return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
-
-
-def attention_float64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                      causal: bool) -> np.ndarray:
-    """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> [Sq, D].
-
-    Runs over blocks of query rows so long sequences fit in memory; under the causal mask a
-    block only multiplies the keys its rows can see. Rows that see no key give 0.
-    """
-    seq_q, seq_k = q.shape[0], k.shape[0]
-    offset = seq_k - seq_q  # bottom-right: row i sees keys j <= i + offset
-    out = np.zeros((seq_q, v.shape[1]), np.float64)
-    rows_per_block = max(1, min(seq_q, 2**22 // seq_k))
-    for start in range(0, seq_q, rows_per_block):
-        stop = min(seq_q, start + rows_per_block)
-        keys = min(seq_k, stop + offset) if causal else seq_k
-        if keys <= 0:
-            continue
-        scores = (q[start:stop] @ k[:keys].T) * scale
-        if causal:
-            rows = np.arange(start, stop)[:, None]
-            scores = np.where(np.arange(keys)[None, :] <= rows + offset, scores, -np.inf)
-        row_max = scores.max(axis=1, keepdims=True)
-        seen = np.isfinite(row_max)
-        probs = np.exp(scores - np.where(seen, row_max, 0.0))
-        row_sum = probs.sum(axis=1, keepdims=True)
-        out[start:stop] = np.where(seen, (probs @ v[:keys]) / np.where(seen, row_sum, 1.0), 0.0)
-    return out
-
-
-def take_pairs(x: jax.Array, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
-    """x[b, :, h, :] for each pair, as float64 [pairs, S, D] on the host."""
-    return np.asarray(jax.device_get(x[batches, :, heads, :]), dtype=np.float64)
 
 
 @dataclasses.dataclass
@@ -363,13 +212,17 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
     qs = take_pairs(q, batches, heads)
     ks = take_pairs(k, batches, heads // group)
     vs = take_pairs(v, batches, heads // group)
-    out = np.stack([attention_float64(qs[i], ks[i], vs[i], problem.softmax_scale, problem.causal)
-                    for i in range(len(pairs))])
+    out = np.stack(
+        [
+            attention_float64(qs[i], ks[i], vs[i], problem.softmax_scale, problem.causal)
+            for i in range(len(pairs))
+        ]
+    )
     return Reference(batches, heads, out, time.perf_counter() - start)
 
 
-def relative_error(out: jax.Array, ref: Reference) -> dict[str, float]:
-    """Relative L2 error and max abs error of out against the reference, over the checked pairs."""
+def relative_error(out, ref: Reference) -> dict[str, float]:
+    """Relative L2 error and max abs error of out (JAX or NumPy [B, Sq, Hq, D]) on the checked pairs."""
     got = take_pairs(out, ref.batches, ref.heads)
     diff = got - ref.out
     ref_norm = float(np.linalg.norm(ref.out))
@@ -387,8 +240,10 @@ def relative_error(out: jax.Array, ref: Reference) -> dict[str, float]:
 
 def _run_text(cmd: Sequence[str]) -> str | None:
     try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, check=True,
-                              timeout=20).stdout.strip() or None
+        return (
+            subprocess.run(list(cmd), capture_output=True, text=True, check=True, timeout=20).stdout.strip()
+            or None
+        )
     except Exception:  # noqa: BLE001 - optional information
         return None
 
@@ -416,12 +271,43 @@ def _cuda_versions() -> dict[str, Any]:
     if cuda_versions is None:
         return {}
     versions = {}
-    for key in ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
-                "cublas_get_version", "cupti_get_version"):
+    for key in (
+        "cuda_runtime_get_version",
+        "cuda_driver_get_version",
+        "cudnn_get_version",
+        "cublas_get_version",
+        "cupti_get_version",
+    ):
         try:
             versions[key.replace("_get_version", "")] = getattr(cuda_versions, key)()
         except Exception:  # noqa: BLE001
             pass
+    return versions
+
+
+def _gpu_limits() -> dict[str, Any]:
+    """Maximum SM clock and power limit of the first GPU (nvidia-smi), for the report's header."""
+    text = _run_text(["nvidia-smi", "--query-gpu=clocks.max.sm,power.limit", "--format=csv,noheader,nounits"])
+    if not text:
+        return {}
+    fields = [f.strip() for f in text.splitlines()[0].split(",")]
+    limits: dict[str, Any] = {}
+    for key, value in zip(("sm_clock_max_mhz", "power_limit_w"), fields):
+        try:
+            limits[key] = float(value)
+        except ValueError:
+            pass
+    return limits
+
+
+def _package_versions() -> dict[str, str | None]:
+    """Versions of the optional peers' packages, read from their metadata (nothing is imported)."""
+    versions = {}
+    for name in ("torch", "flash_attn", "flash_attn_3", "triton", "nvidia-ml-py", "matplotlib"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     return versions
 
 
@@ -439,8 +325,10 @@ def _jzyfa_status() -> dict[str, Any]:
         info["version"] = importlib.metadata.version("jzyfa")
     except Exception:  # noqa: BLE001 - running from a source tree
         info["version"] = None
-    info["git_commit"] = _run_text(["git", "-C", str(_package_dir()), "rev-parse", "--short",
-                                    "HEAD"])
+    # An installed copy is no git checkout: tools/gpu_session.sh can pass the commit it built.
+    info["git_commit"] = os.environ.get("JZYFA_GIT_COMMIT") or _run_text(
+        ["git", "-C", str(_package_dir()), "rev-parse", "--short", "HEAD"]
+    )
     return info
 
 
@@ -467,9 +355,12 @@ def collect_env() -> dict[str, Any]:
         "driver": None,
         "cuda": _cuda_versions(),
         "jzyfa": _jzyfa_status(),
+        "packages": _package_versions(),
+        "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
     }
     if device.platform == "gpu":
         env["driver"] = _driver_version()
+        env.update(_gpu_limits())
     return env
 
 
@@ -484,6 +375,10 @@ def header_line(env: dict[str, Any]) -> str:
         parts.append(f"CUDA runtime {cuda['cuda_runtime']}")
     if "cudnn" in cuda:
         parts.append(f"cuDNN {cuda['cudnn']}")
+    if env.get("sm_clock_max_mhz"):
+        parts.append(f"max SM clock {env['sm_clock_max_mhz']:.0f} MHz")
+    if env.get("power_limit_w"):
+        parts.append(f"power limit {env['power_limit_w']:.0f} W")
     parts.append(f"jax {env['jax']} / jaxlib {env['jaxlib']}")
     jz = env.get("jzyfa") or {}
     if jz.get("git_commit"):
@@ -503,7 +398,8 @@ class Options:
     wall_rounds: int
     cupti: bool
     cupti_mem_mb: int
-    max_rel_err: float
+    max_rel_err: float | None  # None: by compute dtype (DEFAULT_MAX_REL_ERR)
+    peer_options: peers.Options = dataclasses.field(default_factory=peers.Options)
 
 
 def _short_error(e: BaseException) -> str:
@@ -512,11 +408,30 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
-def measure_impl(impl: Impl, problem: Problem, sets: list[tuple], ref: Reference,
-                 opts: Options, monitor: _timing.ClockMonitor) -> dict[str, Any]:
+def _torch_sync(_out=None) -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def measure_peer(
+    peer: peers.Peer,
+    problem: Problem,
+    sets: list[peers.InputSet],
+    ref: Reference,
+    opts: Options,
+    monitor: _timing.ClockMonitor,
+) -> dict[str, Any]:
     """Checks one implementation on one problem, then times it. Never raises."""
+    compute_dtype = peer.compute_dtype(problem)
+    max_rel_err = opts.max_rel_err if opts.max_rel_err is not None else DEFAULT_MAX_REL_ERR[compute_dtype]
     result: dict[str, Any] = {
-        "impl": impl.name,
+        "impl": peer.name,
+        "peer": peer.name,
+        "description": peer.description,
+        "notes": peer.notes or None,
+        "framework": peer.framework,
+        "path": None,
         "batch": problem.batch,
         "seq_q": problem.seq_q,
         "seq_k": problem.seq_k,
@@ -525,61 +440,82 @@ def measure_impl(impl: Impl, problem: Problem, sets: list[tuple], ref: Reference
         "head_dim": problem.head_dim,
         "causal": problem.causal,
         "dtype": problem.dtype,
+        "compute_dtype": compute_dtype,
         "flops": problem.flops,
         "input_sets": len(sets),
         "status": None,
         "message": None,
         "rel_err": None,
         "max_abs_err": None,
+        "max_rel_err": max_rel_err,
         "err_ok": None,
         "median_ms": None,
         "tflops": None,
         "timing_source": None,
         "sm_clock_mhz": None,
-        "kernel": None,  # CUPTI kernel-time summary, GPU only
+        "kernel": None,  # CUPTI kernel-time (or CUDA-event) summary, GPU only
         "kernel_unavailable": None,  # why there is no kernel time, when CUPTI failed
         "wall": None,  # wall-clock summary
         "wall_tflops": None,
     }
+    torch_peer = peer.framework == "torch"
+    sync = _torch_sync if torch_peer else jax.block_until_ready
     # Build and check.
     try:
-        fn = impl.build(problem)
-        args = [impl.prepare(problem, *s) for s in sets]
-        jitted = jax.jit(fn)
-        out = jax.block_until_ready(jitted(*args[0]))
+        if (reason := peer.supports(problem)) is not None:
+            raise Unsupported(reason)
+        built = peer.build(problem, opts.peer_options)
+        result["path"] = built.path
+        if built.path == "xla-fallback":  # never timed under the kernel's name
+            result["impl"] = f"{peer.name}[xla-fallback]"
+        args = [peer.arguments(problem, s) for s in sets]
+        fn = built.fn if torch_peer else jax.jit(built.fn)
+        raw = fn(*args[0])
+        sync(raw)
+        out, _ = peer.decode(raw, args[0])
+        del raw
     except Unsupported as e:
         result.update(status="unsupported", message=str(e))
         return result
     except Exception as e:  # noqa: BLE001 - reported, and the run goes on
-        result.update(status="error", message=_short_error(e),
-                      traceback=traceback.format_exc(limit=8))
+        result.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=8))
         return result
     err = relative_error(out, ref)
     del out
     result.update(rel_err=err["rel_l2"], max_abs_err=err["max_abs"])
-    result["err_ok"] = bool(err["finite"] and err["rel_l2"] <= opts.max_rel_err)
+    result["err_ok"] = bool(err["finite"] and err["rel_l2"] <= max_rel_err)
 
     # Time.
     try:
-        per_call_s = _timing.warm_up(jitted, args, opts.warmup_s)
-        if opts.cupti:
+        per_call_s = _timing.warm_up(fn, args, opts.warmup_s, sync=sync)
+        if torch_peer:
+            kernel = _timing.torch_event_time(
+                fn, args, min_samples=opts.iters, min_seconds=opts.min_time_s, monitor=monitor
+            )
+            result["kernel"] = kernel.summary()
+        elif opts.cupti:
             try:
                 out_bytes = _out_bytes(problem) * len(args)  # one chunk iteration's outputs
                 max_chunk = max(2, int(opts.cupti_mem_mb * 2**20 // out_bytes))
                 kernel = _timing.cupti_kernel_time(
-                    fn, args, min_samples=opts.iters, min_seconds=opts.min_time_s,
-                    max_iterations_per_chunk=max_chunk, monitor=monitor,
-                    warmup_s=opts.warmup_s)
+                    built.fn,
+                    args,
+                    min_samples=opts.iters,
+                    min_seconds=opts.min_time_s,
+                    max_iterations_per_chunk=max_chunk,
+                    monitor=monitor,
+                    warmup_s=opts.warmup_s,
+                )
                 result["kernel"] = kernel.summary()
             except Exception as e:  # noqa: BLE001 - wall time still serves
                 result["kernel_unavailable"] = _short_error(e)
         calls = max(opts.iters, math.ceil(opts.min_time_s / max(per_call_s, 1e-9)))
-        wall = _timing.wall_clock(jitted, args, calls=calls, rounds=opts.wall_rounds,
-                                  monitor=monitor)
+        wall = _timing.wall_clock(fn, args, calls=calls, rounds=opts.wall_rounds, monitor=monitor, sync=sync)
         result["wall"] = wall.summary()
     except Exception as e:  # noqa: BLE001
-        result.update(status="error", message="timing: " + _short_error(e),
-                      traceback=traceback.format_exc(limit=8))
+        result.update(
+            status="error", message="timing: " + _short_error(e), traceback=traceback.format_exc(limit=8)
+        )
         return result
 
     primary = result["kernel"] or result["wall"]
@@ -590,12 +526,12 @@ def measure_impl(impl: Impl, problem: Problem, sets: list[tuple], ref: Reference
     result["wall_tflops"] = problem.flops / (result["wall"]["median_ms"] * 1e-3) / 1e12
     result["status"] = "ok" if result["err_ok"] else "bad"
     if not result["err_ok"]:
-        result["message"] = f"relative error {err['rel_l2']:.3g} > {opts.max_rel_err:g}"
+        result["message"] = f"relative error {err['rel_l2']:.3g} > {max_rel_err:g}"
     return result
 
 
 def _out_bytes(problem: Problem) -> int:
-    return math.prod(problem.q_shape) * jnp.dtype(problem.jnp_dtype).itemsize
+    return math.prod(problem.q_shape) * 2  # 16-bit outputs (bf16 for FP8 inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,13 +551,26 @@ def _fmt_tflops(value: float | None) -> str:
 
 def _shape_cells(r: dict[str, Any]) -> list[str]:
     seq = str(r["seq_q"]) if r["seq_q"] == r["seq_k"] else f"{r['seq_q']}/{r['seq_k']}"
-    heads = (str(r["heads_q"]) if r["heads_q"] == r["heads_kv"]
-             else f"{r['heads_q']}/{r['heads_kv']}")
+    heads = str(r["heads_q"]) if r["heads_q"] == r["heads_kv"] else f"{r['heads_q']}/{r['heads_kv']}"
     return [str(r["batch"]), seq, heads, str(r["head_dim"]), "yes" if r["causal"] else "no"]
 
 
-TABLE_COLUMNS = ["impl", "B", "S", "H", "D", "causal", "median ms", "wall ms", "TFLOP/s",
-                 "SM MHz", "rel err", "status"]
+TABLE_COLUMNS = [
+    "impl",
+    "inputs",
+    "dtype",
+    "B",
+    "S",
+    "H",
+    "D",
+    "causal",
+    "median ms",
+    "wall ms",
+    "TFLOP/s",
+    "SM MHz",
+    "rel err",
+    "status",
+]
 
 
 def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -629,9 +578,20 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
     for r in results:
         wall_ms = r["wall"]["median_ms"] if r.get("wall") else None
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
-        rows.append([r["impl"], *_shape_cells(r), _fmt(r["median_ms"], ".3f"),
-                     _fmt(wall_ms, ".3f"), _fmt_tflops(r["tflops"]),
-                     _fmt(r["sm_clock_mhz"], ".0f"), _fmt(r["rel_err"], ".2e"), status])
+        rows.append(
+            [
+                r["impl"],
+                r.get("inputs") or "gaussian",
+                r.get("compute_dtype") or r.get("dtype") or "",
+                *_shape_cells(r),
+                _fmt(r["median_ms"], ".3f"),
+                _fmt(wall_ms, ".3f"),
+                _fmt_tflops(r["tflops"]),
+                _fmt(r["sm_clock_mhz"], ".0f"),
+                _fmt(r["rel_err"], ".2e"),
+                status,
+            ]
+        )
     return rows
 
 
@@ -640,46 +600,60 @@ def format_plain(results: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS) - 1)]
     lines = []
     for row in rows:
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
         lines.append("  ".join(cells + [row[-1]]))
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
 
-def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any],
-                    config: dict[str, Any]) -> str:
+_TIMING_TEXT = {
+    "cupti": "CUPTI kernel time",
+    "cuda-events": "CUDA-event time",
+    "wall": "wall-clock time per call",
+}
+
+
+def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], config: dict[str, Any]) -> str:
     def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
         out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
         return out
 
     source = sorted({r["timing_source"] for r in results if r["timing_source"]})
-    timing = {"cupti": "CUPTI kernel time", "wall": "wall-clock time per call"}
+    kinds = list(dict.fromkeys(r.get("inputs") or "gaussian" for r in results))
     lines = [
-        f"{header_line(env)}; {config['dtype']}, head dim {config['head_dim']}, "
-        f"{_heads_text(config)}, {'causal' if config['causal'] else 'non-causal'}; "
-        f"median {' / '.join(timing[s] for s in source) or 'n/a'}, "
-        "causal FLOPs counted half; random normal inputs.",
-        "",
+        (
+            f"{env.get('date', '')} {header_line(env)}; {config['dtype']}, head dim {config['head_dim']}, "
+            f"{_heads_text(config)}, {'causal' if config['causal'] else 'non-causal'}; "
+            f"median {' / '.join(_TIMING_TEXT.get(s, s) for s in source) or 'n/a'}, "
+            f"causal FLOPs counted half; inputs: {', '.join(kinds)}."
+        ),
     ]
-    # Summary: TFLOP/s per implementation (rows) and shape (columns).
-    labels = list(dict.fromkeys(_label(r) for r in results))
-    impls = list(dict.fromkeys(r["impl"] for r in results))
-    by_key = {(r["impl"], _label(r)): r for r in results}
-    summary = []
-    for impl in impls:
-        row = [impl]
-        for label in labels:
-            r = by_key.get((impl, label))
-            if r is None or r["tflops"] is None:
-                row.append("-" if r is None else r["status"])
-            else:
-                mhz = _fmt(r["sm_clock_mhz"], ".0f", "")
-                row.append(_fmt_tflops(r["tflops"]) + (f" ({mhz} MHz)" if mhz else "")
-                           + ("" if r["status"] == "ok" else " BAD"))
-        summary.append(row)
-    lines += ["TFLOP/s (SM clock during the timed loop):", ""]
-    lines += md_table(["impl"] + labels, summary)
+    for kind in kinds:
+        subset = [r for r in results if (r.get("inputs") or "gaussian") == kind]
+        labels = list(dict.fromkeys(_label(r) for r in subset))
+        impls = list(dict.fromkeys(r["impl"] for r in subset))
+        by_key = {(r["impl"], _label(r)): r for r in subset}
+        summary = []
+        for impl in impls:
+            row = [impl]
+            for label in labels:
+                r = by_key.get((impl, label))
+                if r is None or r["tflops"] is None:
+                    row.append("-" if r is None else r["status"])
+                else:
+                    mhz = _fmt(r["sm_clock_mhz"], ".0f", "")
+                    row.append(
+                        _fmt_tflops(r["tflops"])
+                        + (f" ({mhz} MHz)" if mhz else "")
+                        + ("" if r["status"] == "ok" else " BAD")
+                    )
+            summary.append(row)
+        lines += ["", f"TFLOP/s on {kind} inputs (SM clock during the timed loop):", ""]
+        lines += md_table(["impl"] + labels, summary)
+    notes = {r["impl"]: r["notes"] for r in results if r.get("notes") and r["status"] not in ("unsupported",)}
+    if notes:
+        lines += ["", "Notes:"] + [f"- {impl}: {note}" for impl, note in notes.items()]
     lines += ["", "Details:", ""]
     lines += md_table(TABLE_COLUMNS, table_rows(results))
     return "\n".join(lines)
@@ -696,15 +670,17 @@ def _heads_text(config: dict[str, Any]) -> str:
 
 
 def progress_line(r: dict[str, Any]) -> str:
-    head = (f"{r['impl']:>10} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
-            f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
-            f"{' causal' if r['causal'] else ''}")
+    head = (
+        f"{r['impl']:>16} {r.get('inputs') or 'gaussian'} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
+        f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
+        f"{' causal' if r['causal'] else ''}"
+    )
     if r["status"] in ("unsupported", "error"):
         return f"{head}: {r['status']}: {r['message']}"
     parts = [f"err {r['rel_err']:.2e}"]
     if r.get("kernel"):
         k = r["kernel"]
-        parts.append(f"kernel {k['median_ms']:.4f} ms ({k['samples']} samples)")
+        parts.append(f"{k['source']} {k['median_ms']:.4f} ms ({k['samples']} samples)")
     elif r.get("kernel_unavailable"):
         parts.append(f"no kernel time ({r['kernel_unavailable'][:80]})")
     if r.get("wall"):
@@ -712,6 +688,62 @@ def progress_line(r: dict[str, Any]) -> str:
     parts.append(f"{_fmt_tflops(r['tflops'])} TFLOP/s")
     parts.append(f"SM {_fmt(r['sm_clock_mhz'], '.0f')} MHz")
     return f"{head}: " + ", ".join(parts) + ("" if r["status"] == "ok" else " [BAD]")
+
+
+class PlotUnavailable(RuntimeError):
+    """The plot cannot be drawn here (matplotlib is missing)."""
+
+
+def write_plot(
+    results: Sequence[dict[str, Any]], env: dict[str, Any], config: dict[str, Any], path: str
+) -> int:
+    """A PNG of TFLOP/s against sequence length (log2 axis), one line per implementation and one
+    panel per input kind; returns the number of points drawn. matplotlib is imported only here."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise PlotUnavailable(
+            f"--plot needs matplotlib, which is not installed ({e}); `pip install matplotlib`, or "
+            "draw the plot later from the JSON (--json_out)"
+        ) from e
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in results if r["tflops"] is not None]
+    kinds = list(dict.fromkeys(r.get("inputs") or "gaussian" for r in results)) or ["gaussian"]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.8), squeeze=False, sharey=True)
+    points = 0
+    for ax, kind in zip(axes[0], kinds):
+        subset = [r for r in timed if (r.get("inputs") or "gaussian") == kind]
+        for impl in dict.fromkeys(r["impl"] for r in subset):
+            rows = sorted((r for r in subset if r["impl"] == impl), key=lambda r: (r["seq_k"], r["seq_q"]))
+            xs = [r["seq_k"] for r in rows]
+            ys = [r["tflops"] for r in rows]
+            ax.plot(
+                xs, ys, marker="o", label=impl + ("" if all(r["status"] == "ok" for r in rows) else " (BAD)")
+            )
+            points += len(rows)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["seq_k"] for r in subset})
+        if ticks:
+            ax.set_xticks(ticks, [f"{t // 1024}K" if t % 1024 == 0 else str(t) for t in ticks])
+            ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length (keys)")
+        ax.set_title(f"{kind} inputs")
+        ax.grid(True, which="both", alpha=0.3)
+        if subset:
+            ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("TFLOP/s (causal FLOPs counted half)" if config["causal"] else "TFLOP/s")
+    fig.suptitle(
+        f"{env.get('device', '')}: attention forward, {config['dtype']}, head dim {config['head_dim']}, "
+        f"{_heads_text(config)}, {'causal' if config['causal'] else 'non-causal'} ({env.get('date', '')[:10]})",
+        fontsize="medium",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return points
 
 
 # ----------------------------------------------------------------------------------------------
@@ -722,32 +754,71 @@ def _log(text: str) -> None:
     print(f"[jzyfa.bench] {text}", file=sys.stderr, flush=True)
 
 
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
 def resolve_config() -> dict[str, Any]:
     """The flag values after smoke mode, as a plain dict."""
     smoke = FLAGS.smoke
     if smoke is None:
         smoke = jax.default_backend() != "gpu"
-    config = {name: FLAGS[name].value for name in [
-        "shapes", "heads", "kv_heads", "head_dim", "causal", "dtype", "impls", "iters",
-        "min_time_s", "warmup_s", "wall_rounds", "rotate_mb", "cupti_mem_mb", "ref_pairs",
-        "max_rel_err", "cupti", "seed", "json_out", "markdown"]}
+    names = [
+        "shapes",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "causal",
+        "dtype",
+        "inputs",
+        "impls",
+        "allow_xla_fallback",
+        "iters",
+        "min_time_s",
+        "warmup_s",
+        "wall_rounds",
+        "rotate_mb",
+        "cupti_mem_mb",
+        "ref_pairs",
+        "max_rel_err",
+        "cupti",
+        "seed",
+        "json_out",
+        "markdown",
+        "plot",
+    ]
+    config = {name: FLAGS[name].value for name in names}
     if smoke:
         for name, value in _SMOKE_OVERRIDES.items():
             if not FLAGS[name].present:
                 config[name] = value
     config["smoke"] = smoke
-    if config["max_rel_err"] is None:
-        config["max_rel_err"] = {"bf16": 2e-2, "f16": 5e-3}[config["dtype"]]
     return config
+
+
+def resolve_impls(text: str, dtype: str) -> list[str]:
+    names = []
+    for name in _split(text):
+        names += peers.auto_peers(dtype) if name == "auto" else [name]
+    unknown = [name for name in names if name not in peers.PEERS]
+    if unknown:
+        raise ValueError(f"--impls: unknown {unknown}; known: {sorted(peers.PEERS)} or auto")
+    return list(dict.fromkeys(names))
+
+
+def resolve_inputs(text: str) -> list[str]:
+    kinds = _split(text)
+    unknown = [k for k in kinds if k not in realistic_inputs.INPUT_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS}")
+    return list(dict.fromkeys(kinds))
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
     """Runs the benchmark described by config (see resolve_config) and returns the report."""
     shapes = parse_shapes(config["shapes"])
-    impl_names = [name.strip() for name in config["impls"].split(",") if name.strip()]
-    unknown = [name for name in impl_names if name not in IMPLS]
-    if unknown:
-        raise ValueError(f"--impls: unknown {unknown}; known: {sorted(IMPLS)}")
+    impl_names = resolve_impls(config["impls"], config["dtype"])
+    kinds = resolve_inputs(config["inputs"])
     heads_q = config["heads"]
     heads_kv = config["kv_heads"] or heads_q
     if heads_q % heads_kv:
@@ -757,42 +828,86 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     _log(header_line(env))
     if config["smoke"]:
         _log("smoke mode: small shapes, few iterations (no GPU, or --smoke)")
-    opts = Options(iters=config["iters"], min_time_s=config["min_time_s"],
-                   warmup_s=config["warmup_s"], wall_rounds=config["wall_rounds"],
-                   cupti=config["cupti"], cupti_mem_mb=config["cupti_mem_mb"],
-                   max_rel_err=config["max_rel_err"])
+    opts = Options(
+        iters=config["iters"],
+        min_time_s=config["min_time_s"],
+        warmup_s=config["warmup_s"],
+        wall_rounds=config["wall_rounds"],
+        cupti=config["cupti"],
+        cupti_mem_mb=config["cupti_mem_mb"],
+        max_rel_err=config["max_rel_err"],
+        peer_options=peers.Options(allow_xla_fallback=config["allow_xla_fallback"]),
+    )
     if opts.cupti and (reason := _timing.cupti_available()) is not None:
         _log(f"no CUPTI kernel time ({reason}); timing wall clock only")
         opts.cupti = False
     monitor = _timing.ClockMonitor(_timing.open_clock_reader())
 
-    results = []
+    results: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    total = len(kinds) * len(shapes) * len(impl_names)
+    done = 0
     try:
-        for batch, seq_q, seq_k in shapes:
-            problem = Problem(batch, seq_q, seq_k, heads_q, heads_kv, config["head_dim"],
-                              config["causal"], config["dtype"])
-            n_sets = rotation_sets(problem, config["rotate_mb"])
-            sets = make_inputs(problem, n_sets, config["seed"])
-            ref = compute_reference(problem, *sets[0], config["ref_pairs"])
-            _log(f"{problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
-                 f"reference on {len(ref.batches)} (batch, head) pairs in {ref.seconds:.1f} s")
-            for name in impl_names:
-                result = measure_impl(IMPLS[name], problem, sets, ref, opts, monitor)
-                result["reference_pairs"] = len(ref.batches)
-                results.append(result)
-                _log(progress_line(result))
-            del sets
-            gc.collect()
+        for kind in kinds:
+            for batch, seq_q, seq_k in shapes:
+                problem = Problem(
+                    batch,
+                    seq_q,
+                    seq_k,
+                    heads_q,
+                    heads_kv,
+                    config["head_dim"],
+                    config["causal"],
+                    config["dtype"],
+                )
+                n_sets = rotation_sets(problem, config["rotate_mb"])
+                try:
+                    sets = make_input_sets(problem, kind, n_sets, config["seed"])
+                except realistic_inputs.ModelInputsUnavailable as e:
+                    skipped[kind] = str(e)
+                    _log(f"{kind} inputs skipped: {e}")
+                    done += len(shapes) * len(impl_names)
+                    break
+                ref = compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, config["ref_pairs"])
+                _log(
+                    f"{kind} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
+                    f"reference on {len(ref.batches)} (batch, head) pairs in {ref.seconds:.1f} s"
+                )
+                for name in impl_names:
+                    done += 1
+                    result = measure_peer(peers.PEERS[name], problem, sets, ref, opts, monitor)
+                    result["inputs"] = kind
+                    result["reference_pairs"] = len(ref.batches)
+                    results.append(result)
+                    _log(f"[{done}/{total}] " + progress_line(result))
+                del sets
+                gc.collect()
     finally:
         monitor.close()
-    return {"env": env, "config": config, "results": results}
+    if not results and skipped:
+        raise ValueError("nothing to run: " + "; ".join(f"--inputs {k}: {v}" for k, v in skipped.items()))
+    return {"env": env, "config": config, "impls": impl_names, "skipped_inputs": skipped, "results": results}
 
 
-def main(argv: Sequence[str]) -> None:
+def _reserve_gpu_memory_for_torch() -> None:
+    """JAX takes 75% of GPU memory at start-up; leave PyTorch peers room (before JAX starts)."""
+    try:
+        names = resolve_impls(FLAGS.impls, FLAGS.dtype)
+    except ValueError:
+        return
+    if peers.uses_torch(names) and importlib.util.find_spec("torch") is not None:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_MEMORY_FRACTION_WITH_TORCH)
+
+
+def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _reserve_gpu_memory_for_torch()
     config = resolve_config()
-    report = run(config)
+    try:
+        report = run(config)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from e
     if config["markdown"]:
         print(format_markdown(report["results"], report["env"], config))
     else:
@@ -803,6 +918,14 @@ def main(argv: Sequence[str]) -> None:
             json.dump(_json_safe(report), f, indent=1, allow_nan=False)
             f.write("\n")
         _log(f"wrote {config['json_out']}")
+    if config["plot"]:
+        try:
+            points = write_plot(report["results"], report["env"], config, config["plot"])
+        except PlotUnavailable as e:
+            _log(f"no plot: {e}")
+            return 3
+        _log(f"wrote {config['plot']} ({points} points)")
+    return 0
 
 
 def _json_safe(value):

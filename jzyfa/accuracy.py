@@ -1,0 +1,826 @@
+r"""Attention accuracy against float64 attention, and FP8's effect on a model: `python -m jzyfa.accuracy`.
+
+Two reports:
+
+1. Errors of O and LSE. For each input kind and shape, every variant (jzyfa BF16; jzyfa FP8 as the
+   kernel will compute it, lean P on and off, with and without the Hadamard rotation, through
+   `jzyfa.fp8_emulation`; jzyfa's pure-JAX FP8 path; cuDNN BF16 and FP8 on a GPU; the FP8 kernel
+   once it exists) runs on the same 16-bit inputs (FP8 variants quantize them with
+   `jzyfa.fp8_quantize`), and is compared with float64 attention on the *unquantized* inputs, for
+   a slice of (batch, head) pairs: relative L2 error and max abs error of O, and the same for the
+   LSE (natural log). The float64 reference runs over blocks of query rows, so 32K tokens fit.
+2. KL divergence. A small causal transformer (random weights, see `ModelConfig`) runs once with
+   BF16 attention and once per FP8 variant; the report gives KL(p_bf16 || p_fp8) of the
+   next-token distributions, averaged over positions, and how often the top-1 token agrees.
+
+    python -m jzyfa.accuracy --json_out accuracy.json --markdown    # on the H200
+    python -m jzyfa.accuracy --smoke                                # seconds on a CPU
+
+Without a GPU it runs in smoke mode (small shapes and model); GPU-only variants say why not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jzyfa import peers, realistic_inputs
+
+_ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
+
+
+# ----------------------------------------------------------------------------------------------
+# The float64 reference
+
+
+def attention_float64(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool, *, return_lse: bool = False
+):
+    """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
+
+    Runs over blocks of query rows so long sequences fit in memory; under the causal mask
+    (bottom-right aligned) a block only multiplies the keys its rows can see. Rows that see no key
+    give out 0 and lse -inf.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    seq_q, seq_k = q.shape[0], k.shape[0]
+    offset = seq_k - seq_q  # bottom-right: row i sees keys j <= i + offset
+    out = np.zeros((seq_q, v.shape[1]), np.float64)
+    lse = np.full(seq_q, -np.inf)
+    rows_per_block = max(1, min(seq_q, _ROWS_BUDGET // max(seq_k, 1)))
+    for start in range(0, seq_q, rows_per_block):
+        stop = min(seq_q, start + rows_per_block)
+        keys = min(seq_k, stop + offset) if causal else seq_k
+        if keys <= 0:
+            continue
+        scores = (q[start:stop] @ k[:keys].T) * scale
+        if causal:
+            rows = np.arange(start, stop)[:, None]
+            scores = np.where(np.arange(keys)[None, :] <= rows + offset, scores, -np.inf)
+        row_max = scores.max(axis=1, keepdims=True)
+        seen = np.isfinite(row_max)
+        probs = np.exp(scores - np.where(seen, row_max, 0.0))
+        row_sum = probs.sum(axis=1, keepdims=True)
+        out[start:stop] = np.where(seen, (probs @ v[:keys]) / np.where(seen, row_sum, 1.0), 0.0)
+        lse[start:stop] = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)[:, 0]
+    return (out, lse) if return_lse else out
+
+
+def take_pairs(x, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """x[b, :, h, :] for each (b, h) pair of x [B, S, H, D] (JAX or NumPy), as float64 [P, S, D]."""
+    if isinstance(x, np.ndarray):
+        return np.asarray(x[batches, :, heads, :], np.float64)
+    return np.asarray(jax.device_get(x[batches, :, heads, :]), np.float64)
+
+
+def take_lse_pairs(lse, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """lse[b, h, :] for each pair of lse [B, H, S], as float64 [P, S]."""
+    if isinstance(lse, np.ndarray):
+        return np.asarray(lse[batches, heads, :], np.float64)
+    return np.asarray(jax.device_get(lse[batches, heads, :]), np.float64)
+
+
+@dataclasses.dataclass
+class Reference:
+    """float64 attention on (batch, query head) pairs of the unquantized inputs."""
+
+    batches: np.ndarray
+    heads: np.ndarray
+    out: np.ndarray  # float64 [P, Sq, D]
+    lse: np.ndarray  # float64 [P, Sq]
+    seconds: float
+
+
+def reference_on_pairs(q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool) -> Reference:
+    """The float64 reference for query heads `pairs` = [(batch, head), ...] (GQA-aware)."""
+    start = time.perf_counter()
+    batches = np.array([b for b, _ in pairs], dtype=np.int64)
+    heads = np.array([h for _, h in pairs], dtype=np.int64)
+    group = q.shape[2] // k.shape[2]
+    qs = take_pairs(q, batches, heads)
+    ks = take_pairs(k, batches, heads // group)
+    vs = take_pairs(v, batches, heads // group)
+    results = [
+        attention_float64(qs[i], ks[i], vs[i], scale, causal, return_lse=True) for i in range(len(pairs))
+    ]
+    out = np.stack([o for o, _ in results]) if results else np.zeros((0, q.shape[1], q.shape[3]))
+    lse = np.stack([s for _, s in results]) if results else np.zeros((0, q.shape[1]))
+    return Reference(batches, heads, out, lse, time.perf_counter() - start)
+
+
+def spread_pairs(batch: int, heads: int, count: int) -> list[tuple[int, int]]:
+    """`count` (batch, head) pairs spread evenly over the flattened batch*heads index (0: all)."""
+    total = batch * heads
+    n = total if count <= 0 else min(count, total)
+    flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
+    return [(i // heads, i % heads) for i in flat]
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def error_metrics(out: np.ndarray, ref_out: np.ndarray, lse=None, ref_lse=None) -> dict[str, Any]:
+    """Relative L2 and max abs error of O (and of the LSE, where given) against the reference.
+
+    LSE: rows where both are -inf (no visible key) are left out; a row where only one is finite
+    makes the LSE errors infinite.
+    """
+    out = np.asarray(out, np.float64)
+    diff = out - ref_out
+    ref_norm = float(np.linalg.norm(ref_out))
+    diff_norm = float(np.linalg.norm(diff))
+    metrics: dict[str, Any] = {
+        "o_rel_l2": diff_norm / ref_norm if ref_norm > 0 else diff_norm,
+        "o_max_abs": float(np.max(np.abs(diff))) if diff.size else 0.0,
+        "finite": bool(np.all(np.isfinite(out))),
+        "lse_rel_l2": None,
+        "lse_max_abs": None,
+    }
+    if lse is not None:
+        lse = np.asarray(lse, np.float64)
+        both_empty = np.isneginf(lse) & np.isneginf(ref_lse)
+        if np.any(np.isfinite(lse) != np.isfinite(ref_lse)) or np.any(np.isnan(lse)):
+            metrics.update(lse_rel_l2=math.inf, lse_max_abs=math.inf)
+        else:
+            keep = ~both_empty
+            lse_diff = lse[keep] - ref_lse[keep]
+            ref_lse_norm = float(np.linalg.norm(ref_lse[keep]))
+            lse_diff_norm = float(np.linalg.norm(lse_diff))
+            metrics["lse_rel_l2"] = lse_diff_norm / ref_lse_norm if ref_lse_norm > 0 else lse_diff_norm
+            metrics["lse_max_abs"] = float(np.max(np.abs(lse_diff))) if lse_diff.size else 0.0
+    return metrics
+
+
+def kl_divergence(logits_p, logits_q) -> dict[str, float]:
+    """KL(p || q) of the softmax distributions over the last axis, in float64 nats.
+
+    Returns the mean and the max over positions, and the fraction of positions whose top-1 token
+    agrees.
+    """
+    p_log = _log_softmax(np.asarray(logits_p, np.float64))
+    q_log = _log_softmax(np.asarray(logits_q, np.float64))
+    per_position = np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)
+    top1 = np.argmax(p_log, axis=-1) == np.argmax(q_log, axis=-1)
+    return {
+        "kl_mean": float(np.mean(per_position)),
+        "kl_max": float(np.max(per_position)),
+        "top1_agreement": float(np.mean(top1)),
+    }
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What every variant of one accuracy run shares."""
+
+    causal: bool
+    softmax_scale: float
+    granularity: str = "tensor"  # FP8 descales: "tensor" or "head"
+    hadamard_seed: int = 0  # the rotation of the *_hadamard variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """An attention computation under test: run(q, k, v, setting) -> (O, LSE or None), jax-traceable.
+
+    q, k, v are the 16-bit inputs; FP8 variants quantize them themselves. `run` raises
+    `peers.Unsupported` (at trace time) where it cannot serve.
+    """
+
+    name: str
+    description: str
+    run: Callable[..., tuple[jax.Array, jax.Array | None]]
+
+
+def _quantized(q, k, v, setting: Setting, hadamard: bool) -> peers.Fp8Inputs:
+    return peers.quantize_qkv(
+        q, k, v, granularity=setting.granularity, hadamard_seed=setting.hadamard_seed if hadamard else None
+    )
+
+
+def _jzyfa_bf16(q, k, v, setting: Setting):
+    import jzyfa
+
+    return jzyfa.flash_attention(
+        q, k, v, causal=setting.causal, softmax_scale=setting.softmax_scale, return_lse=True
+    )
+
+
+def _cudnn_bf16(q, k, v, setting: Setting):
+    if jax.default_backend() != "gpu":
+        raise peers.Unsupported("cuDNN needs a CUDA GPU")
+    if setting.causal and q.shape[1] != k.shape[1]:
+        raise peers.Unsupported("jax.nn's causal mask is top-left aligned; Sq != Sk is not comparable")
+    out, residual = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=setting.softmax_scale,
+        is_causal=setting.causal,
+        implementation="cudnn",
+        return_residual=True,
+    )
+    return out, jnp.swapaxes(residual.astype(jnp.float32), 1, 2)
+
+
+def _jzyfa_fp8(implementation: str | None, hadamard: bool):
+    def run(q, k, v, setting: Setting):
+        import jzyfa
+
+        if implementation == "kernel" and jax.default_backend() != "gpu":
+            raise peers.Unsupported("the FP8 kernel runs on a GPU")
+        f = _quantized(q, k, v, setting, hadamard)
+        try:
+            return jzyfa.flash_attention(
+                f.q,
+                f.k,
+                f.v,
+                descale_q=f.descale_q,
+                descale_k=f.descale_k,
+                descale_v=f.descale_v,
+                causal=setting.causal,
+                softmax_scale=setting.softmax_scale,
+                return_lse=True,
+                implementation=implementation,
+            )
+        except ValueError as e:
+            if implementation == "kernel":
+                raise peers.Unsupported(str(e)) from e
+            raise
+
+    return run
+
+
+def _emulated(hadamard: bool, **switches):
+    def run(q, k, v, setting: Setting):
+        try:
+            fp8_emulation = importlib.import_module("jzyfa.fp8_emulation")
+        except ImportError as e:
+            raise peers.Unsupported(f"jzyfa.fp8_emulation is not importable: {e}") from e
+        f = _quantized(q, k, v, setting, hadamard)
+        return fp8_emulation.attention_fp8_emulated(
+            f.q,
+            f.k,
+            f.v,
+            f.descale_q,
+            f.descale_k,
+            f.descale_v,
+            causal=setting.causal,
+            softmax_scale=setting.softmax_scale,
+            **switches,
+        )
+
+    return run
+
+
+def _cudnn_fp8(hadamard: bool):
+    def run(q, k, v, setting: Setting):
+        if jax.default_backend() != "gpu":
+            raise peers.Unsupported("cuDNN FP8 needs a CUDA GPU")
+        if setting.granularity != "tensor":
+            raise peers.Unsupported("cuDNN FP8 takes one descale per tensor (use --granularity tensor)")
+        if setting.causal and q.shape[1] != k.shape[1]:
+            raise peers.Unsupported("cuDNN's causal mask is top-left aligned; Sq != Sk is not comparable")
+        f = _quantized(q, k, v, setting, hadamard)
+        out8 = peers.cudnn_fp8_attention(
+            f.q,
+            f.k,
+            f.v,
+            peers.cudnn_fp8_params(f),
+            causal=setting.causal,
+            softmax_scale=setting.softmax_scale,
+        )
+        return out8.astype(jnp.float32) * f.descale_v.reshape(()), None
+
+    return run
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("jzyfa_bf16", "jzyfa.flash_attention on the bf16 inputs (the kernel on Hopper)", _jzyfa_bf16),
+        Variant("cudnn_bf16", 'jax.nn.dot_product_attention(implementation="cudnn")', _cudnn_bf16),
+        Variant("jzyfa_fp8", "jzyfa FP8 kernel (implementation='kernel')", _jzyfa_fp8("kernel", False)),
+        Variant(
+            "jzyfa_fp8_hadamard", "jzyfa FP8 kernel, q and k Hadamard-rotated", _jzyfa_fp8("kernel", True)
+        ),
+        Variant(
+            "fp8_dequant_exact",
+            "jzyfa's pure-JAX FP8 path: dequantized inputs, exact float32 softmax (input rounding only)",
+            _jzyfa_fp8("xla", False),
+        ),
+        Variant("fp8_emul_lean", "FP8 kernel emulation, lean P on", _emulated(False, lean_p=True)),
+        Variant(
+            "fp8_emul_exact", "FP8 kernel emulation, lean P off (exact exp2)", _emulated(False, lean_p=False)
+        ),
+        Variant(
+            "fp8_emul_lean_hadamard",
+            "FP8 kernel emulation, lean P on, Hadamard",
+            _emulated(True, lean_p=True),
+        ),
+        Variant(
+            "fp8_emul_exact_hadamard",
+            "FP8 kernel emulation, lean P off, Hadamard",
+            _emulated(True, lean_p=False),
+        ),
+        Variant(
+            "fp8_emul_fa3_style",
+            "FP8 emulation with lean P, block scaling and the rounded row sum all off (FA3's scheme)",
+            _emulated(False, lean_p=False, block_scaling=False, rounded_sum=False),
+        ),
+        Variant("cudnn_fp8", "cuDNN FP8 (e4m3 output, per-tensor descales)", _cudnn_fp8(False)),
+        Variant("cudnn_fp8_hadamard", "cuDNN FP8, q and k Hadamard-rotated", _cudnn_fp8(True)),
+    ]
+}
+# The FP8 variants compared in the KL report (against BF16 attention in the same model).
+KL_VARIANTS = [name for name in VARIANTS if name not in ("jzyfa_bf16", "cudnn_bf16")]
+
+
+def jzyfa_bf16_path(head_dim: int) -> str:
+    """What serves the jzyfa_bf16 variant here: the kernel, or the pure-JAX path."""
+    import jzyfa
+
+    if jzyfa.kernel_available() and head_dim in (64, 128):
+        return "kernel"
+    return "pure-JAX"
+
+
+# ----------------------------------------------------------------------------------------------
+# Error report
+
+
+def _short_error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def evaluate_variant(variant: Variant, q, k, v, setting: Setting, ref: Reference) -> dict[str, Any]:
+    """Runs one variant on the full inputs and compares it with the reference pairs. Never raises."""
+    result: dict[str, Any] = {"variant": variant.name, "status": None, "message": None}
+    start = time.perf_counter()
+    try:
+        out, lse = jax.jit(functools.partial(variant.run, setting=setting))(q, k, v)
+        out = jax.block_until_ready(out)
+    except peers.Unsupported as e:
+        result.update(status="unsupported", message=str(e))
+        return result
+    except Exception as e:  # noqa: BLE001 - reported, and the run goes on
+        result.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=6))
+        return result
+    got = take_pairs(out.astype(jnp.float32), ref.batches, ref.heads)
+    got_lse = None if lse is None else take_lse_pairs(lse, ref.batches, ref.heads)
+    result.update(error_metrics(got, ref.out, got_lse, ref.lse if lse is not None else None))
+    result["status"] = "ok" if result["finite"] else "bad"
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def run_errors(config: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
+    results = []
+    setting_base = {"granularity": config["granularity"], "hadamard_seed": config["seed"]}
+    for kind in config["inputs"]:
+        for batch, seq_q, seq_k in config["shapes"]:
+            shape = {
+                "batch": batch,
+                "seq_q": seq_q,
+                "seq_k": seq_k,
+                "heads_q": config["heads"],
+                "heads_kv": config["kv_heads"],
+                "head_dim": config["head_dim"],
+            }
+            label = f"{kind} {batch}x{seq_q}" + ("" if seq_q == seq_k else f"x{seq_k}")
+            try:
+                q, k, v = realistic_inputs.make_qkv(kind, config["seed"], **shape)
+            except realistic_inputs.ModelInputsUnavailable as e:
+                log(f"{label}: skipped: {e}")
+                continue
+            setting = Setting(
+                causal=config["causal"], softmax_scale=1 / math.sqrt(config["head_dim"]), **setting_base
+            )
+            pairs = spread_pairs(batch, config["heads"], config["ref_pairs"])
+            ref = reference_on_pairs(q, k, v, pairs, scale=setting.softmax_scale, causal=setting.causal)
+            log(f"{label}: float64 reference on {len(pairs)} (batch, head) pairs in {ref.seconds:.1f} s")
+            for name in config["variants"]:
+                r = evaluate_variant(VARIANTS[name], q, k, v, setting, ref)
+                r.update(inputs=kind, **shape, causal=setting.causal, reference_pairs=len(pairs))
+                if name == "jzyfa_bf16":
+                    r["path"] = jzyfa_bf16_path(config["head_dim"])
+                results.append(r)
+                log(f"{label} {name}: {_error_summary(r)}")
+            del q, k, v
+    return results
+
+
+def _error_summary(r: dict[str, Any]) -> str:
+    if r["status"] in ("unsupported", "error"):
+        return f"{r['status']}: {r['message']}"
+    text = f"O rel {r['o_rel_l2']:.3e} max {r['o_max_abs']:.3e}"
+    if r["lse_rel_l2"] is not None:
+        text += f", LSE rel {r['lse_rel_l2']:.3e} max {r['lse_max_abs']:.3e}"
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# KL divergence of a small model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A small causal transformer with random weights (RMSNorm, RoPE, GQA attention, SiLU MLP).
+
+    No trained causal LM ships inside an installable package (docs/measuring.md), so the weights
+    are random; `qk_gain` and `logit_gain` make its attention and next-token distributions peaked
+    enough (score std ~qk_gain^2, logit std ~logit_gain) for rounding to matter. The token sequence
+    starts with a BOS token whose embedding is `bos_gain` times larger, which gives the model an
+    attention-sink-like first token.
+    """
+
+    batch: int = 1
+    seq: int = 4096
+    layers: int = 4
+    d_model: int = 1024
+    heads_q: int = 8
+    heads_kv: int = 2
+    head_dim: int = 128
+    mlp: int = 2048
+    vocab: int = 8192
+    rope_base: float = 500_000.0
+    qk_gain: float = 1.5
+    logit_gain: float = 3.0
+    bos_gain: float = 8.0
+
+
+SMOKE_MODEL = ModelConfig(
+    batch=1, seq=64, layers=2, d_model=64, heads_q=4, heads_kv=2, head_dim=16, mlp=128, vocab=128
+)
+
+
+def init_model(cfg: ModelConfig, seed: int) -> dict[str, Any]:
+    """Random bf16 weights: N(0, 1/fan_in) projections, q and k scaled by qk_gain."""
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 7 * cfg.layers))
+
+    def dense(fan_in, fan_out, gain=1.0):
+        w = jax.random.normal(next(keys), (fan_in, fan_out)) * (gain / math.sqrt(fan_in))
+        return w.astype(jnp.bfloat16)
+
+    q_dim, kv_dim = cfg.heads_q * cfg.head_dim, cfg.heads_kv * cfg.head_dim
+    layers = [
+        {
+            "wq": dense(cfg.d_model, q_dim, cfg.qk_gain),
+            "wk": dense(cfg.d_model, kv_dim, cfg.qk_gain),
+            "wv": dense(cfg.d_model, kv_dim),
+            "wo": dense(q_dim, cfg.d_model),
+            "w_gate": dense(cfg.d_model, cfg.mlp),
+            "w_up": dense(cfg.d_model, cfg.mlp),
+            "w_down": dense(cfg.mlp, cfg.d_model),
+        }
+        for _ in range(cfg.layers)
+    ]
+    embed = jax.random.normal(next(keys), (cfg.vocab, cfg.d_model))
+    embed = embed.at[0].multiply(cfg.bos_gain)  # token 0 is BOS
+    return {
+        "embed": embed.astype(jnp.bfloat16),
+        "layers": layers,
+        "unembed": dense(cfg.d_model, cfg.vocab, cfg.logit_gain),
+    }
+
+
+def _rms_norm(x):
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf**2, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+def model_logits(params, tokens, cfg: ModelConfig, attention: Callable) -> jax.Array:
+    """tokens [B, S] -> float32 logits [B, S, vocab]; attention(q, k, v) -> bf16 [B, S, Hq, D]."""
+    batch, seq = tokens.shape
+    positions = jnp.arange(seq)
+    x = params["embed"][tokens]
+    for layer in params["layers"]:
+        h = _rms_norm(x)
+        q = (h @ layer["wq"]).reshape(batch, seq, cfg.heads_q, cfg.head_dim)
+        k = (h @ layer["wk"]).reshape(batch, seq, cfg.heads_kv, cfg.head_dim)
+        v = (h @ layer["wv"]).reshape(batch, seq, cfg.heads_kv, cfg.head_dim)
+        q = realistic_inputs.apply_rope(q, positions, cfg.rope_base)
+        k = realistic_inputs.apply_rope(k, positions, cfg.rope_base)
+        o = attention(q, k, v).astype(jnp.bfloat16)
+        x = x + o.reshape(batch, seq, -1) @ layer["wo"]
+        h = _rms_norm(x)
+        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+    return (_rms_norm(x) @ params["unembed"]).astype(jnp.float32)
+
+
+def model_tokens(cfg: ModelConfig, seed: int) -> jax.Array:
+    """BOS (token 0) followed by uniformly random tokens."""
+    tokens = jax.random.randint(jax.random.key(seed + 1), (cfg.batch, cfg.seq), 1, cfg.vocab)
+    return tokens.at[:, 0].set(0)
+
+
+def run_kl(cfg: ModelConfig, variant_names: Sequence[str], setting_base: dict, seed: int, log) -> dict:
+    """KL(p_bf16 || p_variant) for each variant, and the same for float32 attention (the floor)."""
+    params = init_model(cfg, seed)
+    tokens = model_tokens(cfg, seed)
+    setting = Setting(causal=True, softmax_scale=1 / math.sqrt(cfg.head_dim), **setting_base)
+
+    def logits_with(attention):
+        return jax.block_until_ready(jax.jit(lambda p, t: model_logits(p, t, cfg, attention))(params, tokens))
+
+    def bf16_attention(q, k, v):
+        return _jzyfa_bf16(q, k, v, setting)[0]
+
+    def f32_attention(q, k, v):
+        import jzyfa
+
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return jzyfa.attention_reference(*f32, causal=True, softmax_scale=setting.softmax_scale)[0]
+
+    start = time.perf_counter()
+    base = logits_with(bf16_attention)
+    rows = []
+    candidates = [("f32_attention", f32_attention)] + [
+        (name, lambda q, k, v, variant=VARIANTS[name]: variant.run(q, k, v, setting)[0])
+        for name in variant_names
+    ]
+    for name, attention in candidates:
+        row: dict[str, Any] = {"variant": name, "status": "ok", "message": None}
+        try:
+            row.update(kl_divergence(base, logits_with(attention)))
+        except peers.Unsupported as e:
+            row.update(status="unsupported", message=str(e))
+        except Exception as e:  # noqa: BLE001
+            row.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=6))
+        rows.append(row)
+        if row["status"] == "ok":
+            log(f"KL {name}: mean {row['kl_mean']:.3e}, top-1 agreement {row['top1_agreement']:.4f}")
+        else:
+            log(f"KL {name}: {row['status']}: {row['message']}")
+    entropy = _mean_entropy(base)
+    return {
+        "model": dataclasses.asdict(cfg),
+        "bf16_entropy_nats": entropy,
+        "seconds": time.perf_counter() - start,
+        "results": rows,
+    }
+
+
+def _mean_entropy(logits) -> float:
+    logp = _log_softmax(np.asarray(logits, np.float64))
+    return float(np.mean(-np.sum(np.exp(logp) * logp, axis=-1)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _fmt(value, spec: str = ".3e") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def format_tables(report: dict[str, Any], markdown: bool) -> str:
+    def table(header: list[str], rows: list[list[str]]) -> list[str]:
+        if markdown:
+            out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            return out + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
+        return [lines[0], "-" * len(lines[0])] + lines[1:]
+
+    lines = []
+    cfg = report["config"]
+    lines.append(
+        f"{report['env']['device']}; jax {report['env']['jax']}; head dim {cfg['head_dim']}, "
+        f"{cfg['heads']} heads ({cfg['kv_heads']} kv), {'causal' if cfg['causal'] else 'non-causal'}, "
+        f"FP8 descales per {cfg['granularity']}; errors against float64 attention on the unquantized inputs."
+    )
+    groups: dict[tuple, list] = {}
+    for r in report["errors"]:
+        key = (r["inputs"], r["batch"], r["seq_q"], r["seq_k"])
+        groups.setdefault(key, []).append(r)
+    header = ["variant", "O rel L2", "O max abs", "LSE rel L2", "LSE max abs", "status"]
+    for (kind, batch, seq_q, seq_k), rows in groups.items():
+        seq = f"{seq_q}" if seq_q == seq_k else f"{seq_q}x{seq_k}"
+        lines += ["", f"{kind} inputs, {batch}x{seq} ({rows[0]['reference_pairs']} (batch, head) pairs):", ""]
+        cells = []
+        for r in rows:
+            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
+            name = r["variant"] + (f" ({r['path']})" if r.get("path") else "")
+            cells.append(
+                [
+                    name,
+                    _fmt(r.get("o_rel_l2")),
+                    _fmt(r.get("o_max_abs")),
+                    _fmt(r.get("lse_rel_l2")),
+                    _fmt(r.get("lse_max_abs")),
+                    status,
+                ]
+            )
+        lines += table(header, cells)
+    if report.get("kl"):
+        kl = report["kl"]
+        m = kl["model"]
+        lines += [
+            "",
+            (
+                f"KL(p_bf16 || p_variant) of next-token distributions: random-weight model, {m['layers']} layers, "
+                f"d_model {m['d_model']}, {m['heads_q']}/{m['heads_kv']} heads of {m['head_dim']}, vocab {m['vocab']}, "
+                f"{m['batch']}x{m['seq']} tokens; BF16 entropy {kl['bf16_entropy_nats']:.2f} nats."
+            ),
+            "",
+        ]
+        cells = []
+        for r in kl["results"]:
+            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
+            cells.append(
+                [
+                    r["variant"],
+                    _fmt(r.get("kl_mean")),
+                    _fmt(r.get("kl_max")),
+                    _fmt(r.get("top1_agreement"), ".4f"),
+                    status,
+                ]
+            )
+        lines += table(["variant", "KL mean", "KL max", "top-1 agree", "status"], cells)
+    return "\n".join(lines)
+
+
+def _env() -> dict[str, Any]:
+    import jaxlib
+
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+    }
+
+
+def run(config: dict[str, Any], log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The accuracy report for a resolved config (see `resolve_config`)."""
+    log = log or _log
+    unknown = [n for n in list(config["variants"]) + list(config["kl_variants"]) if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    report: dict[str, Any] = {"env": _env(), "config": config}
+    report["errors"] = run_errors(config, log)
+    if config["kl"]:
+        setting_base = {"granularity": config["granularity"], "hadamard_seed": config["seed"]}
+        report["kl"] = run_kl(config["model"], config["kl_variants"], setting_base, config["seed"], log)
+    return report
+
+
+def _log(text: str) -> None:
+    print(f"[jzyfa.accuracy] {text}", file=sys.stderr, flush=True)
+
+
+def _json_safe(value):
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _json_safe(dataclasses.asdict(value))
+    if isinstance(value, (np.generic, np.ndarray)):
+        return _json_safe(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(_json_safe(report), f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line (flags are defined only when this module is the program, so that importing it, as
+# jzyfa.bench does, defines none)
+
+GPU_SHAPES = "1x4096,1x32768"
+SMOKE_SHAPES = "1x256"
+
+
+def _define_flags():
+    from absl import flags
+
+    flags.DEFINE_string("shapes", GPU_SHAPES, "Comma-separated BxS or BxSqxSk sizes.")
+    flags.DEFINE_integer("heads", 16, "Query heads.")
+    flags.DEFINE_integer("kv_heads", None, "Key/value heads (default: --heads).")
+    flags.DEFINE_integer("head_dim", 128, "Head dimension.")
+    flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned).")
+    flags.DEFINE_string("inputs", "gaussian,activations", "Input kinds: gaussian, activations, model.")
+    flags.DEFINE_enum("granularity", "tensor", ["tensor", "head"], "FP8 descale granularity.")
+    flags.DEFINE_string(
+        "variants", ",".join(VARIANTS), f"Variants for the error report: {', '.join(VARIANTS)}."
+    )
+    flags.DEFINE_integer("ref_pairs", 4, "(batch, head) pairs compared with float64 attention (0: all).")
+    flags.DEFINE_bool("kl", True, "Also run the KL-divergence report.")
+    flags.DEFINE_string("kl_variants", ",".join(KL_VARIANTS), "Variants for the KL report.")
+    flags.DEFINE_string(
+        "model",
+        "",
+        "Overrides of the KL model's ModelConfig, e.g. 'seq=8192,layers=8' (defaults: "
+        + ", ".join(f"{f.name}={getattr(ModelConfig(), f.name)}" for f in dataclasses.fields(ModelConfig))
+        + ").",
+    )
+    flags.DEFINE_integer("seed", 0, "Seed of the inputs, the model and the Hadamard rotation.")
+    flags.DEFINE_bool("smoke", None, "Small shapes and model (the default without a GPU).")
+    flags.DEFINE_string("json_out", None, "Write the report as JSON here.")
+    flags.DEFINE_bool("markdown", False, "Print markdown tables.")
+
+
+def parse_model_overrides(text: str, base: ModelConfig) -> ModelConfig:
+    """'seq=8192,layers=8' -> base with those fields replaced."""
+    fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    changes = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"--model: {item!r} is not FIELD=VALUE with FIELD one of {list(fields)}")
+        changes[name] = float(value) if isinstance(getattr(base, name), float) else int(value)
+    return dataclasses.replace(base, **changes)
+
+
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def resolve_config() -> dict[str, Any]:
+    from absl import flags
+
+    f = flags.FLAGS
+    smoke = f.smoke if f.smoke is not None else jax.default_backend() != "gpu"
+    shapes_text = f.shapes if (f["shapes"].present or not smoke) else SMOKE_SHAPES
+    heads = f.heads if (f["heads"].present or not smoke) else 2
+    model = parse_model_overrides(f.model, SMOKE_MODEL if smoke else ModelConfig())
+    kv_heads = f.kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"--heads ({heads}) must be a multiple of --kv_heads ({kv_heads})")
+    return {
+        "shapes": peers.parse_shapes(shapes_text),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": f.head_dim,
+        "causal": f.causal,
+        "inputs": _split(f.inputs),
+        "granularity": f.granularity,
+        "variants": _split(f.variants),
+        "ref_pairs": f.ref_pairs,
+        "kl": f.kl,
+        "kl_variants": _split(f.kl_variants),
+        "model": model,
+        "seed": f.seed,
+        "smoke": smoke,
+        "json_out": f.json_out,
+        "markdown": f.markdown,
+    }
+
+
+def main(argv: Sequence[str]) -> None:
+    from absl import app
+
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = resolve_config()
+    for kind in config["inputs"]:
+        if kind not in realistic_inputs.INPUT_KINDS:
+            raise app.UsageError(f"--inputs: unknown kind {kind!r}; known: {realistic_inputs.INPUT_KINDS}")
+    report = run(config)
+    print(format_tables(report, config["markdown"]))
+    if config["json_out"]:
+        write_json(report, config["json_out"])
+        _log(f"wrote {config['json_out']}")
+
+
+def run_main() -> None:
+    from absl import app
+
+    _define_flags()
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run_main()

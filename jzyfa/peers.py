@@ -1,0 +1,636 @@
+"""The attention implementations that `jzyfa.bench` and `jzyfa.accuracy` put side by side.
+
+Each peer is a small adapter:
+- `supports(problem)`: None, or why it cannot serve this problem here (reported as "unsupported");
+- `build(problem, options, with_lse)`: the function to time, the same for every input set (raises
+  `Unsupported` for what only shows when tracing, such as a missing kernel);
+- `arguments(problem, inputs)`: its arguments for one input set, converted outside the timed call
+  (layout changes, FP8 quantization, DLPack hand-off to PyTorch);
+- `decode(raw, args)`: the output as float32 O [B, Sq, Hq, D] and, where the peer gives it, the LSE
+  float32 [B, Hq, Sq], for the error check (outside the timed call);
+- `notes`: what it computes in, when that differs from the run's dtype.
+
+JAX peers are jitted and timed with CUPTI; PyTorch peers (`framework == "torch"`) get DLPack views
+of the same device buffers and are timed with CUDA events.
+
+FP8 inputs: the 16-bit inputs quantized with `jzyfa.fp8_quantize` (one power-of-two descale per
+tensor, unless a peer says otherwise); errors are always measured against float64 attention on the
+unquantized inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PRECISIONS = ("16-bit", "fp8")
+# jax.nn's XLA attention materialises the [B, Hq, Sq, Sk] scores; beyond this it is not attempted.
+XLA_SCORE_BYTES_LIMIT = 40 * 2**30
+
+
+class Unsupported(Exception):
+    """The implementation does not serve this problem (reported, not an error)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The problem, and its FLOPs
+
+
+def visible_pairs(seq_q: int, seq_k: int, causal: bool) -> int:
+    """(query, key) pairs the mask leaves visible; causal is bottom-right aligned."""
+    if not causal:
+        return seq_q * seq_k
+    # Query i sees keys j <= i + seq_k - seq_q: clamp(i + seq_k - seq_q + 1, 0, seq_k) of them.
+    per_row = np.clip(np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q + 1), 0, seq_k)
+    return int(per_row.sum())
+
+
+def attention_flops(batch: int, seq_q: int, seq_k: int, heads_q: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of attention: two matmuls of 2 * D FLOPs per (query, key) pair.
+
+    4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the convention of FA3, cuDNN and
+    Pallas, slightly under the S(S+1)/2 pairs really computed); for causal with Sq != Sk, the
+    visible pairs of the bottom-right aligned mask are counted.
+    """
+    full = 4.0 * batch * heads_q * seq_q * seq_k * head_dim
+    if not causal:
+        return full
+    if seq_q == seq_k:
+        return full / 2
+    return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, True)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'16x1024,1x512x4096' -> [(16, 1024, 1024), (1, 512, 4096)] as (batch, seq_q, seq_k)."""
+    shapes = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            dims = [int(d) for d in item.split("x")]
+        except ValueError:
+            dims = []
+        if len(dims) not in (2, 3) or min(dims) < 1:
+            raise ValueError(f"--shapes: {item!r} is not BxS or BxSqxSk with positive integers")
+        shapes.append((dims[0], dims[1], dims[-1]))
+    if not shapes:
+        raise ValueError("--shapes: no shape given")
+    return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    causal: bool
+    dtype: str  # the run's precision: "bf16" | "f16" | "fp8" (FP8 runs quantize bf16 inputs)
+
+    @property
+    def jnp_dtype(self):
+        """The dtype of the 16-bit inputs (FP8 runs start from bf16)."""
+        return jnp.float16 if self.dtype == "f16" else jnp.bfloat16
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq_q, self.heads_q, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
+
+    @property
+    def set_bytes(self) -> int:
+        """Bytes a call reads and writes for one input set: q, k, v in the run's dtype, a 16-bit out."""
+        itemsize = 1 if self.dtype == "fp8" else 2
+        return itemsize * (math.prod(self.q_shape) + 2 * math.prod(self.kv_shape)) + 2 * math.prod(
+            self.q_shape
+        )
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim, self.causal)
+
+    @property
+    def label(self) -> str:
+        seq = f"{self.seq_q}" if self.seq_q == self.seq_k else f"{self.seq_q}x{self.seq_k}"
+        return f"{self.batch}x{seq}"
+
+    def abstract(self, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Shape-only q, k, v of the given dtype (for tracing without data)."""
+        return (
+            jax.ShapeDtypeStruct(self.q_shape, dtype),
+            jax.ShapeDtypeStruct(self.kv_shape, dtype),
+            jax.ShapeDtypeStruct(self.kv_shape, dtype),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs, and their FP8 forms
+
+
+class Fp8Inputs(NamedTuple):
+    """e4m3 q, k, v with float32 descales: the values are x8 * descale (a pytree, so jit returns it)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    descale_q: jax.Array
+    descale_k: jax.Array
+    descale_v: jax.Array
+
+
+def quantize_qkv(q, k, v, *, granularity: str = "tensor", hadamard_seed: int | None = None) -> Fp8Inputs:
+    """FP8 forms of q, k, v through `jzyfa.fp8_quantize`; q and k first Hadamard-rotated if a seed is given.
+
+    granularity "head" gives [B, Hkv] descales (q shares one per KV group). The rotation leaves
+    q k^T unchanged, so the result is compared with attention on the unrotated inputs.
+    """
+    import jzyfa
+
+    if hadamard_seed is not None:
+        q, k = jzyfa.hadamard_rotate(q, k, key=hadamard_seed)
+    kv_heads = k.shape[2] if granularity == "head" else None
+    q8, dq = jzyfa.fp8_quantize(q, granularity, kv_heads=kv_heads)
+    k8, dk = jzyfa.fp8_quantize(k, granularity)
+    v8, dv = jzyfa.fp8_quantize(v, granularity)
+    return Fp8Inputs(q8, k8, v8, dq, dk, dv)
+
+
+_quantize_jit = jax.jit(quantize_qkv, static_argnames=("granularity", "hadamard_seed"))
+
+
+class InputSet:
+    """One set of q, k, v (the run's 16-bit inputs) and, computed once on demand, its FP8 form."""
+
+    def __init__(self, q: jax.Array, k: jax.Array, v: jax.Array):
+        self.q, self.k, self.v = q, k, v
+        self._fp8: Fp8Inputs | None = None
+
+    def fp8(self) -> Fp8Inputs:
+        if self._fp8 is None:
+            self._fp8 = jax.block_until_ready(_quantize_jit(self.q, self.k, self.v))
+        return self._fp8
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # On a GPU where jzyfa's kernel cannot serve, time jzyfa's pure-JAX path instead, under a name
+    # that says so ("jzyfa[xla-fallback]"); without it the kernel's absence is reported.
+    allow_xla_fallback: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    fn: Callable  # fn(*args) -> raw output
+    path: str | None = None  # what runs, where the peer has a choice: "kernel", "pure-JAX", "xla-fallback"
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _gpu_reason() -> str | None:
+    return None if _on_gpu() else f"needs a CUDA GPU (the JAX backend is {jax.default_backend()!r})"
+
+
+def _rectangular_causal_reason(problem: Problem, who: str) -> str | None:
+    if problem.causal and problem.seq_q != problem.seq_k:
+        return (
+            f"{who} aligns the causal mask top-left; jzyfa's is bottom-right, so Sq != Sk is not comparable"
+        )
+    return None
+
+
+def _lse_from_btn(residual) -> jax.Array:
+    """jax.nn's residual is the natural-log LSE as [B, Sq, Hq]; ours is [B, Hq, Sq]."""
+    return jnp.swapaxes(residual.astype(jnp.float32), 1, 2)
+
+
+class Peer:
+    """Base adapter; see the module docstring."""
+
+    name = ""
+    description = ""
+    precision = "16-bit"
+    framework = "jax"
+    notes = ""
+
+    def supports(self, problem: Problem) -> str | None:
+        return None
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        raise NotImplementedError
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        if self.precision == "fp8":
+            f = inputs.fp8()
+            return (f.q, f.k, f.v, f.descale_q, f.descale_k, f.descale_v)
+        return (inputs.q, inputs.k, inputs.v)
+
+    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
+        """(O as float32 [B, Sq, Hq, D], LSE float32 [B, Hq, Sq] or None)."""
+        if isinstance(raw, tuple):
+            return raw[0].astype(jnp.float32), raw[1]
+        return raw.astype(jnp.float32), None
+
+    def compute_dtype(self, problem: Problem) -> str:
+        if self.precision == "fp8":
+            return "fp8"
+        return "f16" if problem.dtype == "f16" else "bf16"
+
+
+# ---- jzyfa
+
+
+class Jzyfa(Peer):
+    """jzyfa.flash_attention: the kernel on a GPU (or the reason it cannot run), the default path elsewhere."""
+
+    def __init__(self, name: str, precision: str, forced: str | None = None):
+        self.name = name
+        self.precision = precision
+        self.forced = forced  # "xla": always the pure-JAX path
+        fp8 = precision == "fp8"
+        self.description = "jzyfa.flash_attention" + (
+            " on fp8_quantize'd e4m3 inputs with descales (bf16 out)" if fp8 else ""
+        )
+        if forced:
+            self.description += f' (implementation="{forced}")'
+        if fp8:
+            self.notes = "e4m3 q/k/v, one power-of-two descale per tensor; bf16 output"
+
+    def _call(self, problem: Problem, implementation: str | None, with_lse: bool) -> Callable:
+        import jzyfa
+
+        kwargs = {
+            "causal": problem.causal,
+            "softmax_scale": problem.softmax_scale,
+            "implementation": implementation,
+        }
+        if self.precision == "fp8":
+
+            def fn(q8, k8, v8, dq, dk, dv):
+                return jzyfa.flash_attention(
+                    q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, return_lse=with_lse, **kwargs
+                )
+        else:
+
+            def fn(q, k, v):
+                return jzyfa.flash_attention(q, k, v, return_lse=with_lse, **kwargs)
+
+        return fn
+
+    def _abstract_args(self, problem: Problem) -> tuple:
+        if self.precision == "fp8":
+            scalar = jax.ShapeDtypeStruct((), jnp.float32)
+            return (*problem.abstract(jnp.float8_e4m3fn), scalar, scalar, scalar)
+        return problem.abstract(problem.jnp_dtype)
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        if self.forced == "xla":
+            return Built(self._call(problem, "xla", with_lse), "pure-JAX")
+        if not _on_gpu():  # the primitive's CPU lowering (16-bit) or the pure-JAX FP8 path
+            return Built(self._call(problem, None, with_lse), "pure-JAX (no GPU)")
+        kernel = self._call(problem, "kernel", with_lse)
+        try:  # the kernel's checks run at trace time: nothing launches here
+            jax.eval_shape(kernel, *self._abstract_args(problem))
+        except ValueError as e:
+            if options.allow_xla_fallback:
+                return Built(self._call(problem, "xla", with_lse), "xla-fallback")
+            if self.precision == "fp8":
+                raise Unsupported(f"{e}; --allow_xla_fallback times the pure-JAX FP8 path instead") from e
+            raise
+        return Built(kernel, "kernel")
+
+
+# ---- jax.nn.dot_product_attention (cuDNN, XLA)
+
+
+class JaxNn(Peer):
+    def __init__(self, name: str, implementation: str):
+        self.name = name
+        self.implementation = implementation
+        self.description = f'jax.nn.dot_product_attention(implementation="{implementation}")'
+
+    def supports(self, problem: Problem) -> str | None:
+        if self.implementation == "cudnn" and (reason := _gpu_reason()):
+            return reason
+        if self.implementation == "xla":
+            score_bytes = 4 * problem.batch * problem.heads_q * problem.seq_q * problem.seq_k
+            if score_bytes > XLA_SCORE_BYTES_LIMIT:
+                return f"would materialise {score_bytes / 2**30:.0f} GiB of float32 scores"
+        return _rectangular_causal_reason(problem, "jax.nn.dot_product_attention")
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        def fn(q, k, v):
+            out = jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                scale=problem.softmax_scale,
+                is_causal=problem.causal,
+                implementation=self.implementation,
+                return_residual=with_lse,
+            )
+            return (out[0], _lse_from_btn(out[1])) if with_lse else out
+
+        return Built(fn)
+
+
+# ---- cuDNN FP8 through JAX's private module
+
+
+def cudnn_fp8_params(fp8: Fp8Inputs) -> dict[str, jax.Array]:
+    """The fp8_params of JAX's cuDNN FP8 attention for per-tensor descales.
+
+    cuDNN computes S = (q8 k8^T) * descale_q * descale_k * scale, P = softmax(S), quantizes P * scale_s
+    to e4m3 (scale_s = 448 uses e4m3's range; descale_s = 1/448 undoes it), O = (P8 v8) * descale_s
+    * descale_v, and returns O * scale_o in e4m3. With scale_o = 1 / descale_v (a power of two), the
+    e4m3 output is P v8, whose magnitude is bounded by max|v8| <= 448, so it neither overflows nor
+    wastes range; O = out8 * descale_v (`decode`). The backward-only entries are ones.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    def cell(x):
+        return jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+
+    params = {key: cell(1.0) for key in cudnn_attention.fp8_params_keys}
+    params.update(
+        descale_q=cell(fp8.descale_q),
+        descale_k=cell(fp8.descale_k),
+        descale_v=cell(fp8.descale_v),
+        scale_s=cell(448.0),
+        descale_s=cell(1.0 / 448.0),
+        scale_o=cell(1.0 / jnp.asarray(fp8.descale_v, jnp.float32)),
+    )
+    return params
+
+
+def cudnn_fp8_attention(q8, k8, v8, params, *, causal: bool, softmax_scale: float) -> jax.Array:
+    """JAX's cuDNN FP8 attention forward (inference: no LSE); returns the e4m3 output."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    mask = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
+    out, _, _ = cudnn_attention.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=softmax_scale, mask_type=mask, qkv_layout="BTNH", use_fp8=True
+    )
+    return out
+
+
+class CudnnFp8(Peer):
+    name = "cudnn_fp8"
+    precision = "fp8"
+    description = "cuDNN FP8 attention (jax._src.cudnn.fused_attention_stablehlo, use_fp8=True)"
+    notes = "e4m3 q/k/v, per-tensor descales; e4m3 output (scale_o = 1/descale_v), so its error includes the output rounding; no LSE"
+
+    def supports(self, problem: Problem) -> str | None:
+        if reason := _gpu_reason():
+            return reason
+        try:
+            importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+        except Exception as e:  # noqa: BLE001 - a private module may move
+            return f"cannot import JAX's cuDNN attention module: {e}"
+        if problem.head_dim > 256 or problem.head_dim % 16:
+            return f"cuDNN FP8 inference needs head_dim <= 256 and a multiple of 16, got {problem.head_dim}"
+        return _rectangular_causal_reason(problem, "cuDNN FP8 attention")
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        f = inputs.fp8()
+        return (f.q, f.k, f.v, cudnn_fp8_params(f))
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        def fn(q8, k8, v8, params):
+            return cudnn_fp8_attention(
+                q8, k8, v8, params, causal=problem.causal, softmax_scale=problem.softmax_scale
+            )
+
+        return Built(fn)
+
+    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
+        descale_v = args[3]["descale_v"].reshape(())
+        return raw.astype(jnp.float32) * descale_v, None
+
+    def compute_dtype(self, problem: Problem) -> str:
+        return "fp8"
+
+
+# ---- Pallas Mosaic GPU attention
+
+
+class Pallas(Peer):
+    name = "pallas"
+    description = "jax.experimental.pallas.ops.gpu.attention_mgpu (block 64x128, 2 stages)"
+    notes = "computes in f16 (its scratch is f16; bf16 fails): inputs converted and q pre-scaled outside the timed call"
+    block_q, block_kv = 64, 128
+
+    def supports(self, problem: Problem) -> str | None:
+        if reason := _gpu_reason():
+            return reason
+        if problem.head_dim % 64:
+            return f"needs head_dim a multiple of 64, got {problem.head_dim}"
+        if problem.seq_q % (2 * self.block_q) or problem.seq_k % self.block_kv:
+            return f"needs Sq a multiple of {2 * self.block_q} and Sk a multiple of {self.block_kv}"
+        try:
+            importlib.import_module("jax.experimental.pallas.ops.gpu.attention_mgpu")
+        except Exception as e:  # noqa: BLE001
+            return f"cannot import attention_mgpu: {e}"
+        return _rectangular_causal_reason(problem, "Pallas attention")
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        # It takes no softmax scale: fold it into q (in float32, then one rounding to f16).
+        q = (inputs.q.astype(jnp.float32) * problem.softmax_scale).astype(jnp.float16)
+        return (q, inputs.k.astype(jnp.float16), inputs.v.astype(jnp.float16))
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(
+            block_q=self.block_q, block_kv=self.block_kv, max_concurrent_steps=2, causal=problem.causal
+        )
+        return Built(lambda q, k, v: attention_mgpu.attention(q, k, v, config))
+
+    def compute_dtype(self, problem: Problem) -> str:
+        return "f16"
+
+
+# ---- PyTorch peers (SDPA, FlashAttention), through DLPack
+
+
+def _torch_reason() -> str | None:
+    if reason := _gpu_reason():
+        return reason
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return f"PyTorch is not importable ({type(e).__name__}: {e})"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device"
+    return None
+
+
+def to_torch(x: jax.Array):
+    """A PyTorch view of a JAX device array (DLPack; FP8 travels as uint8 bits and is viewed back)."""
+    import torch
+
+    if jnp.dtype(x.dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        return torch.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.uint8)).view(torch.float8_e4m3fn)
+    return torch.from_dlpack(x)
+
+
+def torch_to_numpy(t) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+class TorchSdpa(Peer):
+    framework = "torch"
+
+    def __init__(self, name: str, backend: str):
+        self.name = name
+        self.backend = backend  # a torch.nn.attention.SDPBackend member name
+        self.description = f"torch.nn.functional.scaled_dot_product_attention, {backend} backend"
+        self.notes = "layout [B, H, S, D] made contiguous outside the timed call"
+
+    def supports(self, problem: Problem) -> str | None:
+        if reason := _torch_reason():
+            return reason
+        return _rectangular_causal_reason(problem, "PyTorch SDPA")
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        return tuple(to_torch(x).transpose(1, 2).contiguous() for x in (inputs.q, inputs.k, inputs.v))
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, self.backend)
+        gqa = problem.heads_q != problem.heads_kv
+
+        def fn(q, k, v):
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=problem.causal, scale=problem.softmax_scale, enable_gqa=gqa
+                )
+
+        return Built(fn)
+
+    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
+        return np.swapaxes(torch_to_numpy(raw), 1, 2), None
+
+
+class FlashAttn(Peer):
+    """FlashAttention 2 (`flash_attn`) or 3 (`flash_attn_interface`, Hopper), if importable."""
+
+    framework = "torch"
+
+    def __init__(self, name: str, module: str, precision: str = "16-bit"):
+        self.name = name
+        self.module = module
+        self.precision = precision
+        self.description = f"{module}.flash_attn_func"
+        if precision == "fp8":
+            self.notes = "e4m3 q/k/v with [B, Hkv] descales (the per-tensor ones broadcast); bf16 output"
+
+    def supports(self, problem: Problem) -> str | None:
+        if reason := _torch_reason():
+            return reason
+        try:
+            importlib.import_module(self.module)
+        except Exception as e:  # noqa: BLE001
+            return f"{self.module} is not importable ({type(e).__name__}: {e})"
+        return None  # bottom-right causal alignment, like jzyfa
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        if self.precision == "fp8":
+            f = inputs.fp8()
+            per_head = (problem.batch, problem.heads_kv)
+            descales = [
+                jnp.broadcast_to(d.reshape(()) if d.ndim < 2 else d, per_head)
+                for d in (f.descale_q, f.descale_k, f.descale_v)
+            ]
+            return tuple(
+                to_torch(x) for x in (f.q, f.k, f.v, *(jnp.asarray(d, jnp.float32) for d in descales))
+            )
+        return tuple(to_torch(x) for x in (inputs.q, inputs.k, inputs.v))
+
+    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+        flash_attn_func = importlib.import_module(self.module).flash_attn_func
+        scale, causal = problem.softmax_scale, problem.causal
+
+        if self.precision == "fp8":
+
+            def fn(q, k, v, dq, dk, dv):
+                out = flash_attn_func(
+                    q, k, v, softmax_scale=scale, causal=causal, q_descale=dq, k_descale=dk, v_descale=dv
+                )
+                return out[0] if isinstance(out, tuple) else out  # some versions also return the LSE
+        else:
+
+            def fn(q, k, v):
+                out = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+                return out[0] if isinstance(out, tuple) else out
+
+        return Built(fn)
+
+    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
+        return torch_to_numpy(raw), None
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry
+
+
+PEERS: dict[str, Peer] = {
+    peer.name: peer
+    for peer in [
+        Jzyfa("jzyfa", "16-bit"),
+        Jzyfa("jzyfa_xla", "16-bit", forced="xla"),
+        Jzyfa("jzyfa_fp8", "fp8"),
+        Jzyfa("jzyfa_fp8_xla", "fp8", forced="xla"),
+        JaxNn("cudnn", "cudnn"),
+        JaxNn("xla", "xla"),
+        CudnnFp8(),
+        Pallas(),
+        TorchSdpa("torch_sdpa_cudnn", "CUDNN_ATTENTION"),
+        TorchSdpa("torch_sdpa_flash", "FLASH_ATTENTION"),
+        FlashAttn("flash_attn", "flash_attn"),
+        FlashAttn("flash_attn3", "flash_attn_interface"),
+        FlashAttn("flash_attn3_fp8", "flash_attn_interface", precision="fp8"),
+    ]
+}
+
+# What `--impls auto` runs: every peer of the run's precision (unsupported ones say why), and in
+# FP8 runs the 16-bit jzyfa and cuDNN as baselines.
+AUTO_16BIT = [
+    "jzyfa",
+    "cudnn",
+    "xla",
+    "pallas",
+    "torch_sdpa_cudnn",
+    "torch_sdpa_flash",
+    "flash_attn",
+    "flash_attn3",
+]
+AUTO_FP8 = ["jzyfa_fp8", "cudnn_fp8", "flash_attn3_fp8", "jzyfa", "cudnn"]
+
+
+def auto_peers(dtype: str) -> list[str]:
+    return list(AUTO_FP8 if dtype == "fp8" else AUTO_16BIT)
+
+
+def uses_torch(names) -> bool:
+    return any(PEERS[name].framework == "torch" for name in names if name in PEERS)
