@@ -2,14 +2,15 @@
 
 This pins the FP8 algorithm down on the CPU before the kernel exists (docs/fp8.md explains it):
 scores in float32 from the e4m3 inputs, an online softmax over 128-key blocks in the log2 domain
-with one integer reference exponent r per row, probabilities rounded to e4m3 as P~ = 2^(t - r)
-(t the score in log2 units), per-block power-of-two scaling by moving r, lean P (the e4m3 code from
-one FFMA), and the row sum taken over exactly the rounded probabilities. The switches turn each
-ingredient off for ablations; with all of them off it is the FA3-style scheme (a fixed 2^8 offset
-from the running maximum, sum of the unrounded probabilities).
+with one reference exponent r per row (an integer for lean P), probabilities rounded to e4m3 as
+P~ = 2^(t - r) (t the score in log2 units), per-block scaling by moving r down for blocks far
+below the row maximum, lean P (the e4m3 code from one FFMA), and the row sum taken over exactly the
+rounded probabilities. The switches turn each ingredient off for ablations; with block scaling and
+rounded sums off it is the FA3-style scheme (a fixed 2^8 offset from the running maximum, sum of the
+unrounded probabilities).
 
-What is bit-exact: the reference exponents, and given the float32 scores, every lean-P code. What
-is not: the float32 scores themselves (the tensor cores sum q k products in another order), the
+What is bit-exact: the integer reference exponents and, given the float32 scores, every lean-P code.
+What is not: the float32 scores themselves (the tensor cores sum q k products in another order), the
 exact path's exp2, and the order of the float32 sums in O and l.
 """
 
@@ -30,18 +31,19 @@ from jzyfa.quantize import FP8_MAX
 
 BLOCK_N = 128
 # A fresh reference exponent puts the block's largest probability at 2^E (real reference) or in
-# (2^(E-1), 2^E] (integer reference): E = 8 leaves 15 doublings of normal e4m3 values below it.
+# (2^(E-1), 2^E] (integer reference): E = 8 leaves 14 doublings of normal e4m3 values below 2^8.
 P_EXPONENT = 8
 # The reference is raised only when a block's largest probability would pass 2^(E + tau). The
-# ceiling is log2(448) - E = 0.807; 0.75 keeps P~ <= 2^8.75 = 430.5 and the largest lean code at
-# RNE(8 * 8.75 + 56) = 126 = 0x7E, so the kernel needs no upper clamp (0x7F is NaN).
+# ceiling is log2(448) - E = 0.807; 0.75 keeps P~ <= 2^8.75 = 430.5. The largest lean code is then
+# RNE(8 * 8.75 + 56) = 126 = 0x7E (126.46 at the ceiling still rounds to it), so the kernel needs no
+# upper clamp (0x7F is NaN).
 LAZY_RESCALE_THRESHOLD = 0.75
 # Block scaling lowers the reference only when a block's largest probability would fall below
 # 2^(E - H): the scale of O then changes rarely on ordinary inputs, so O is rarely rescaled.
 BLOCK_SCALE_HYSTERESIS = 4
 # The reference never goes further than this many doublings below the fresh reference of the row's
 # running maximum, so O (scaled by 2^-r) stays far from float32 overflow; keys more than about
-# 2^-(32 + 15) below the row maximum flush to zero (FA3 style: 2^-17 below it).
+# 2^-47 below the row maximum flush to zero (without block scaling: 2^-15 for lean P, 2^-18 exact).
 MAX_BLOCK_EXPONENT = 32
 
 
