@@ -1,0 +1,123 @@
+"""The kernel inside real programs on Hopper: CUDA graphs, host overhead per call, sharding over GPUs.
+
+Skipped without a Hopper GPU and the built extension. Run with `-s` to see the measured numbers.
+"""
+
+import functools
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import random_qkv
+from gpu_utils import requires_hopper
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jzyfa
+from jzyfa.primitive import FFI_TARGET
+
+pytestmark = [pytest.mark.gpu, requires_hopper]
+
+# XLA's command buffers (CUDA graphs) for fusions and custom calls, even for a short sequence of them;
+# the empty list turns command buffers off. (compiler_options take DebugOptions fields; a repeated
+# enum is given as comma-separated names and replaces the default list.)
+WITH_GRAPHS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL", "xla_gpu_graph_min_graph_size": 1}
+WITHOUT_GRAPHS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def prefill_like(q, k, v):
+    """The kernel between elementwise work, as in a model layer."""
+    out = jzyfa.flash_attention(q * 1.5, k, v, causal=True, implementation="kernel")
+    return (out.astype(jnp.float32) + 1.0).astype(q.dtype)
+
+
+def computation_holding(hlo_text: str, target: str) -> str:
+    """Name of the HLO computation whose body holds the custom call to `target`."""
+    name = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", line)
+        if header and line.rstrip().endswith("{"):
+            name = header.group(1)
+        if f'custom_call_target="{target}"' in line:
+            return name
+    raise AssertionError(f"no custom call to {target} in the compiled HLO")
+
+
+def test_command_buffers_capture_the_kernel_and_match_bitwise(rng):
+    q, k, v = random_qkv(rng, batch=2, seq_q=1000, seq_k=1536, heads_q=8, heads_kv=2, head_dim=128)
+    lowered = jax.jit(prefill_like).lower(q, k, v)
+    graphs = lowered.compile(compiler_options=WITH_GRAPHS)
+    plain = lowered.compile(compiler_options=WITHOUT_GRAPHS)
+    # XLA outlines what a command buffer records into computations named command_buffer*.
+    assert computation_holding(graphs.as_text(), FFI_TARGET).startswith("command_buffer")
+    assert not computation_holding(plain.as_text(), FFI_TARGET).startswith("command_buffer")
+
+    want = np.asarray(plain(q, k, v))
+    for _ in range(5):  # first run records the graph, later runs replay it
+        np.testing.assert_array_equal(np.asarray(graphs(q, k, v)), want)
+    # New buffers: the graph is updated with the new addresses, not re-planned from device data.
+    q2, k2, v2 = (x * 0.5 for x in (q, k, v))
+    np.testing.assert_array_equal(np.asarray(graphs(q2, k2, v2)), np.asarray(plain(q2, k2, v2)))
+
+
+def microseconds_per_call(fn, *args, calls=2000) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+@pytest.mark.parametrize("options", [WITHOUT_GRAPHS, WITH_GRAPHS], ids=["thunks", "graphs"])
+def test_host_overhead_per_call(rng, options):
+    """A tiny call is host-bound: its time over a trivial jitted op is the handler's host work."""
+    q, k, v = random_qkv(rng, batch=1, seq_q=128, heads_q=1, head_dim=128)
+    attention = jax.jit(functools.partial(jzyfa.flash_attention, causal=True, implementation="kernel"))
+    attention = attention.lower(q, k, v).compile(compiler_options=options)
+    trivial = jax.jit(lambda q, k, v: q + 1).lower(q, k, v).compile(compiler_options=options)
+    overhead = microseconds_per_call(attention, q, k, v) - microseconds_per_call(trivial, q, k, v)
+    print(
+        f"\njzyfa call over a trivial jitted op ({'graphs' if options is WITH_GRAPHS else 'thunks'}): "
+        f"{overhead:.1f} us per call"
+    )
+    # Planning per shape, device checks and tensor-map encoding are a few microseconds of host time;
+    # tens would mean per-call work that belongs in a per-call-site stage.
+    assert overhead < 25
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two or more GPUs")
+def test_batch_and_head_sharding_over_gpus_is_bitwise(rng):
+    """Each (batch, head) is computed alike wherever it runs, so sharding changes no bit."""
+    count = len(jax.devices())
+    mesh = jax.make_mesh((count,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = random_qkv(rng, batch=2, seq_q=2048, heads_q=2 * count, heads_kv=count, head_dim=128)
+    spec = NamedSharding(mesh, P(None, None, "tensor"))
+    attention = functools.partial(jzyfa.flash_attention, causal=True, implementation="kernel")
+    sharded = jax.jit(attention, in_shardings=(spec, spec, spec))
+    hlo = sharded.lower(q, k, v).compile().as_text()
+    assert not re.search(r"(all-gather|all-reduce|collective-permute|all-to-all)(-start)?\(", hlo)
+    np.testing.assert_array_equal(np.asarray(sharded(q, k, v)), np.asarray(jax.jit(attention)(q, k, v)))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two or more GPUs")
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_context_parallel_over_gpus(rng, strategy):
+    count = len(jax.devices())
+    mesh = jax.make_mesh((count,), ("seq",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = random_qkv(rng, seq_q=1024 * count, heads_q=8, heads_kv=2, head_dim=128)
+    fn = jax.jit(
+        functools.partial(jzyfa.context_parallel_attention, mesh=mesh, seq_axis="seq", strategy=strategy)
+    )
+    balanced = [jzyfa.to_balanced_layout(x, count) for x in (q, k, v)]
+    out = jzyfa.from_balanced_layout(np.asarray(fn(*balanced)), count)
+    want = jzyfa.attention_reference(q, k, v, causal=True)[0]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2
+    )
