@@ -120,10 +120,21 @@ def reference_on_pairs(q, k, v, pairs: Sequence[tuple[int, int]], *, scale: floa
     return Reference(batches, heads, out, lse, time.perf_counter() - start)
 
 
+_REF_FLOP_BUDGET = 6e11  # float64 reference FLOPs per shape when the pair count is -1 (automatic)
+
+
+def reference_pair_count(requested: int, shape: dict, causal: bool) -> int:
+    """The pairs to check: as requested (0: all), or for -1 what the FLOP budget allows (2 to 8)."""
+    if requested >= 0:
+        return requested
+    pairs = shape["seq_q"] * shape["seq_k"] / (2 if causal and shape["seq_q"] == shape["seq_k"] else 1)
+    return max(2, min(8, int(_REF_FLOP_BUDGET // (4.0 * shape["head_dim"] * pairs))))
+
+
 def spread_pairs(batch: int, heads: int, count: int) -> list[tuple[int, int]]:
     """`count` (batch, head) pairs spread evenly over the flattened batch*heads index (0: all)."""
     total = batch * heads
-    n = total if count <= 0 else min(count, total)
+    n = total if count == 0 else min(count, total)
     flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
     return [(i // heads, i % heads) for i in flat]
 
@@ -418,7 +429,9 @@ def run_errors(config: dict[str, Any], log: Callable[[str], None]) -> list[dict[
             setting = Setting(
                 causal=config["causal"], softmax_scale=1 / math.sqrt(config["head_dim"]), **setting_base
             )
-            pairs = spread_pairs(batch, config["heads"], config["ref_pairs"])
+            pairs = spread_pairs(
+                batch, config["heads"], reference_pair_count(config["ref_pairs"], shape, setting.causal)
+            )
             ref = reference_on_pairs(q, k, v, pairs, scale=setting.softmax_scale, causal=setting.causal)
             log(f"{label}: float64 reference on {len(pairs)} (batch, head) pairs in {ref.seconds:.1f} s")
             for name in config["variants"]:
@@ -736,7 +749,12 @@ def _define_flags():
     flags.DEFINE_string(
         "variants", ",".join(VARIANTS), f"Variants for the error report: {', '.join(VARIANTS)}."
     )
-    flags.DEFINE_integer("ref_pairs", 4, "(batch, head) pairs compared with float64 attention (0: all).")
+    flags.DEFINE_integer(
+        "ref_pairs",
+        -1,
+        "(batch, head) pairs compared with float64 attention: 0 all, -1 as many as a budget of "
+        "float64 FLOPs allows (8 at 4K tokens, 2 at 32K).",
+    )
     flags.DEFINE_bool("kl", True, "Also run the KL-divergence report.")
     flags.DEFINE_string("kl_variants", ",".join(KL_VARIANTS), "Variants for the KL report.")
     flags.DEFINE_string(

@@ -95,12 +95,14 @@ def rope_frequencies(head_dim: int, base: float) -> np.ndarray:
     return base ** (-np.arange(half, dtype=np.float64) / half)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, base) -> jax.Array:
     """Rotates x [..., S, H, D] by positions [S]: pair (i, i + D/2) by the angle position * freq_i.
 
-    The rotate-half convention of Llama and GPT-NeoX; computed in float32, output in x's dtype.
+    The rotate-half convention of Llama and GPT-NeoX; computed in float32 (base may be traced),
+    output in x's dtype. The frequencies are `rope_frequencies`.
     """
-    freqs = jnp.asarray(rope_frequencies(x.shape[-1], base), jnp.float32)
+    half = x.shape[-1] // 2
+    freqs = jnp.asarray(base, jnp.float32) ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angles = positions.astype(jnp.float32)[:, None] * freqs  # [S, D/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # broadcast over heads
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -174,26 +176,60 @@ def activation_qkv(
     if heads_q % heads_kv:
         raise ValueError(f"heads_q ({heads_q}) must be a multiple of heads_kv ({heads_kv})")
     sink_pairs, _, _ = structure_pairs(head_dim, knobs.outlier_pairs)
+    # Only the number of outlier pairs shapes the program; the other knobs are traced values, so
+    # changing them does not recompile.
+    values = {
+        f.name: jnp.float32(getattr(knobs, f.name))
+        for f in dataclasses.fields(knobs)
+        if f.name != "outlier_pairs"
+    }
     q, k, v, outliers = _activations(
-        _key(seed), batch, seq_q, seq_k, heads_q, heads_kv, head_dim, jnp.dtype(dtype), knobs
+        _key(seed),
+        batch,
+        seq_q,
+        seq_k,
+        heads_q,
+        heads_kv,
+        head_dim,
+        jnp.dtype(dtype),
+        knobs.outlier_pairs,
+        values,
     )
     return ActivationInputs(q, k, v, outliers, sink_pairs)
 
 
 @functools.partial(jax.jit, static_argnums=tuple(range(1, 9)))
-def _activations(key, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, knobs: ActivationKnobs):
+def _activations(key, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, outlier_pairs, knobs: dict):
     half = head_dim // 2
     group = heads_q // heads_kv
-    sink_pairs, candidates, local_pairs = structure_pairs(head_dim, knobs.outlier_pairs)
-    keys = jax.random.split(key, 12)
+    sink_pairs, candidates, local_pairs = structure_pairs(head_dim, outlier_pairs)
+    q_shape = (batch, seq_q, heads_kv, group, head_dim)
+    kv_shape = (batch, seq_k, heads_kv, head_dim)
+    # One draw of standard normals for everything (one PRNG program to compile), cut into parts.
+    sizes = {
+        "q": q_shape,
+        "k": kv_shape,
+        "v": kv_shape,
+        "signs": (heads_kv, head_dim),
+        "choice": (heads_kv, len(candidates)),
+        "q_head": (heads_kv, group, 1),
+        "k_head": (heads_kv, 1),
+        "v_head": (heads_kv, 1),
+        "v_token": (batch, seq_k, 1, 1),
+    }
+    flat = jax.random.normal(key, (sum(math.prod(shape) for shape in sizes.values()),), jnp.float32)
+    parts, start = {}, 0
+    for name, shape in sizes.items():
+        parts[name] = flat[start : start + math.prod(shape)].reshape(shape)
+        start += math.prod(shape)
 
-    # Outlier pairs per KV head, and the sign of each outlier channel's offset.
-    draw = jax.vmap(lambda kk: jax.random.permutation(kk, len(candidates))[: knobs.outlier_pairs])
-    outliers = jnp.asarray(candidates)[draw(jax.random.split(keys[0], heads_kv))]  # [Hkv, n]
+    # Outlier pairs per KV head (the largest of random scores: a random subset), and the sign of
+    # each outlier channel's offset.
+    outliers = jnp.asarray(candidates)[jax.lax.top_k(parts["choice"], outlier_pairs)[1]]  # [Hkv, n]
     # Both channels of a pair, so the outlier keeps its size as RoPE turns the pair.
     channels = jnp.concatenate([outliers, outliers + half], axis=1)
     outlier_mask = jnp.zeros((heads_kv, head_dim), bool).at[jnp.arange(heads_kv)[:, None], channels].set(True)
-    signs = jax.random.rademacher(keys[1], (heads_kv, head_dim), jnp.float32)
+    signs = jnp.where(parts["signs"] >= 0, 1.0, -1.0)
 
     # Unit directions (pre-RoPE, first channel of each pair): the sink's, and the locality one.
     sink_dir = np.zeros(head_dim, np.float32)
@@ -204,39 +240,35 @@ def _activations(key, batch, seq_q, seq_k, heads_q, heads_kv, head_dim, dtype, k
 
     sqrt_d = math.sqrt(head_dim)
     # Shared components: q.k / sqrt(D) gains sink_logit on the first key, local_logit on the diagonal.
-    a = knobs.sink_query_bias
-    b = knobs.sink_logit * sqrt_d / a if a > 0 else 0.0
-    c = math.sqrt(max(knobs.local_logit, 0.0) * sqrt_d)
+    a = knobs["sink_query_bias"]
+    b = jnp.where(a > 0, knobs["sink_logit"] * sqrt_d / jnp.where(a > 0, a, 1.0), 0.0)
+    c = jnp.sqrt(jnp.maximum(knobs["local_logit"], 0.0) * sqrt_d)
 
-    q_shape = (batch, seq_q, heads_kv, group, head_dim)
-    kv_shape = (batch, seq_k, heads_kv, head_dim)
-    q = jax.random.normal(keys[2], q_shape, jnp.float32)
-    k = jax.random.normal(keys[3], kv_shape, jnp.float32)
-    v = jax.random.normal(keys[4], kv_shape, jnp.float32)
+    q, k, v = parts["q"], parts["k"], parts["v"]
 
     # Queries are small where k has outliers (else those channels would dominate every score) and
     # in the sink channels (so the sink's score varies little between queries).
-    q_gain = jnp.where(outlier_mask, 1.0 / max(knobs.outlier_gain, 1.0), 1.0)
+    q_gain = jnp.where(outlier_mask, 1.0 / jnp.maximum(knobs["outlier_gain"], 1.0), 1.0)
     q_gain = jnp.where(sink_mask, 0.25, q_gain)
     q = q * q_gain[None, None, :, None, :] + a * sink_dir + c * local_dir
 
     # Keys: outlier channels (offset + noise, RMS = gain), locality, and the sink on the first key.
-    offset = knobs.outlier_offset
-    outlier_k = knobs.outlier_gain * (offset * signs + math.sqrt(max(0.0, 1 - offset**2)) * k)
+    offset = knobs["outlier_offset"]
+    outlier_k = knobs["outlier_gain"] * (offset * signs + jnp.sqrt(jnp.maximum(0.0, 1 - offset**2)) * k)
     k = jnp.where(outlier_mask[None, None], outlier_k, k) + c * local_dir
     k = k.at[:, 0].add(b * sink_dir)
-    v = v.at[:, 0].multiply(knobs.sink_value_scale)
+    v = v.at[:, 0].multiply(knobs["sink_value_scale"])
 
     # Per-head and per-token scales.
-    sigma = knobs.head_scale_sigma
-    q = q * jnp.exp(sigma * jax.random.normal(keys[5], (heads_kv, group, 1)))
-    k = k * jnp.exp(sigma * jax.random.normal(keys[6], (heads_kv, 1)))
-    v = v * jnp.exp(sigma * jax.random.normal(keys[7], (heads_kv, 1)))
-    v = v * jnp.exp(knobs.token_scale_sigma * jax.random.normal(keys[8], (batch, seq_k, 1, 1)))
+    sigma = knobs["head_scale_sigma"]
+    q = q * jnp.exp(sigma * parts["q_head"])
+    k = k * jnp.exp(sigma * parts["k_head"])
+    v = v * jnp.exp(sigma * parts["v_head"])
+    v = v * jnp.exp(knobs["token_scale_sigma"] * parts["v_token"])
 
     q = q.reshape(batch, seq_q, heads_q, head_dim)
-    q = apply_rope(q, jnp.arange(seq_k - seq_q, seq_k), knobs.rope_base)
-    k = apply_rope(k, jnp.arange(seq_k), knobs.rope_base)
+    q = apply_rope(q, jnp.arange(seq_k - seq_q, seq_k), knobs["rope_base"])
+    k = apply_rope(k, jnp.arange(seq_k), knobs["rope_base"])
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), outliers.astype(jnp.int32)
 
 
