@@ -166,10 +166,13 @@ def test_grad_of_sharded_call_matches_unsharded(rng):
         return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True).astype(jnp.float32) ** 2)
 
     spec = NamedSharding(mesh, P("data", None, "tensor"))
-    sharded = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(spec, spec, spec))
-    for got, want in zip(sharded(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)):
+    grads = jax.grad(loss, argnums=(0, 1, 2))
+    sharded = jax.jit(grads, in_shardings=(spec,) * 3, out_shardings=(spec,) * 3)
+    # The forward is partitioned by the rule, the reference backward by Shardy: neither communicates.
+    assert collective_counts(compiled_hlo(sharded, q, k, v)) == NO_COLLECTIVES
+    for got, want in zip(sharded(q, k, v), jax.jit(grads)(q, k, v)):  # f16 gradients: a few ulps apart
         np.testing.assert_allclose(
-            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-3, rtol=2e-3
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5e-3, rtol=5e-3
         )
 
 
