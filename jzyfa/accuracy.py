@@ -252,7 +252,7 @@ def _cudnn_bf16(q, k, v, setting: Setting):
         implementation="cudnn",
         return_residual=True,
     )
-    return out, jnp.swapaxes(residual.astype(jnp.float32), 1, 2)
+    return out, peers.lse_from_btn(residual)
 
 
 def _jzyfa_fp8(implementation: str | None, hadamard: bool):

@@ -472,7 +472,7 @@ def measure_peer(
         fn = built.fn if torch_peer else jax.jit(built.fn)
         raw = fn(*args[0])
         sync(raw)
-        out, _ = peer.decode(raw, args[0])
+        out = peer.decode(raw, args[0])
         del raw
     except Unsupported as e:
         result.update(status="unsupported", message=str(e))

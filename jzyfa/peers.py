@@ -2,12 +2,12 @@
 
 Each peer is a small adapter:
 - `supports(problem)`: None, or why it cannot serve this problem here (reported as "unsupported");
-- `build(problem, options, with_lse)`: the function to time, the same for every input set (raises
+- `build(problem, options)`: the function to time, the same for every input set (raises
   `Unsupported` for what only shows when tracing, such as a missing kernel);
 - `arguments(problem, inputs)`: its arguments for one input set, converted outside the timed call
   (layout changes, FP8 quantization, DLPack hand-off to PyTorch);
-- `decode(raw, args)`: the output as float32 O [B, Sq, Hq, D] and, where the peer gives it, the LSE
-  float32 [B, Hq, Sq], for the error check (outside the timed call);
+- `decode(raw, args)`: the output as float32 O [B, Sq, Hq, D] (JAX or NumPy) for the error check,
+  outside the timed call;
 - `notes`: what it computes in, when that differs from the run's dtype.
 
 JAX peers are jitted and timed with CUPTI; PyTorch peers (`framework == "torch"`) get DLPack views
@@ -24,7 +24,7 @@ import dataclasses
 import importlib
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -217,7 +217,7 @@ def _rectangular_causal_reason(problem: Problem, who: str) -> str | None:
     return None
 
 
-def _lse_from_btn(residual) -> jax.Array:
+def lse_from_btn(residual) -> jax.Array:
     """jax.nn's residual is the natural-log LSE as [B, Sq, Hq]; ours is [B, Hq, Sq]."""
     return jnp.swapaxes(residual.astype(jnp.float32), 1, 2)
 
@@ -234,7 +234,7 @@ class Peer:
     def supports(self, problem: Problem) -> str | None:
         return None
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         raise NotImplementedError
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
@@ -243,11 +243,9 @@ class Peer:
             return (f.q, f.k, f.v, f.descale_q, f.descale_k, f.descale_v)
         return (inputs.q, inputs.k, inputs.v)
 
-    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
-        """(O as float32 [B, Sq, Hq, D], LSE float32 [B, Hq, Sq] or None)."""
-        if isinstance(raw, tuple):
-            return raw[0].astype(jnp.float32), raw[1]
-        return raw.astype(jnp.float32), None
+    def decode(self, raw, args: tuple):
+        """O as float32 [B, Sq, Hq, D] from what fn returned for these arguments."""
+        return raw.astype(jnp.float32)
 
     def compute_dtype(self, problem: Problem) -> str:
         if self.precision == "fp8":
@@ -274,7 +272,7 @@ class Jzyfa(Peer):
         if fp8:
             self.notes = "e4m3 q/k/v, one power-of-two descale per tensor; bf16 output"
 
-    def _call(self, problem: Problem, implementation: str | None, with_lse: bool) -> Callable:
+    def _call(self, problem: Problem, implementation: str | None) -> Callable:
         import jzyfa
 
         kwargs = {
@@ -285,13 +283,11 @@ class Jzyfa(Peer):
         if self.precision == "fp8":
 
             def fn(q8, k8, v8, dq, dk, dv):
-                return jzyfa.flash_attention(
-                    q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, return_lse=with_lse, **kwargs
-                )
+                return jzyfa.flash_attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, **kwargs)
         else:
 
             def fn(q, k, v):
-                return jzyfa.flash_attention(q, k, v, return_lse=with_lse, **kwargs)
+                return jzyfa.flash_attention(q, k, v, **kwargs)
 
         return fn
 
@@ -301,17 +297,17 @@ class Jzyfa(Peer):
             return (*problem.abstract(jnp.float8_e4m3fn), scalar, scalar, scalar)
         return problem.abstract(problem.jnp_dtype)
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         if self.forced == "xla":
-            return Built(self._call(problem, "xla", with_lse), "pure-JAX")
+            return Built(self._call(problem, "xla"), "pure-JAX")
         if not _on_gpu():  # the primitive's CPU lowering (16-bit) or the pure-JAX FP8 path
-            return Built(self._call(problem, None, with_lse), "pure-JAX (no GPU)")
-        kernel = self._call(problem, "kernel", with_lse)
+            return Built(self._call(problem, None), "pure-JAX (no GPU)")
+        kernel = self._call(problem, "kernel")
         try:  # the kernel's checks run at trace time: nothing launches here
             jax.eval_shape(kernel, *self._abstract_args(problem))
         except ValueError as e:
             if options.allow_xla_fallback:
-                return Built(self._call(problem, "xla", with_lse), "xla-fallback")
+                return Built(self._call(problem, "xla"), "xla-fallback")
             if self.precision == "fp8":
                 raise Unsupported(f"{e}; --allow_xla_fallback times the pure-JAX FP8 path instead") from e
             raise
@@ -336,7 +332,7 @@ class JaxNn(Peer):
                 return f"would materialise {score_bytes / 2**30:.0f} GiB of float32 scores"
         return _rectangular_causal_reason(problem, "jax.nn.dot_product_attention")
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         def fn(q, k, v):
             out = jax.nn.dot_product_attention(
                 q,
@@ -345,9 +341,8 @@ class JaxNn(Peer):
                 scale=problem.softmax_scale,
                 is_causal=problem.causal,
                 implementation=self.implementation,
-                return_residual=with_lse,
             )
-            return (out[0], _lse_from_btn(out[1])) if with_lse else out
+            return out
 
         return Built(fn)
 
@@ -413,7 +408,7 @@ class CudnnFp8(Peer):
         f = inputs.fp8()
         return (f.q, f.k, f.v, cudnn_fp8_params(f))
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         def fn(q8, k8, v8, params):
             return cudnn_fp8_attention(
                 q8, k8, v8, params, causal=problem.causal, softmax_scale=problem.softmax_scale
@@ -421,9 +416,9 @@ class CudnnFp8(Peer):
 
         return Built(fn)
 
-    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
+    def decode(self, raw, args: tuple):
         descale_v = args[3]["descale_v"].reshape(())
-        return raw.astype(jnp.float32) * descale_v, None
+        return raw.astype(jnp.float32) * descale_v
 
     def compute_dtype(self, problem: Problem) -> str:
         return "fp8"
@@ -456,7 +451,7 @@ class Pallas(Peer):
         q = (inputs.q.astype(jnp.float32) * problem.softmax_scale).astype(jnp.float16)
         return (q, inputs.k.astype(jnp.float16), inputs.v.astype(jnp.float16))
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         from jax.experimental.pallas.ops.gpu import attention_mgpu
 
         config = attention_mgpu.TuningConfig(
@@ -513,7 +508,7 @@ class TorchSdpa(Peer):
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
         return tuple(to_torch(x).transpose(1, 2).contiguous() for x in (inputs.q, inputs.k, inputs.v))
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -528,8 +523,8 @@ class TorchSdpa(Peer):
 
         return Built(fn)
 
-    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
-        return np.swapaxes(torch_to_numpy(raw), 1, 2), None
+    def decode(self, raw, args: tuple):
+        return np.swapaxes(torch_to_numpy(raw), 1, 2)
 
 
 class FlashAttn(Peer):
@@ -567,7 +562,7 @@ class FlashAttn(Peer):
             )
         return tuple(to_torch(x) for x in (inputs.q, inputs.k, inputs.v))
 
-    def build(self, problem: Problem, options: Options, with_lse: bool = False) -> Built:
+    def build(self, problem: Problem, options: Options) -> Built:
         flash_attn_func = importlib.import_module(self.module).flash_attn_func
         scale, causal = problem.softmax_scale, problem.causal
 
@@ -586,8 +581,8 @@ class FlashAttn(Peer):
 
         return Built(fn)
 
-    def decode(self, raw, args: tuple) -> tuple[Any, Any]:
-        return torch_to_numpy(raw), None
+    def decode(self, raw, args: tuple):
+        return torch_to_numpy(raw)
 
 
 # ----------------------------------------------------------------------------------------------
