@@ -142,8 +142,9 @@ def test_with_batch_or_head_sharding(rng, strategy, other_axis, option):
     assert collective_counts(hlo) == dict(NONE, **expected)
 
 
-@pytest.mark.parametrize("strategy,shards", [("allgather", 4), ("ring", 2)])  # small rings compile faster
-def test_grad_matches_reference(rng, strategy, shards):
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_grad_matches_reference(rng, strategy):
+    shards = 2  # the backward of every shard's branch compiles too: keep it small
     mesh = cpu_mesh((shards,), ("seq",))
     q, k, v = random_qkv(rng, seq_q=32, heads_q=4, heads_kv=2, dtype=F16)
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
