@@ -62,7 +62,10 @@ def test_reference_on_gqa_pairs(rng):
     assert pairs == [(0, 0), (1, 0), (1, 3)]
     assert accuracy.spread_pairs(1, 2, 0) == [(0, 0), (0, 1)]
     long = dict(seq_q=32768, seq_k=32768, head_dim=128)
-    assert accuracy.reference_pair_count(-1, long, True) == 2 and accuracy.reference_pair_count(3, long, True) == 3
+    assert (
+        accuracy.reference_pair_count(-1, long, True) == 2
+        and accuracy.reference_pair_count(3, long, True) == 3
+    )
     assert accuracy.reference_pair_count(-1, dict(long, seq_q=4096, seq_k=4096), True) == 8
     ref = accuracy.reference_on_pairs(q, k, v, pairs, scale=0.3, causal=True)
     expected_out, expected_lse = naive_attention_f64(q, k, v, causal=True, softmax_scale=0.3)
