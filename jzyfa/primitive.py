@@ -72,31 +72,33 @@ def flash_attention_fwd(
     return out, lse
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.11; `vma` before
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
 def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
     """Inside shard_map, marks every operand as varying over the mesh axes any of them varies over.
 
     lax operations do this implicitly; a primitive of our own must, so its results' types are right.
     """
-    varying = [jax.typeof(x).manual_axis_type.varying for x in xs]
+    varying = [_varying_axes(x) for x in xs]
     union = frozenset().union(*varying)
     return [
-        x if axes == union else lax.pcast(x, tuple(union - axes), to="varying")
+        x if axes == union else lax.pcast(x, tuple(sorted(union - axes)), to="varying")
         for x, axes in zip(xs, varying)
     ]
 
 
 def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
     batch, seq_q, heads_q, _ = q.shape
-    # Results are sharded (explicit mesh axes) and vary over shard_map's axes as q does; lse's
-    # [B, H, Sq] takes q's batch, head and sequence shardings.
+    # Results keep q's mesh sharding and the shard_map axes it varies over (update() carries both);
+    # lse's [B, H, Sq] takes q's batch, head and sequence shardings.
     spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
     lse_sharding = q.sharding.update(spec=P(spec[0], spec[2], spec[1]))
-    return (
-        q.update(weak_type=False),
-        jax.core.ShapedArray(
-            (batch, heads_q, seq_q), jnp.float32, sharding=lse_sharding, manual_axis_type=q.manual_axis_type
-        ),
-    )
+    lse = q.update(shape=(batch, heads_q, seq_q), dtype=jnp.float32, weak_type=False, sharding=lse_sharding)
+    return q.update(weak_type=False), lse
 
 
 flash_attention_fwd_p.def_abstract_eval(_abstract_eval)

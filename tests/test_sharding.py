@@ -231,3 +231,19 @@ def test_per_shard_program_lowers_to_the_kernel_for_cuda(q_spec, kv_spec, local_
     assert all(local_q in call for call in calls)
     # Operand layouts list each call's q, k, v shapes.
     assert sorted(kv for call in calls for kv in local_kvs if f"{kv}{{3,2,1,0}}" in call) == sorted(local_kvs)
+
+
+def test_inside_shard_map_with_kv_replicated(rng):
+    """q varies over the manual axis, K/V do not: the primitive makes them vary alike."""
+    mesh = cpu_mesh((4,), ("seq",))
+    q, k, v = random_qkv(rng, seq_q=32, seq_k=16, heads_q=2, dtype=F16)
+    attention = functools.partial(jzyfa.flash_attention, return_lse=True)
+    fn = jax.jit(
+        jax.shard_map(
+            attention,
+            mesh=mesh,
+            in_specs=(P(None, "seq"), P(), P()),
+            out_specs=(P(None, "seq"), P(None, None, "seq")),
+        )
+    )
+    assert_close_to_reference(fn(q, k, v), jzyfa.attention_reference(q, k, v))
