@@ -211,10 +211,10 @@ def _attend_block(attend, case, q, k, v):
 
 
 def _ring(attend, q, k, v, *, seq_axis, num_shards, layout, causal):
-    slots = sequence_layout.chunks_per_shard(layout)
+    # Non-causal: every key is visible, so the whole local q meets each block in one call.
+    slots = sequence_layout.chunks_per_shard(layout) if causal else 1
     shard = lax.axis_index(seq_axis)
     q_chunks = jnp.split(q, slots, axis=1)
-    my_chunks = sequence_layout.shard_chunks(shard, num_shards, layout)
     merged = [None] * slots  # per query chunk: (out float32, lse) over the key blocks seen so far
     kv = (k, v)
     to_next = [(i, (i + 1) % num_shards) for i in range(num_shards)]
@@ -222,25 +222,30 @@ def _ring(attend, q, k, v, *, seq_axis, num_shards, layout, causal):
         # Sent before this step's compute, so the transfer overlaps it.
         incoming = lax.ppermute(kv, seq_axis, to_next) if step < num_shards - 1 else None
         source = (shard - step) % num_shards  # whose K/V block this shard holds now
-        their_chunks = sequence_layout.shard_chunks(source, num_shards, layout)
         k_chunks, v_chunks = (jnp.split(x, slots, axis=1) for x in kv)
-        for a in range(slots):
-            for b in range(slots):
-                case = _pair_case(step, a, b, my_chunks[a], their_chunks[b], causal)
-                if isinstance(case, int) and case == MASKED:
-                    continue  # Known to be fully masked at trace time: no work at all.
-                out, lse = _attend_block(attend, case, q_chunks[a], k_chunks[b], v_chunks[b])
-                part = (out.astype(jnp.float32), lse)
-                merged[a] = part if merged[a] is None else merge_attention_states(*merged[a], *part)
+        for a, b, case in _block_pairs(step, shard, source, num_shards, layout, causal):
+            out, lse = _attend_block(attend, case, q_chunks[a], k_chunks[b], v_chunks[b])
+            part = (out.astype(jnp.float32), lse)
+            merged[a] = part if merged[a] is None else merge_attention_states(*merged[a], *part)
         kv = incoming
     out, lse = _concat(merged)
     return out.astype(q.dtype), lse
 
 
-def _pair_case(step, a, b, q_chunk, k_chunk, causal):
-    """VISIBLE, DIAGONAL or MASKED for query chunk q_chunk against key chunk k_chunk."""
+def _block_pairs(step, shard, source, num_shards, layout, causal):
+    """(query chunk slot, key chunk slot, case) for the pairs that may hold visible keys."""
     if not causal:
-        return VISIBLE
+        return [(0, 0, VISIBLE)]
+    my_chunks = sequence_layout.shard_chunks(shard, num_shards, layout)
+    their_chunks = sequence_layout.shard_chunks(source, num_shards, layout)
+    slots = range(len(my_chunks))
+    pairs = [(a, b, _pair_case(step, a, b, my_chunks[a], their_chunks[b])) for a in slots for b in slots]
+    # Pairs known at trace time to be fully masked cost nothing; others decide at run time.
+    return [(a, b, case) for a, b, case in pairs if not (isinstance(case, int) and case == MASKED)]
+
+
+def _pair_case(step, a, b, q_chunk, k_chunk):
+    """VISIBLE, DIAGONAL or MASKED for causal query chunk q_chunk against key chunk k_chunk."""
     if step == 0:
         # A shard's own block: its chunks are in ascending order, so the case is the same everywhere.
         return DIAGONAL if a == b else VISIBLE if b < a else MASKED
