@@ -15,10 +15,16 @@ from attention_oracle import random_qkv
 import jzyfa
 from jzyfa.primitive import FFI_TARGET
 
-# The primitive path (the kernel on Hopper, its reference lowering here) on any host.
+# The primitive path, lowered for a CPU device (the reference), on any host.
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 F16 = jnp.float16
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def primitive_calls(fn, *args) -> list[str]:
