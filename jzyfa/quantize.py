@@ -103,6 +103,8 @@ def hadamard_rotate(
     rotation = signs[:, None] * jnp.asarray(hadamard_matrix(head_dim), jnp.float32)
 
     def rotate(x: jax.Array) -> jax.Array:
-        return jnp.matmul(x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+        return jnp.matmul(x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST).astype(
+            x.dtype
+        )
 
     return rotate(q), rotate(k)
