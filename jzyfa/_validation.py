@@ -24,27 +24,39 @@ def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
 
 
 def check_qkv(q, k, v) -> None:
-    """Checks ranks, dtypes and that the shapes of q [B, Sq, Hq, D], k, v [B, Sk, Hkv, D] agree."""
+    """Checks ranks, dtypes and that q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] agree.
+
+    v's head dim may differ from q's and k's (MLA: 192 for q/k, 128 for v); the output takes v's.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim], got shape {x.shape}")
+    check_qkv_heads(q, k, v, axes="[batch, seq_k, kv_heads]")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+
+
+def check_qkv_heads(q, k, v, *, axes: str) -> None:
+    """The checks dense and packed (varlen) layouts share: dtypes, head dims, heads, k/v agreement.
+
+    `axes` names k's and v's leading axes, which must be equal, for the error message.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(x.dtype) not in NON_FP8_DTYPES + FP8_DTYPES:
             raise TypeError(
                 f"{name} has dtype {x.dtype}; expected one of {_dtype_names(NON_FP8_DTYPES + FP8_DTYPES)}"
             )
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(
-            f"k and v must have the same shape [batch, seq_k, kv_heads, head_dim], got {k.shape} and {v.shape}"
+            f"k and v must have the same {axes} (their head dims may differ), got {k.shape} and {v.shape}"
         )
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
-    heads_q, heads_kv = q.shape[2], k.shape[2]
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim, got {q.shape[-1]} and {k.shape[-1]}")
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv:
         raise ValueError(
             f"q's heads ({heads_q}) must be a multiple of k's and v's heads ({heads_kv}) for GQA/MQA"
@@ -78,6 +90,52 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
 def check_causal(causal) -> None:
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+
+
+# A window (left, right): query i, at bottom-right aligned position p = i + seq_k - seq_q, sees key j
+# iff p - left <= j <= p + right; -1 leaves that side unbounded.
+Window = tuple[int, int]
+NO_WINDOW: Window = (-1, -1)
+CAUSAL_WINDOW: Window = (-1, 0)
+
+
+def check_window(window) -> Window | None:
+    """None, or (left, right) as two Python ints, each >= 0 or -1 (unbounded)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be None or a pair (left, right) of ints, got {window!r}")
+    for side, bound in zip(("left", "right"), window):
+        if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, (int, np.integer)):
+            raise TypeError(f"window's {side} bound must be a static int, got {type(bound).__name__}")
+        if bound < -1:
+            raise ValueError(f"window's {side} bound must be >= 0, or -1 for unbounded; got {bound}")
+    return int(window[0]), int(window[1])
+
+
+def mask_window(causal: bool, window: Window | None) -> Window:
+    """The (left, right) window a call attends with; causal and window combined as flash-attention does.
+
+    causal=True is the window (-1, 0); with a window as well, causal sets its right bound to 0 (so
+    `causal=True, window=(w - 1, w - 1)`, as Hugging Face passes for sliding-window models, means the
+    last w keys up to the diagonal).
+    """
+    left, right = NO_WINDOW if window is None else window
+    return (left, 0) if causal else (left, right)
+
+
+def canonical_window(window: Window, seq_q: int, seq_k: int) -> Window:
+    """The same mask with bounds that exclude no key for these lengths replaced by -1.
+
+    Positions run from seq_k - seq_q (row 0) to seq_k - 1 (last row), so a left bound >= seq_k - 1
+    and a right bound >= seq_q - 1 never exclude a key; e.g. (8192, 0) on 4K tokens is causal.
+    """
+    left, right = window
+    if left >= seq_k - 1:
+        left = -1
+    if right >= seq_q - 1:
+        right = -1
+    return left, right
 
 
 def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:

@@ -20,11 +20,40 @@ class Path(enum.Enum):
     KERNEL_REQUIRED = "kernel_required"  # the primitive, and lowering anywhere but CUDA is an error
 
 
-def choose_path(q: jax.Array, softmax_scale: float, implementation: str | None) -> Path:
+def kernel_causal_flag(
+    causal: bool, window: _validation.Window | None, seq_q: int, seq_k: int
+) -> bool | None:
+    """The kernel's `causal` attribute for this mask, or None if the kernel has no such mask yet.
+
+    The kernel masks nothing or causally; a window is served when, for these lengths, it is one of
+    those two (e.g. (8192, 0) over 4K keys is causal).
+    """
+    if window is None:
+        return bool(causal)
+    left_right = _validation.canonical_window(_validation.mask_window(causal, window), seq_q, seq_k)
+    return {_validation.NO_WINDOW: False, _validation.CAUSAL_WINDOW: True}.get(left_right)
+
+
+def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
+    """None when the kernel serves this validated non-FP8 call, else why not."""
+    if problem := kernel_config_problem(q, k, v, softmax_scale):
+        return problem
+    if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
+        effective = _validation.mask_window(causal, window)
+        return (
+            f"the kernel masks causally or not at all; the sliding window {effective} (left, right) "
+            "runs on the pure-JAX path for now"
+        )
+    return None
+
+
+def choose_path(
+    q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float, causal: bool, window, implementation
+) -> Path:
     """Which path serves a validated non-FP8 call; raises if the kernel is demanded but cannot serve."""
     if implementation == "xla":
         return Path.REFERENCE
-    config_problem = kernel_config_problem(q, softmax_scale)
+    config_problem = kernel_problem(q, k, v, softmax_scale, causal, window)
     backend = _platform.default_backend()
     if implementation == "kernel":
         if config_problem:
@@ -60,10 +89,10 @@ def _differentiable_kernel_bwd(softmax_scale, causal, kernel_required, residuals
 _differentiable_kernel.defvjp(_differentiable_kernel_fwd, _differentiable_kernel_bwd)
 
 
-def _fp8_reference(q, k, v, descales, *, causal: bool, softmax_scale: float):
+def _fp8_reference(q, k, v, descales, *, causal: bool, softmax_scale: float, window):
     """FP8 through the pure-JAX path: dequantize to float32, exact attention, bf16 output."""
     dequantized = [dequantize(x, d) for x, d in zip((q, k, v), descales)]
-    out, lse = attention_reference(*dequantized, causal=causal, softmax_scale=softmax_scale)
+    out, lse = attention_reference(*dequantized, causal=causal, softmax_scale=softmax_scale, window=window)
     return out.astype(jnp.bfloat16), lse
 
 
@@ -73,6 +102,7 @@ def flash_attention(
     v: jax.Array,
     *,
     causal: bool = False,
+    window: tuple[int, int] | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
@@ -84,24 +114,31 @@ def flash_attention(
 
     Args:
       q: [batch, seq_q, heads_q, head_dim]; bf16, f16, float32 or float8_e4m3fn.
-      k, v: [batch, seq_k, heads_kv, head_dim], q's dtype; heads_q a multiple of heads_kv
-        (GQA/MQA: query head h uses key/value head h // (heads_q // heads_kv)).
-      causal: mask aligned bottom-right, query i sees key j iff j <= i + seq_k - seq_q. Rows that
-        see no key give out = 0 and lse = -inf.
-      softmax_scale: static float; default 1 / sqrt(head_dim).
+      k: [batch, seq_k, heads_kv, head_dim], q's dtype; heads_q a multiple of heads_kv (GQA/MQA:
+        query head h uses key/value head h // (heads_q // heads_kv)).
+      v: [batch, seq_k, heads_kv, head_dim_v], q's dtype; head_dim_v may differ from head_dim (MLA:
+        192 for q/k, 128 for v), and the output has it.
+      causal: mask aligned bottom-right, query i sees key j iff j <= i + seq_k - seq_q; the same as
+        window=(-1, 0).
+      window: None or a static (left, right) pair: query i, at position p = i + seq_k - seq_q, sees
+        key j iff p - left <= j <= p + right, -1 leaving a side unbounded. With causal=True the
+        right bound is 0 whatever is given (flash-attention's convention). Rows that see no key give
+        out = 0 and lse = -inf.
+      softmax_scale: static float; default 1 / sqrt(head_dim) (q's and k's head dim).
       return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q], natural log.
-      implementation: None uses the kernel where it can (Hopper GPU, bf16/f16, head_dim 64 or 128)
-        and the pure-JAX path elsewhere; "kernel" raises if the kernel cannot serve; "xla" always
-        uses the pure-JAX path.
+      implementation: None uses the kernel where it can (Hopper GPU, bf16/f16, head_dim 64 or 128
+        for q, k and v alike, no mask or causal) and the pure-JAX path elsewhere; "kernel" raises a
+        ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
 
     Returns:
-      out [batch, seq_q, heads_q, head_dim] in q's dtype (bf16 for FP8 inputs), or (out, lse).
+      out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
     """
     _validation.check_qkv(q, k, v)
     _validation.check_causal(causal)
+    window = _validation.check_window(window)
     _validation.check_implementation(implementation)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
@@ -112,13 +149,16 @@ def flash_attention(
                 "implementation='kernel' cannot serve FP8 inputs: the FP8 kernel does not exist yet; "
                 "use implementation=None or 'xla' for the pure-JAX FP8 path"
             )
-        out, lse = _fp8_reference(q, k, v, descales, causal=causal, softmax_scale=softmax_scale)
+        out, lse = _fp8_reference(
+            q, k, v, descales, causal=causal, softmax_scale=softmax_scale, window=window
+        )
     else:
-        path = choose_path(q, softmax_scale, implementation)
+        path = choose_path(q, k, v, softmax_scale, causal, window, implementation)
         if path is Path.REFERENCE:
-            out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+            out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
         else:
+            kernel_causal = kernel_causal_flag(causal, window, q.shape[1], k.shape[1])
             out, lse = _differentiable_kernel(
-                q, k, v, softmax_scale, bool(causal), path is Path.KERNEL_REQUIRED
+                q, k, v, softmax_scale, kernel_causal, path is Path.KERNEL_REQUIRED
             )
     return (out, lse) if return_lse else out

@@ -203,7 +203,7 @@ def _attend_block(attend, case, q, k, v):
     branches = (
         lambda q, k, v: attend(q, k, v, False),
         lambda q, k, v: attend(q, k, v, True),
-        lambda q, k, v: no_keys_seen(q),
+        lambda q, k, v: no_keys_seen(q, v),
     )
     if isinstance(case, int):
         return branches[case](q, k, v)

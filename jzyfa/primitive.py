@@ -41,25 +41,32 @@ KERNEL_MAX_BATCH = 65535
 KERNEL_MAX_SEQ_Q = 65535 * 128
 
 
-def kernel_config_problem(q: jax.Array, softmax_scale: float) -> str | None:
-    """None when the kernel serves a validated call with this q (k and v match it), else why not."""
+def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
+    """None when the kernel serves a validated call with these q, k, v (mask aside), else why not."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
         return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return (
+            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]} "
+            "(MLA-style shapes run on the pure-JAX path for now)"
+        )
     if softmax_scale <= 0:
         return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
     if q.shape[0] > KERNEL_MAX_BATCH:
         return f"the kernel takes batch <= {KERNEL_MAX_BATCH}, got {q.shape[0]}"
     if q.shape[1] > KERNEL_MAX_SEQ_Q:
         return f"the kernel takes seq_q <= {KERNEL_MAX_SEQ_Q}, got {q.shape[1]}"
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return f"the kernel needs seq_q and seq_k >= 1, got {q.shape[1]} and {k.shape[1]}"
     return None
 
 
 def flash_attention_fwd(
     q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float, causal: bool, kernel_required: bool
 ) -> tuple[jax.Array, jax.Array]:
-    """Binds the primitive: (out like q, lse float32 [B, Hq, Sq])."""
+    """Binds the primitive: (out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq])."""
     q, k, v = _vary_alike(q, k, v)
     out, lse = flash_attention_fwd_p.bind(
         q,
@@ -94,11 +101,15 @@ def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
 def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
     batch, seq_q, heads_q, _ = q.shape
     # Results keep q's mesh sharding and the shard_map axes it varies over (update() carries both);
-    # lse's [B, H, Sq] takes q's batch, head and sequence shardings.
+    # out's head dim is v's (MLA: it may differ from q's) and takes v's sharding of it; lse's
+    # [B, H, Sq] takes q's batch, head and sequence shardings.
     spec = tuple(q.sharding.spec) + (None,) * (4 - len(q.sharding.spec))
+    v_spec = tuple(v.sharding.spec) + (None,) * (4 - len(v.sharding.spec))
+    out_sharding = q.sharding.update(spec=P(*spec[:3], v_spec[3]))
+    out = q.update(shape=(batch, seq_q, heads_q, v.shape[3]), weak_type=False, sharding=out_sharding)
     lse_sharding = q.sharding.update(spec=P(spec[0], spec[2], spec[1]))
     lse = q.update(shape=(batch, heads_q, seq_q), dtype=jnp.float32, weak_type=False, sharding=lse_sharding)
-    return q.update(weak_type=False), lse
+    return out, lse
 
 
 flash_attention_fwd_p.def_abstract_eval(_abstract_eval)

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, bool], tuple[jax.Array, jax.Array]]
 
 
-def no_keys_seen(q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """What attention gives rows that see no key: out = 0 and lse = -inf."""
+def no_keys_seen(q: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What attention gives rows that see no key: out = 0 (with v's head dim) and lse = -inf."""
     # Built from q (not jnp.full) so that inside shard_map both vary over the mesh like q does.
     lse = jnp.swapaxes(jnp.zeros_like(q[..., 0], dtype=jnp.float32), 1, 2) - jnp.inf
-    return jnp.zeros_like(q), lse
+    zero_row = jnp.zeros_like(q[..., :1])
+    return jnp.broadcast_to(zero_row, q.shape[:-1] + v.shape[-1:]), lse
 
 
 def visible_key_prefix(chunk_start: int, chunk_len: int, seq_q: int, seq_k: int) -> int:
@@ -48,5 +49,5 @@ def attend_query_chunk(
         return attend(q_chunk, k, v, False)
     visible = min(visible_key_prefix(chunk_start, q_chunk.shape[1], seq_q, k.shape[1]), k.shape[1])
     if visible <= 0:
-        return no_keys_seen(q_chunk)
+        return no_keys_seen(q_chunk, v)
     return attend(q_chunk, k[:, :visible], v[:, :visible], True)

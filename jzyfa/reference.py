@@ -12,44 +12,59 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jzyfa._validation import NO_WINDOW, Window, mask_window
+
 _HIGHEST = lax.Precision.HIGHEST
+
+
+def window_visible(query_pos: jax.Array, key_idx: jax.Array, window: Window) -> jax.Array:
+    """Whether a query at (bottom-right aligned) position query_pos sees key key_idx; broadcasts.
+
+    The window (left, right) admits keys query_pos - left <= j <= query_pos + right; -1 leaves that
+    side unbounded.
+    """
+    left, right = window
+    visible = jnp.ones(jnp.broadcast_shapes(jnp.shape(query_pos), jnp.shape(key_idx)), bool)
+    if left >= 0:
+        visible &= key_idx >= query_pos - left
+    if right >= 0:
+        visible &= key_idx <= query_pos + right
+    return visible
+
+
+def window_mask(seq_q: int, seq_k: int, window: Window) -> jax.Array:
+    """[seq_q, seq_k]: query i, at position i + seq_k - seq_q, sees key j (bottom-right alignment)."""
+    rows = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)
+    return window_visible(rows, jnp.arange(seq_k)[None, :], window)
 
 
 def causal_mask(seq_q: int, seq_k: int) -> jax.Array:
     """Bottom-right aligned mask, [seq_q, seq_k]: query i sees key j iff j <= i + seq_k - seq_q."""
-    rows = jnp.arange(seq_q)[:, None]
-    cols = jnp.arange(seq_k)[None, :]
-    return cols <= rows + (seq_k - seq_q)
+    return window_mask(seq_q, seq_k, (-1, 0))
 
 
-def attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, softmax_scale: float
 ) -> tuple[jax.Array, jax.Array]:
-    """Returns (out, lse) for q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D], Hq a multiple of Hkv.
+    """The shared core: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out, lse).
 
-    out has q's shape and dtype; lse is float32 [B, Hq, Sq], natural log. Query head h attends with
-    key/value head h // (Hq // Hkv). Rows that see no key give out = 0 and lse = -inf.
+    mask: None, or bool broadcastable to [B, 1, 1, Sq, Sk] (True where a query sees a key). out is
+    [B, Sq, Hq, Dv] in q's dtype; lse float32 [B, Hq, Sq]. Rows that see no key give 0 and -inf.
     """
     batch, seq_q, heads_q, head_dim = q.shape
-    seq_k, heads_kv = k.shape[1], k.shape[2]
+    heads_kv, value_dim = k.shape[2], v.shape[3]
     group = heads_q // heads_kv
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
 
     # Query heads sharing a KV head are grouped instead of repeating K and V.
     qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_kv, group, head_dim)
     kf = k.astype(jnp.float32)
     vf = v.astype(jnp.float32)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=_HIGHEST) * softmax_scale
-    if causal:
-        scores = jnp.where(causal_mask(seq_q, seq_k), scores, -jnp.inf)
+    if mask is not None:
+        scores = jnp.where(mask, scores, -jnp.inf)
 
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    # initial=-inf: a row over zero keys (seq_k = 0) is a row that sees no key, not an error.
+    row_max = jnp.max(scores, axis=-1, keepdims=True, initial=-jnp.inf)
     # Fully masked rows have max -inf; shifting by 0 keeps exp(-inf) = 0 instead of NaN. The shift
     # cancels mathematically, so it carries no gradient.
     row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
@@ -60,5 +75,29 @@ def attention_reference(
 
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs / safe_sum, vf, precision=_HIGHEST)
     lse = jnp.where(seen, row_max + jnp.log(safe_sum), -jnp.inf)
-    out = out.reshape(batch, seq_q, heads_q, head_dim).astype(q.dtype)
+    out = out.reshape(batch, seq_q, heads_q, value_dim).astype(q.dtype)
     return out, lse.reshape(batch, heads_q, seq_q)
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: Window | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Returns (out, lse) for q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv].
+
+    Hq is a multiple of Hkv: query head h attends with key/value head h // (Hq // Hkv). out is
+    [B, Sq, Hq, Dv] in q's dtype; lse is float32 [B, Hq, Sq], natural log. `causal` and `window`
+    mask as in `jzyfa.flash_attention` (bottom-right alignment; causal sets the window's right bound
+    to 0). Rows that see no key give out = 0 and lse = -inf. softmax_scale defaults to 1/sqrt(D).
+    """
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = mask_window(causal, window)
+    mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
+    return masked_attention(q, k, v, mask, softmax_scale)

@@ -1,9 +1,10 @@
 """How the flash-attention primitive is split over a device mesh under a sharded `jax.jit`.
 
 JAX's partitioner (Shardy, the default) reads a sharding rule: batch and heads are passthrough
-factors of q, k, v, out and lse, so sharding them needs no collective; head_dim and the key sequence
-need replication. For GQA, KV heads shard with their query groups: `partition` splits K/V heads
-over q's head axes when heads_kv allows, else each device keeps all KV heads and uses its own.
+factors of q, k, v, out and lse, so sharding them needs no collective; the head dims (q/k's and
+v/out's, which may differ) and the key sequence need replication. For GQA, KV heads shard with
+their query groups: `partition` splits K/V heads over q's head axes when heads_kv allows, else each
+device keeps all KV heads and uses its own.
 The query sequence is a passthrough factor too: a sequence-sharded q stays where it is, K/V are
 gathered (the rule's replication of the key sequence), and each shard attends with its own causal
 offset. That is context parallelism without load
@@ -37,16 +38,17 @@ ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
 # Query heads (hq) and KV heads (h) are separate factors. The exact relation, hq = (h, group) with h
 # major, is a compound factor, but then Shardy may split h over a sub-axis (4 devices, 2 KV heads),
 # which custom_partitioning cannot hand to `partition` as a NamedSharding. So `partition` ties them
-# instead: K/V heads split like q's, or stay whole (see ShardPlan). Special factors are listed in
-# order of first appearance (d in q, before sk in k).
+# instead: K/V heads split like q's, or stay whole (see ShardPlan). v's and out's head dim (dv) is a
+# factor of its own, since it may differ from q's and k's (MLA: 192 for q/k, 128 for v). Special
+# factors are listed in order of first appearance (d in q, sk in k, dv in v).
 SHARDING_RULE = SdyShardingRule(
     (
         ArrayMapping("b", "sq", "hq", "d"),
         ArrayMapping("b", "sk", "h", "d"),
-        ArrayMapping("b", "sk", "h", "d"),
+        ArrayMapping("b", "sk", "h", "dv"),
     ),
-    (ArrayMapping("b", "sq", "hq", "d"), ArrayMapping("b", "hq", "sq")),
-    need_replication_factors=("d", "sk"),
+    (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")),
+    need_replication_factors=("d", "sk", "dv"),
 )
 
 

@@ -158,7 +158,8 @@ FP8_DESCALES = dict(descale_q=SCALAR, descale_k=SCALAR, descale_v=SCALAR)
 BAD_CALLS = [
     # (arrays to replace, keyword options, error type, message pattern)
     (dict(q=spec((8, 4, 64))), {}, ValueError, "q must have rank 4"),
-    (dict(v=spec((2, 15, 2, 64))), {}, ValueError, "k and v must have the same shape"),
+    (dict(v=spec((2, 15, 2, 64))), {}, ValueError, r"k and v must have the same \[batch, seq_k, kv_heads\]"),
+    (dict(v=spec((2, 16, 1, 64))), {}, ValueError, r"k and v must have the same \[batch, seq_k, kv_heads\]"),
     (dict(k=spec((3, 16, 2, 64)), v=spec((3, 16, 2, 64))), {}, ValueError, "same batch size, got 2 and 3"),
     (dict(k=spec((2, 16, 2, 128)), v=spec((2, 16, 2, 128))), {}, ValueError, "same head_dim, got 64 and 128"),
     (
@@ -176,6 +177,11 @@ BAD_CALLS = [
     ),
     ({}, dict(implementation="cudnn"), ValueError, "implementation must be one of"),
     ({}, dict(causal=1), TypeError, "causal must be a bool"),
+    ({}, dict(window=(4,)), TypeError, r"window must be None or a pair \(left, right\)"),
+    ({}, dict(window=4), TypeError, r"window must be None or a pair \(left, right\)"),
+    ({}, dict(window=(4.0, 0)), TypeError, "window's left bound must be a static int"),
+    ({}, dict(window=(4, True)), TypeError, "window's right bound must be a static int"),
+    ({}, dict(window=(-2, 0)), ValueError, "window's left bound must be >= 0, or -1 for unbounded; got -2"),
     ({}, dict(softmax_scale=np.ones(2)), TypeError, "softmax_scale must be a static"),
     ({}, dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     ({}, dict(descale_k=SCALAR), ValueError, "descale_k given for bfloat16 inputs"),

@@ -191,11 +191,12 @@ def test_cuda_lowering_of_sharded_call_carries_the_rule():
     text = fn.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
     # The partitioner expands this call per shard when it compiles for the GPUs.
     assert 'call_target_name = "CustomSPMDPartitioning"' in text or "@CustomSPMDPartitioning" in text
-    # b, sq, hq, d / b, sk, h, d -> out, lse [b, hq, sq]; d and sk replicated.
+    # b, sq, hq, d / b, sk, h, d / b, sk, h, dv -> out [b, sq, hq, dv], lse [b, hq, sq]; v's head
+    # dim is a factor of its own (MLA); d, sk and dv replicated.
     assert (
-        "sdy.op_sharding_rule<([i, j, k, l], [i, m, n, l], [i, m, n, l])->([i, j, k, l], [i, k, j])" in text
+        "sdy.op_sharding_rule<([i, j, k, l], [i, m, n, l], [i, m, n, o])->([i, j, k, o], [i, k, j])" in text
     )
-    assert "need_replication={l, m}" in text
+    assert "need_replication={l, m, o}" in text
 
 
 @pytest.mark.parametrize(
