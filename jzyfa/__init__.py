@@ -7,7 +7,7 @@ pure-JAX path (see `kernel_available`).
 from jzyfa._extension import extension_loaded
 from jzyfa._platform import hopper_unavailable_reason as kernel_unavailable_reason
 from jzyfa._platform import kernel_available
-from jzyfa.api import flash_attention
+from jzyfa.api import flash_attention, flash_attention_varlen
 from jzyfa.context_parallel import context_parallel_attention
 from jzyfa.merge import merge_attention_states
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
@@ -21,6 +21,7 @@ __all__ = [
     "dequantize",
     "extension_loaded",
     "flash_attention",
+    "flash_attention_varlen",
     "fp8_quantize",
     "from_balanced_layout",
     "hadamard_rotate",

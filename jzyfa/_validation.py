@@ -63,6 +63,59 @@ def check_qkv_heads(q, k, v, *, axes: str) -> None:
         )
 
 
+def check_packed_qkv(q, k, v) -> None:
+    """Packed (varlen) layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} must have rank 3 [total_tokens, heads, head_dim] (packed sequences), got shape {x.shape}"
+            )
+    check_qkv_heads(q, k, v, axes="[total_k, kv_heads]")
+    if is_fp8(q.dtype):
+        raise TypeError(f"flash_attention_varlen takes {_dtype_names(NON_FP8_DTYPES)} inputs, not FP8")
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> None:
+    """int32 [num_seqs + 1] offsets, the same number of sequences for q and k.
+
+    Device arrays are never read (that would wait for the device); NumPy arrays are checked for
+    values too: non-negative, non-decreasing, within the packed tokens.
+    """
+    for name, cu, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        if not hasattr(cu, "shape") or not hasattr(cu, "dtype"):
+            raise TypeError(f"{name} must be an int32 array, got {type(cu).__name__}")
+        if jnp.dtype(cu.dtype) != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {cu.dtype}")
+        if cu.ndim != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name} must have shape [num_seqs + 1] with num_seqs >= 1, got {cu.shape}")
+        # Host values can be checked for free; device arrays are not read.
+        if isinstance(cu, np.ndarray) and (cu[0] < 0 or np.any(np.diff(cu) < 0) or cu[-1] > total):
+            raise ValueError(
+                f"{name} must be non-negative, never decrease and end at most at the {total} packed "
+                f"tokens, got {cu.tolist()}"
+            )
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got shapes "
+            f"{cu_seqlens_q.shape} and {cu_seqlens_k.shape}"
+        )
+
+
+def check_max_seqlen(name: str, max_seqlen, cu_seqlens) -> int:
+    """A static positive int, at least every length when the offsets are NumPy (checkable) values."""
+    if isinstance(max_seqlen, (bool, np.bool_)) or not isinstance(max_seqlen, (int, np.integer)):
+        raise TypeError(f"{name} must be a static Python int, got {type(max_seqlen).__name__}")
+    if max_seqlen < 1:
+        raise ValueError(f"{name} must be >= 1, got {max_seqlen}")
+    if isinstance(cu_seqlens, np.ndarray) and np.diff(cu_seqlens).max() > max_seqlen:
+        raise ValueError(
+            f"{name} ({max_seqlen}) is shorter than the longest sequence ({np.diff(cu_seqlens).max()})"
+        )
+    return int(max_seqlen)
+
+
 def is_fp8(dtype) -> bool:
     return jnp.dtype(dtype) in FP8_DTYPES
 

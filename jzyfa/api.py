@@ -12,6 +12,7 @@ from jzyfa import _platform, _validation
 from jzyfa.primitive import flash_attention_fwd, kernel_config_problem
 from jzyfa.quantize import dequantize
 from jzyfa.reference import attention_reference
+from jzyfa.varlen import varlen_attention_reference
 
 
 class Path(enum.Enum):
@@ -161,4 +162,68 @@ def flash_attention(
             out, lse = _differentiable_kernel(
                 q, k, v, softmax_scale, kernel_causal, path is Path.KERNEL_REQUIRED
             )
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Attention over a packed batch of sequences of different lengths (flash-attention's varlen).
+
+    Args:
+      q: [total_q, heads_q, head_dim], the batch's query tokens back to back; bf16, f16 or float32.
+      k: [total_k, heads_kv, head_dim]; v: [total_k, heads_kv, head_dim_v]; q's dtype, GQA/MQA and
+        MLA head dims as in `flash_attention`.
+      cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] cumulative offsets: sequence s holds query
+        tokens cu_seqlens_q[s]:cu_seqlens_q[s + 1] and key tokens cu_seqlens_k[s]:cu_seqlens_k[s + 1].
+        Device arrays, never read by the host (they may be traced); sequences may be empty.
+      max_seqlen_q, max_seqlen_k: static ints >= 1, at least the longest query / key sequence.
+      causal, window, softmax_scale: as in `flash_attention`, per sequence: query t of a sequence
+        with lengths (len_q, len_k) sits at position t + len_k - len_q (bottom-right alignment).
+      return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
+        layout: heads first, then packed tokens).
+      implementation: None or "xla" run the pure-JAX path (`jzyfa.varlen`); "kernel" raises, as
+        there is no varlen kernel yet.
+
+    Returns:
+      out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a
+      sequence with no keys, an empty window) and tokens past cu_seqlens_q[-1] give out = 0 and
+      lse = -inf.
+    """
+    _validation.check_packed_qkv(q, k, v)
+    _validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+    max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    _validation.check_causal(causal)
+    window = _validation.check_window(window)
+    _validation.check_implementation(implementation)
+    softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    if implementation == "kernel":
+        raise ValueError(
+            "implementation='kernel' cannot serve flash_attention_varlen: variable-length batches "
+            "have no kernel yet; use implementation=None or 'xla' for the pure-JAX path"
+        )
+    out, lse = varlen_attention_reference(
+        q,
+        k,
+        v,
+        jnp.asarray(cu_seqlens_q),
+        jnp.asarray(cu_seqlens_k),
+        max_seqlen_q,
+        max_seqlen_k,
+        window=_validation.mask_window(causal, window),
+        softmax_scale=softmax_scale,
+    )
     return (out, lse) if return_lse else out

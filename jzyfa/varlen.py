@@ -1,0 +1,86 @@
+"""Attention over packed variable-length batches in pure JAX, with no host reads of the offsets.
+
+Sequences are packed along one token axis, `[total_tokens, heads, head_dim]`, and delimited by
+int32 cumulative offsets `cu_seqlens` `[num_seqs + 1]` (sequence s holds tokens
+`cu_seqlens[s] : cu_seqlens[s + 1]`), as in flash-attention's varlen functions. The offsets stay on
+the device: each sequence is gathered into a `[num_seqs, max_seqlen]` slot (rows past its end are
+masked), attended by the dense reference core, and every packed token gathers its row back through
+a `searchsorted` of its index. So the whole computation traces with dynamic offsets (one compiled
+program serves every packing with the same totals and maxima) and differentiates like the dense one.
+
+Memory: the float32 scores take `num_seqs * heads_q * max_seqlen_q * max_seqlen_k * 4` bytes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jzyfa._validation import Window
+from jzyfa.reference import masked_attention, window_visible
+
+
+def _pad(x: jax.Array, starts: jax.Array, max_len: int) -> jax.Array:
+    """[total, H, D] -> [num_seqs, max_len, H, D]: row t of slot s is token starts[s] + t.
+
+    Rows past a sequence's end hold the next sequence's tokens (or zeros past the packed end); they
+    are masked as keys and dropped as queries.
+    """
+    index = starts[:, None] + jnp.arange(max_len, dtype=starts.dtype)[None, :]
+    return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+
+
+def _token_slots(cu_seqlens: jax.Array, total: int, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For each packed token: its sequence, its position in it, and whether it belongs to one.
+
+    Tokens past cu_seqlens[-1] (padding at the end of the packed buffer) belong to none. Empty
+    sequences are skipped: a token's sequence is the last one starting at or before it.
+    """
+    num_seqs = cu_seqlens.shape[0] - 1
+    tokens = jnp.arange(total, dtype=cu_seqlens.dtype)
+    seq = jnp.searchsorted(cu_seqlens, tokens, side="right").astype(cu_seqlens.dtype) - 1
+    in_range = (seq >= 0) & (seq < num_seqs)
+    seq = jnp.clip(seq, 0, num_seqs - 1)
+    pos = tokens - cu_seqlens[seq]
+    valid = in_range & (pos < cu_seqlens[seq + 1] - cu_seqlens[seq]) & (pos < max_len)
+    return seq, jnp.clip(pos, 0, max_len - 1), valid
+
+
+def varlen_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    window: Window,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """(out [total_q, Hq, Dv] in q's dtype, lse float32 [Hq, total_q]) for packed q, k, v.
+
+    `window` is the effective (left, right) mask, applied per sequence with bottom-right alignment:
+    query t of a sequence with lengths (len_q, len_k) sits at position t + len_k - len_q. Queries
+    that see no key (e.g. of a sequence with no keys) and tokens outside every sequence give out = 0
+    and lse = -inf. Every sequence must be at most max_seqlen_q / max_seqlen_k long.
+    """
+    starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
+    lens_q = cu_seqlens_q[1:] - starts_q
+    lens_k = cu_seqlens_k[1:] - starts_k
+
+    query_pos = jnp.arange(max_seqlen_q)[None, :, None] + (lens_k - lens_q)[:, None, None]
+    key_idx = jnp.arange(max_seqlen_k)[None, None, :]
+    visible = window_visible(query_pos, key_idx, window) & (key_idx < lens_k[:, None, None])
+    out_pad, lse_pad = masked_attention(
+        _pad(q, starts_q, max_seqlen_q),
+        _pad(k, starts_k, max_seqlen_k),
+        _pad(v, starts_k, max_seqlen_k),
+        visible[:, None, None],  # [num_seqs, 1 (kv heads), 1 (group), max_q, max_k]
+        softmax_scale,
+    )
+
+    seq, pos, valid = _token_slots(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    out = jnp.where(valid[:, None, None], out_pad[seq, pos], 0).astype(out_pad.dtype)
+    lse = jnp.where(valid[:, None], lse_pad[seq, :, pos], -jnp.inf)
+    return out, lse.T
