@@ -15,37 +15,78 @@ def random_qkv(
     heads_q: int = 2,
     heads_kv: int | None = None,
     head_dim: int = 64,
+    head_dim_v: int | None = None,
     dtype=jnp.bfloat16,
 ):
-    """Standard-normal q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] as JAX arrays of `dtype`."""
+    """Standard-normal q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] as JAX arrays of `dtype`."""
     seq_k = seq_q if seq_k is None else seq_k
     heads_kv = heads_q if heads_kv is None else heads_kv
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     q = rng.standard_normal((batch, seq_q, heads_q, head_dim))
     k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
-    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
+    v = rng.standard_normal((batch, seq_k, heads_kv, head_dim_v))
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = None):
+def visible_f64(seq_q: int, seq_k: int, *, causal: bool, window=None) -> np.ndarray:
+    """[seq_q, seq_k] bool from the definition: query i sits at p = i + seq_k - seq_q and sees key j
+    iff p - left <= j <= p + right (-1: unbounded); causal sets right to 0."""
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        right = 0
+    p = np.arange(seq_q)[:, None] + seq_k - seq_q
+    j = np.arange(seq_k)[None, :]
+    too_far_left = (j < p - left) if left >= 0 else np.zeros((seq_q, seq_k), bool)
+    too_far_right = (j > p + right) if right >= 0 else np.zeros((seq_q, seq_k), bool)
+    return ~(too_far_left | too_far_right)
+
+
+def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = None, window=None):
     """Attention in float64 with explicit loops over batch and heads; returns (out, lse) as NumPy.
 
-    Bottom-right causal alignment; rows that see no key give out = 0 and lse = -inf.
+    q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] (Dv may differ: MLA). Bottom-right
+    causal alignment and windows as `visible_f64` spells them out; rows that see no key give
+    out = 0 and lse = -inf.
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, seq_q, heads_q, head_dim = q.shape
     seq_k, heads_kv = k.shape[1], k.shape[2]
     scale = 1 / np.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    out = np.zeros(q.shape)
+    visible = visible_f64(seq_q, seq_k, causal=causal, window=window)
+    out = np.zeros((batch, seq_q, heads_q, v.shape[3]))
     lse = np.full((batch, heads_q, seq_q), -np.inf)
     for b in range(batch):
         for h in range(heads_q):
             kv_head = h // (heads_q // heads_kv)
-            for i in range(seq_q):
-                visible = np.arange(seq_k) <= i + seq_k - seq_q if causal else np.ones(seq_k, bool)
-                if not visible.any():
-                    continue
-                scores = k[b, visible, kv_head] @ q[b, i, h] * scale
+            for i in np.flatnonzero(visible.any(axis=1)):
+                scores = k[b, visible[i], kv_head] @ q[b, i, h] * scale
                 weights = np.exp(scores - scores.max())
-                out[b, i, h] = weights @ v[b, visible, kv_head] / weights.sum()
+                out[b, i, h] = weights @ v[b, visible[i], kv_head] / weights.sum()
                 lse[b, h, i] = scores.max() + np.log(weights.sum())
+    return out, lse
+
+
+def naive_varlen_f64(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool, softmax_scale=None, window=None):
+    """Packed attention, one `naive_attention_f64` per sequence: (out [total_q, Hq, Dv], lse [Hq, total_q]).
+
+    Tokens outside every sequence give out = 0 and lse = -inf.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    cu_q, cu_k = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+    out = np.zeros(q.shape[:2] + v.shape[2:])
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for s in range(len(cu_q) - 1):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        keys = slice(cu_k[s], cu_k[s + 1])
+        if cu_q[s + 1] == cu_q[s]:
+            continue
+        o, l = naive_attention_f64(
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window=window,
+        )
+        out[rows], lse[:, rows] = o[0], l[0]
     return out, lse
