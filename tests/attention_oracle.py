@@ -42,7 +42,7 @@ def visible_f64(seq_q: int, seq_k: int, *, causal: bool, window=None) -> np.ndar
 
 
 def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = None, window=None):
-    """Attention in float64 with explicit loops over batch and heads; returns (out, lse) as NumPy.
+    """Attention in float64, one score matrix per batch row and head; returns (out, lse) as NumPy.
 
     q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] (Dv may differ: MLA). Bottom-right
     causal alignment and windows as `visible_f64` spells them out; rows that see no key give
@@ -55,14 +55,15 @@ def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = 
     visible = visible_f64(seq_q, seq_k, causal=causal, window=window)
     out = np.zeros((batch, seq_q, heads_q, v.shape[3]))
     lse = np.full((batch, heads_q, seq_q), -np.inf)
+    seen = visible.any(axis=1)
     for b in range(batch):
         for h in range(heads_q):
             kv_head = h // (heads_q // heads_kv)
-            for i in np.flatnonzero(visible.any(axis=1)):
-                scores = k[b, visible[i], kv_head] @ q[b, i, h] * scale
-                weights = np.exp(scores - scores.max())
-                out[b, i, h] = weights @ v[b, visible[i], kv_head] / weights.sum()
-                lse[b, h, i] = scores.max() + np.log(weights.sum())
+            scores = np.where(visible, q[b, :, h] @ k[b, :, kv_head].T * scale, -np.inf)[seen]
+            row_max = scores.max(axis=1, keepdims=True, initial=-np.inf)
+            weights = np.exp(scores - row_max)
+            out[b, seen, h] = weights @ v[b, :, kv_head] / weights.sum(axis=1, keepdims=True)
+            lse[b, h, seen] = row_max[:, 0] + np.log(weights.sum(axis=1))
     return out, lse
 
 
