@@ -26,6 +26,8 @@ def _pad(x: jax.Array, starts: jax.Array, max_len: int) -> jax.Array:
     Rows past a sequence's end hold the next sequence's tokens (or zeros past the packed end); they
     are masked as keys and dropped as queries.
     """
+    if x.shape[0] == 0:  # nothing packed (every sequence empty): take() cannot gather from it
+        return jnp.zeros((starts.shape[0], max_len) + x.shape[1:], x.dtype)
     index = starts[:, None] + jnp.arange(max_len, dtype=starts.dtype)[None, :]
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
