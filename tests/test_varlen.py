@@ -104,6 +104,13 @@ def test_tokens_past_the_last_sequence_give_zero_and_minus_inf(rng):
     assert np.all(np.isfinite(lse[:, :7]))
 
 
+def test_no_keys_in_the_whole_batch(rng):
+    # Found by hypothesis: with no key tokens at all there is nothing to gather from.
+    q, k, v = packed_qkv(rng, [2, 3], [0, 0], dtype=jnp.float32)
+    out, lse = varlen(3, 1, causal=True)(q, k, v, offsets([2, 3]), offsets([0, 0]))
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(lse))
+
+
 def test_gradients_equal_per_sequence_gradients(rng):
     lengths_q, lengths_k = [6, 0, 11], [9, 3, 11]
     q, k, v = packed_qkv(rng, lengths_q, lengths_k, dtype=jnp.float32)
