@@ -49,8 +49,8 @@ def attention_float64(q, k, v, *, causal: bool, scale: float):
     return out, lse
 
 
-def run_kernel_poisoned(q, k, v, *, causal: bool, scale: float | None = None):
-    """Runs the kernel writing into NaN-filled buffers; returns (out, lse) as NumPy arrays."""
+def run_kernel_poisoned_on_device(q, k, v, *, causal: bool, scale: float | None = None):
+    """Runs the kernel writing into NaN-filled buffers; returns (out, lse) as device arrays."""
 
     def call(q, k, v, out_poison, lse_poison):
         del out_poison, lse_poison  # donated: their buffers become the results
@@ -66,7 +66,12 @@ def run_kernel_poisoned(q, k, v, *, causal: bool, scale: float | None = None):
     assert "jzyfa_flash_attention_fwd" in hlo
     # The poison only proves something if the kernel writes straight into the donated buffers.
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
-    out, lse = fn(q, k, v, out_poison, lse_poison)
+    return fn(q, k, v, out_poison, lse_poison)
+
+
+def run_kernel_poisoned(q, k, v, *, causal: bool, scale: float | None = None):
+    """Runs the kernel writing into NaN-filled buffers; returns (out, lse) as NumPy arrays."""
+    out, lse = run_kernel_poisoned_on_device(q, k, v, causal=causal, scale=scale)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
