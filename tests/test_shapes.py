@@ -287,16 +287,25 @@ def test_chunk_by_chunk_prefill_equals_one_call(rng):
         np.testing.assert_allclose(lse, whole_lse[:, :, start:end], atol=2e-6)
 
 
-@pytest.mark.parametrize("width", [16, 21, 45])
+@pytest.mark.parametrize("width", [5, 16, 21, 45])
 def test_windowed_chunk_over_a_cache_merges_to_the_whole(rng, width):
     # A 16-query chunk after 40 cached keys with a sliding window of `width` keys to the left.
     # Query i sits at p = i + 40. The chunk's own keys end at the last key, so they keep the whole
     # call's bottom-right alignment and window. The cache part has its own alignment,
     # p' = i + 40 - 16 = p - 16, so the same keys j >= p - width are j >= p' - (width - 16) there,
-    # and every cached key is left of p (right bound unbounded).
+    # and every cached key is left of p (right bound unbounded). A window narrower than the chunk
+    # reaches the cache from its first `width` queries only: j >= p - width is, for those rows
+    # attended alone (p'' = i + 40 - width), the window (0, -1).
     q, k, v = random_qkv(rng, seq_q=16, seq_k=56, heads_q=4, heads_kv=2, dtype=jnp.float32)
     whole_out, whole_lse = attention(causal=True, window=(width, 0))(q, k, v)
-    cache = attention(window=(width - 16, -1))(q, k[:, :40], v[:, :40])
+    if width >= 16:
+        cache = attention(window=(width - 16, -1))(q, k[:, :40], v[:, :40])
+    else:
+        head_out, head_lse = attention(window=(0, -1))(q[:, :width], k[:, :40], v[:, :40])
+        cache = (
+            jnp.zeros_like(q).at[:, :width].set(head_out),
+            jnp.full((1, 4, 16), -jnp.inf).at[:, :, :width].set(head_lse),
+        )
     own = attention(causal=True, window=(width, 0))(q, k[:, 40:], v[:, 40:])
     out, lse = merge(*cache, *own)
     np.testing.assert_allclose(out, whole_out, atol=2e-6)
