@@ -57,8 +57,8 @@ def context_parallel_attention(
     """`flash_attention` for q, k, v sharded along the sequence over `mesh` axis `seq_axis`.
 
     Args:
-      q: [batch, seq_q, heads_q, head_dim]; k, v: [batch, seq_k, heads_kv, head_dim]; bf16, f16 or
-        float32. Their sequence axes are in `layout` order (for "balanced", as made by
+      q: [batch, seq_q, heads_q, head_dim]; k: [batch, seq_k, heads_kv, head_dim]; v: [batch,
+        seq_k, heads_kv, head_dim_v] (MLA: head_dim_v may differ); bf16, f16 or float32. Their sequence axes are in `layout` order (for "balanced", as made by
         `jzyfa.to_balanced_layout(x, mesh.shape[seq_axis])`), and so are the outputs'.
       mesh: the device mesh; the function runs as a `jax.shard_map` over all of its axes.
       seq_axis: the mesh axis that splits the sequence (n shards).

@@ -245,6 +245,25 @@ def test_mla_through_the_primitive_sharded_over_batch_and_heads(rng):
     np.testing.assert_allclose(lse, want_lse, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_mla_context_parallel(rng, strategy):
+    mesh = cpu_mesh((4,), ("seq",))
+    q, k, v = random_qkv(rng, seq_q=64, heads_q=4, heads_kv=2, head_dim=96, head_dim_v=32, dtype=jnp.float32)
+    balanced = [jzyfa.to_balanced_layout(x, 4) for x in (q, k, v)]
+    cp = functools.partial(
+        jzyfa.context_parallel_attention,
+        mesh=mesh,
+        seq_axis="seq",
+        causal=True,
+        strategy=strategy,
+        return_lse=True,
+    )
+    out, lse = jax.jit(cp)(*balanced)
+    want_out, want_lse = naive_attention_f64(q, k, v, causal=True)
+    np.testing.assert_allclose(jzyfa.from_balanced_layout(out, 4), want_out, atol=2e-5)
+    np.testing.assert_allclose(jzyfa.from_balanced_layout(lse, 4, axis=2), want_lse, atol=2e-5)
+
+
 # --- head dim 256 ------------------------------------------------------------------------------
 
 
