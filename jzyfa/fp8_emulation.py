@@ -171,7 +171,7 @@ def _block_probabilities(s, r, row_scale, options: Fp8Options):
 @functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "options", "out_dtype"))
 def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_scale, options, out_dtype):
     batch, seq_q, heads_q, head_dim = q8.shape
-    seq_k, heads_kv = k8.shape[1], k8.shape[2]
+    seq_k, heads_kv, value_dim = k8.shape[1], k8.shape[2], v8.shape[3]  # value_dim: v's (MLA)
     group = heads_q // heads_kv
     block_n = options.block_n
     num_blocks = max(1, -(-seq_k // block_n))
@@ -183,7 +183,7 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_sca
 
     def blocks(x):  # [B, Sk, Hkv, D] -> [blocks, B, Hkv, N, D], zero padded
         x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, padded - seq_k), (0, 0), (0, 0)))
-        return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, head_dim), (1, 0, 3, 2, 4))
+        return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, x.shape[-1]), (1, 0, 3, 2, 4))
 
     row_scale = scale_log2(softmax_scale, _per_kv_head(descale_q), _per_kv_head(descale_k))
     rows = jnp.arange(seq_q)[:, None]
@@ -214,7 +214,7 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_sca
         jnp.full(state_shape, -jnp.inf, jnp.float32),
         jnp.full(state_shape, -jnp.inf, jnp.float32),
         jnp.zeros(state_shape, jnp.float32),
-        jnp.zeros((*state_shape, head_dim), jnp.float32),
+        jnp.zeros((*state_shape, value_dim), jnp.float32),
     )
     xs = (jnp.arange(num_blocks), blocks(k8), blocks(v8))
     (r, _, row_sum, o), (references, rescaled) = lax.scan(step, init, xs)
@@ -222,7 +222,7 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_sca
     seen = row_sum > 0
     safe_sum = jnp.where(seen, row_sum, 1.0)
     out = jnp.where(seen[..., None], o * (_per_kv_head(descale_v)[..., None] / safe_sum[..., None]), 0.0)
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq_q, heads_q, head_dim)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq_q, heads_q, value_dim)
     lse = jnp.where(seen, (r + jnp.log2(safe_sum)) * np.float32(_LN_2), -jnp.inf)
 
     def per_row(x):  # [blocks, B, Hkv, G, Sq] -> [B, Hq, Sq, blocks]

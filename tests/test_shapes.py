@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
 
 import jzyfa
+import jzyfa.fp8_emulation
 from jzyfa import api
 from jzyfa.primitive import FFI_TARGET
 
@@ -243,6 +244,24 @@ def test_mla_through_the_primitive_sharded_over_batch_and_heads(rng):
     want_out, want_lse = jzyfa.attention_reference(q, k, v, causal=True, softmax_scale=0.1)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=1e-3)
     np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+
+
+def test_mla_on_fp8_inputs_and_in_the_fp8_emulation(rng):
+    q, k, v = random_qkv(rng, seq_q=40, heads_q=4, heads_kv=2, head_dim=128, dtype=jnp.float32)
+    (q8, dq), (k8, dk), (v8, dv) = (jzyfa.fp8_quantize(x) for x in (q, k, v))
+    descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    # v's first 64 dims as MLA's v: every output column depends on its own column of v only.
+    out, lse = jzyfa.flash_attention(q8, k8, v8[..., :64], causal=True, return_lse=True, **descales)
+    full_out, full_lse = jzyfa.flash_attention(q8, k8, v8, causal=True, return_lse=True, **descales)
+    assert out.shape == (1, 40, 4, 64)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(full_out[..., :64], np.float32), atol=1e-2
+    )
+    np.testing.assert_allclose(lse, full_lse, atol=1e-6)
+    emulated = jzyfa.fp8_emulation.attention_fp8_emulated(q8, k8, v8[..., :64], dq, dk, dv, causal=True)
+    full = jzyfa.fp8_emulation.attention_fp8_emulated(q8, k8, v8, dq, dk, dv, causal=True)
+    np.testing.assert_array_equal(emulated[0], full[0][..., :64])
+    np.testing.assert_array_equal(emulated[1], full[1])
 
 
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
