@@ -1,4 +1,5 @@
-"""`flash_attention`: argument checks, the choice between kernel and pure-JAX path, and autodiff."""
+"""`flash_attention` and `flash_attention_varlen`: argument checks, the choice between kernel and pure-JAX
+path, and autodiff."""
 
 from __future__ import annotations
 
