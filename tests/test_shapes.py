@@ -53,7 +53,7 @@ WINDOWS = [(3, 0), (0, 0), (5, 2), (-1, 3), (2, -1), (0, -1), (16, 16), (-1, -1)
 
 
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
-@pytest.mark.parametrize("seq_q,seq_k", [(37, 37), (20, 50), (50, 20)])
+@pytest.mark.parametrize("seq_q,seq_k", [(37, 37), (50, 20)])
 def test_window_matches_float64(rng, window, seq_q, seq_k):
     q, k, v = random_qkv(rng, seq_q=seq_q, seq_k=seq_k, heads_q=4, heads_kv=2, head_dim=32, dtype=jnp.float32)
     got = attention(window=window)(q, k, v)
