@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "flash_fwd.h"
@@ -15,6 +17,9 @@ namespace ffi = xla::ffi;
 namespace jzyfa {
 namespace {
 
+// Handler executions in this process; read by HandlerCalls(). Relaxed: a counter, ordering nothing.
+std::atomic<uint64_t> handler_calls{0};
+
 std::string ShapeString(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -23,8 +28,10 @@ std::string ShapeString(ffi::Span<const int64_t> dims) {
 
 ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                  ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
-                                 bool causal) {
+                                 ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+                                 float softmax_scale, bool causal) {
+  handler_calls.fetch_add(1, std::memory_order_relaxed);
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: q must be bf16 or f16");
@@ -59,12 +66,18 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                        " must be [batch, heads_q, seq_q]");
   }
 
+  if (tile_counter->element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "jzyfa_flash_attention_fwd: the tile counter scratch result must hold one int32");
+  }
+
   FlashFwdParams p;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
   p.batch = qd[0];
   p.seqlen_q = qd[1];
   p.heads_q = qd[2];
@@ -86,6 +99,8 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
 
 }  // namespace
 
+uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -94,6 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
                                   .Arg<ffi::AnyBuffer>()  // v
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal"),
                               {ffi::Traits::kCmdBufferCompatible});

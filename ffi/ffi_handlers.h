@@ -1,11 +1,20 @@
 // The XLA FFI handler symbols jzyfa exports (see docs/architecture.md for the contract).
 #pragma once
 
+#include <cstdint>
+
 #include "xla/ffi/api/api.h"
 
 namespace jzyfa {
 
-// Custom-call target "jzyfa_flash_attention_fwd": q, k, v -> out, lse.
+// Custom-call target "jzyfa_flash_attention_fwd": q, k, v -> out, lse, tile counter (an int32[1]
+// scratch result the launch zeroes and the persistent kernel claims tiles from).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFwd);
+
+// How many times the FlashAttentionFwd handler has executed in this process (every device,
+// every call site, failed calls included). Under XLA command buffers the handler runs only
+// when a graph is recorded or updated, not when it is replayed: tests count its runs to see
+// which happened.
+uint64_t HandlerCalls();
 
 }  // namespace jzyfa

@@ -1,9 +1,10 @@
-// Launch planning for the forward kernel: validation, TMA tensor maps, the grid, and the
-// explicit instantiations (bf16/f16 x head dim 64/128).
+// Launch planning for the forward kernel: validation, TMA tensor maps, the persistent grid,
+// and the explicit instantiations (bf16/f16 x head dim 64/128).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <string>
@@ -69,17 +70,73 @@ bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_
   return true;
 }
 
+// What the launches need to know of a device, read once per device.
+struct DeviceInfo {
+  std::string error;  // empty when the device can run the kernels
+  int sm_count = 0;
+};
+
+constexpr int kMaxDevices = 64;
+
+const DeviceInfo& GetDeviceInfo(int device) {
+  static DeviceInfo infos[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    DeviceInfo& info = infos[device];
+    int major = 0, minor = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (err != cudaSuccess) {
+      info.error = CudaError("cudaDeviceGetAttribute", err);
+    } else if (major != 9 || minor != 0) {
+      info.error = "the jzyfa kernels need a Hopper GPU (compute capability 9.0); device " +
+                   std::to_string(device) + " has " + std::to_string(major) + "." +
+                   std::to_string(minor);
+    }
+  });
+  return infos[device];
+}
+
+std::string CurrentDevice(int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
+  if (*device < 0 || *device >= kMaxDevices) {
+    return "device ordinal " + std::to_string(*device) + " is beyond the " +
+           std::to_string(kMaxDevices) + " devices jzyfa tracks";
+  }
+  return "";
+}
+
+// The shared-memory opt-in is per device and kernel: set once for each (the template
+// parameters name the kernel; its function type is the same for all of them).
+template <typename Element, int kHeadDim>
+std::string AllowLargeSharedMemory(int device) {
+  static cudaError_t results[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    results[device] = cudaFuncSetAttribute(FlashFwdKernel<Element, kHeadDim>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           FwdTile<kHeadDim>::kDynamicSmemBytes);
+  });
+  return results[device] == cudaSuccess ? "" : CudaError("cudaFuncSetAttribute", results[device]);
+}
+
 template <typename Element, int kHeadDim>
 std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   auto kernel = FlashFwdKernel<Element, kHeadDim>;
-  // Per device and cheap: set on every launch rather than tracking devices.
-  cudaError_t attr_err = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kDynamicSmemBytes);
-  if (attr_err != cudaSuccess) return CudaError("cudaFuncSetAttribute", attr_err);
+  int device = 0;
+  std::string error = CurrentDevice(&device);
+  if (!error.empty()) return error;
+  const DeviceInfo& info = GetDeviceInfo(device);
+  if (!info.error.empty()) return info.error;
+  error = AllowLargeSharedMemory<Element, kHeadDim>(device);
+  if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_v;
-  std::string error;
   if (!EncodeTensorMap(&tmap_q, p.q, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
                        Tile::kRowsPerConsumer, &error) ||
       !EncodeTensorMap(&tmap_k, p.k, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
@@ -91,6 +148,10 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   FwdArgs args;
   args.out = p.out;
   args.lse = p.lse;
+  args.tile_counter = p.tile_counter;
+  const int64_t m_tiles = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  args.m_tiles = static_cast<int>(m_tiles);
+  args.num_tiles = static_cast<int>(p.batch * m_tiles * p.heads_q);
   args.seqlen_q = static_cast<int>(p.seqlen_q);
   args.seqlen_k = static_cast<int>(p.seqlen_k);
   args.heads_q = static_cast<int>(p.heads_q);
@@ -98,13 +159,13 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
   args.causal = p.causal ? 1 : 0;
 
-  // Heads fastest, then query tiles (longest first inside the kernel), then batch: the CTAs
-  // in flight together share K/V blocks of neighbouring heads in L2.
-  const dim3 grid(static_cast<unsigned>(p.heads_q),
-                  static_cast<unsigned>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM),
-                  static_cast<unsigned>(p.batch));
+  // Persistent: one CTA per SM (or per tile, if fewer); CTA i starts on tile i and claims
+  // the rest from the counter, which starts at zero.
+  cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
+  if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
+  const int grid = static_cast<int>(std::min<int64_t>(args.num_tiles, info.sm_count));
   kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
   return "";
 }
@@ -122,11 +183,17 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
   }
-  // Grid limits: query tiles on y and batch on z (65535 each); indices are int32.
+  // Tile indices are int32, with room for a grid's worth of claims past the last tile.
   if (p.batch > 65535) return "batch must be at most 65535, got " + std::to_string(p.batch);
   if (p.seqlen_q > 65535 * 128) {
     return "seqlen_q must be at most " + std::to_string(65535 * 128);
   }
+  const int64_t tiles = p.batch * ((p.seqlen_q + 127) / 128) * p.heads_q;
+  if (tiles > (int64_t{1} << 30)) {
+    return "batch x ceil(seqlen_q / 128) x heads_q must be at most 2^30, got " +
+           std::to_string(tiles);
+  }
+  if (p.tile_counter == nullptr) return "the tile counter scratch buffer is missing";
   if (p.seqlen_k > (int64_t{1} << 30) || p.heads_q > (int64_t{1} << 30)) {
     return "seqlen_k and heads must be at most 2^30";
   }
@@ -138,16 +205,8 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
 
 std::string CheckDeviceSupport() {
   int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (major != 9 || minor != 0) {
-    return "the jzyfa kernels need a Hopper GPU (compute capability 9.0); device " +
-           std::to_string(device) + " has " + std::to_string(major) + "." + std::to_string(minor);
-  }
-  return "";
+  std::string error = CurrentDevice(&device);
+  return error.empty() ? GetDeviceInfo(device).error : error;
 }
 
 std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {

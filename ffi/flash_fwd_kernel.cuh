@@ -1,6 +1,9 @@
 // The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64 and 128.
 //
-// One CTA computes 128 query rows of one (batch, head) with three warpgroups:
+// A persistent grid (one CTA per SM) works through tiles of 128 query rows of one
+// (batch, head), claimed in order from a global counter: longest tiles first inside a
+// batch element, the heads of one tile row side by side so concurrent CTAs share K/V in L2.
+// Each CTA has three warpgroups:
 //   warpgroup 0, the producer: one thread streams Q once and 128-key blocks of K and V
 //     through a 2-stage shared-memory ring with TMA (full/empty mbarriers), holding few
 //     registers (setmaxnreg) so the consumers can have more;
@@ -9,7 +12,8 @@
 // Overlap: inside a consumer, the next block's Q K^T is issued before this block's softmax
 // and P V after it, so the softmax runs while the tensor cores work; between the two
 // consumers, named barriers make them take turns issuing (ping-pong), so one's softmax
-// overlaps the other's GEMMs. CTAs run longest-first for causal balance.
+// overlaps the other's GEMMs. Across tiles, the producer loads the next tile's Q and first
+// K/V blocks while the consumers finish this one (its last P V and the epilogue).
 #pragma once
 
 #include <cuda.h>
@@ -30,6 +34,9 @@ namespace jzyfa {
 struct FwdArgs {
   void* out;
   float* lse;
+  int* tile_counter;  // zero before the launch; each claim takes the next tile
+  int num_tiles;      // batch * m_tiles * heads_q
+  int m_tiles;        // query tiles per (batch, head)
   int seqlen_q;
   int seqlen_k;
   int heads_q;
@@ -46,8 +53,8 @@ struct FwdTile {
   static constexpr int kBlockN = 128;  // keys per block: the N of S = Q K^T
   static constexpr int kStages = JZYFA_KV_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
   // 128-byte swizzle atoms are 64 16-bit elements wide: the head dim comes in slices.
   static constexpr int kSlices = kHeadDim / 64;
   static constexpr int kQSliceBytes = kRowsPerConsumer * 128;
@@ -64,30 +71,36 @@ struct FwdTile {
 
 template <int kStages>
 struct FwdBarriers {
+  // q_full: this tile's index is in `tile` and its Q has landed. q_empty: both consumers
+  // have read the index and finished their last Q K^T (one arrival per consumer warp).
   uint64_t q_full;
+  uint64_t q_empty;
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
   // K and V stages are released separately: K as soon as S = Q K^T has landed, V once
   // P V has. A shared release (after P V) left the next K load no time to arrive.
   uint64_t k_empty[kStages];  // one arrival per consumer warp
   uint64_t v_empty[kStages];
+  int tile;  // the tile the consumers work on next; >= num_tiles: no more work
 };
 
 // Named barriers 1 and 2: consumer c may issue its GEMMs once barrier 1 + c completes.
 constexpr int kPingPongBarrier = 1;
 
-// Where one CTA works: its rows and how many key blocks they need.
+// One tile: its rows and how many key blocks they need.
 struct FwdWork {
   int batch, head, kv_head, q_start, diagonal, num_blocks;
 };
 
+// Tile order: heads fastest, then query tiles (longest first: under a causal mask the last
+// tiles see the most keys), then batch.
 template <int kBlockM, int kBlockN>
-__device__ __forceinline__ FwdWork PlanWork(const FwdArgs& args) {
+__device__ __forceinline__ FwdWork PlanTile(int tile, const FwdArgs& args) {
   FwdWork w;
-  w.head = blockIdx.x;
-  // Longest first: under a causal mask the last query tiles see the most keys.
-  w.q_start = (gridDim.y - 1 - blockIdx.y) * kBlockM;
-  w.batch = blockIdx.z;
+  w.head = tile % args.heads_q;
+  const int rest = tile / args.heads_q;
+  w.q_start = (args.m_tiles - 1 - rest % args.m_tiles) * kBlockM;
+  w.batch = rest / args.m_tiles;
   w.kv_head = w.head / (args.heads_q / args.heads_kv);
   // Bottom-right causal alignment: query i sees keys j <= i + diagonal.
   w.diagonal = args.seqlen_k - args.seqlen_q;
@@ -96,6 +109,16 @@ __device__ __forceinline__ FwdWork PlanWork(const FwdArgs& args) {
   w.num_blocks = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
   return w;
 }
+
+// Position of the ring's `n`-th block since the launch: its stage and the parity of
+// that stage's barrier phase.
+template <int kStages>
+struct RingSlot {
+  int stage;
+  uint32_t parity;
+  __device__ __forceinline__ explicit RingSlot(uint32_t n)
+      : stage(static_cast<int>(n % kStages)), parity((n / kStages) & 1) {}
+};
 
 // Online softmax of one consumer warpgroup over one key block. Accumulator layout of a
 // wgmma m64nN f32 result, per thread: for each 8-column chunk c, values 4c..4c+3 sit at
@@ -164,6 +187,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kSlices = Tile::kSlices;
   constexpr int kStages = Tile::kStages;
+  using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) FwdBarriers<kStages> bars;
@@ -173,11 +197,11 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * 2 * Tile::kKVBytes; };
   auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKVBytes; };
 
-  const FwdWork work = PlanWork<Tile::kBlockM, kBlockN>(args);
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * Tile::kConsumers);
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
       ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
@@ -191,34 +215,51 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   // ---------------------------------------------------------------- producer
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<Tile::kProducerRegs>();
-    if (threadIdx.x != 0 || work.num_blocks == 0) return;
+    if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_v);
     const uint32_t q_full = SmemAddress(&bars.q_full);
-    ptx::mbarrier_arrive_expect_tx(q_full, Tile::kQBytes);
-    for (int c = 0; c < Tile::kConsumers; ++c)
-      for (int s = 0; s < kSlices; ++s)
-        ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, q_full, s * 64,
-                         work.q_start + c * Tile::kRowsPerConsumer, work.head, work.batch);
-    for (int block = 0; block < work.num_blocks; ++block) {
-      const int stage = block % kStages;
-      // Refill a stage once both consumers released the block that was in it.
-      const uint32_t empty_parity = (block / kStages - 1) & 1;
-      const uint32_t k_full = SmemAddress(&bars.k_full[stage]);
-      const uint32_t v_full = SmemAddress(&bars.v_full[stage]);
-      if (block >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[stage]), empty_parity);
-      ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKVBytes);
-      for (int s = 0; s < kSlices; ++s)
-        ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, k_full, s * 64,
-                         block * kBlockN, work.kv_head, work.batch);
-      if (block >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[stage]), empty_parity);
-      ptx::mbarrier_arrive_expect_tx(v_full, Tile::kKVBytes);
-      for (int s = 0; s < kSlices; ++s)
-        ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, v_full, s * 64,
-                         block * kBlockN, work.kv_head, work.batch);
+    uint32_t ring = 0;  // K/V blocks loaded since the launch
+    int tile = blockIdx.x;
+    for (int round = 0;; ++round) {
+      // The index and Q buffers are reused once both consumers are done with the last tile.
+      if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
+      *reinterpret_cast<volatile int*>(&bars.tile) = tile;
+      if (tile >= args.num_tiles) {
+        ptx::mbarrier_arrive(q_full);  // tells the consumers to stop
+        return;
+      }
+      // Claim the next tile now: the atomic's latency hides behind this tile's loads.
+      const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
+      const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+      tile = next_tile;
+      if (work.num_blocks == 0) {
+        ptx::mbarrier_arrive(q_full);  // nothing to load: the consumers write O = 0
+        continue;
+      }
+      ptx::mbarrier_arrive_expect_tx(q_full, Tile::kQBytes);
+      for (int c = 0; c < Tile::kConsumers; ++c)
+        for (int s = 0; s < kSlices; ++s)
+          ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, q_full, s * 64,
+                           work.q_start + c * Tile::kRowsPerConsumer, work.head, work.batch);
+      for (int block = 0; block < work.num_blocks; ++block, ++ring) {
+        const Slot slot(ring);
+        // Refill a stage once both consumers released the block that was in it.
+        const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
+        const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
+        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKVBytes);
+        for (int s = 0; s < kSlices; ++s)
+          ptx::tma_load_4d(smem_k(slot.stage) + s * Tile::kKVSliceBytes, &tmap_k, k_full, s * 64,
+                           block * kBlockN, work.kv_head, work.batch);
+        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[slot.stage]), slot.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(v_full, Tile::kKVBytes);
+        for (int s = 0; s < kSlices; ++s)
+          ptx::tma_load_4d(smem_v(slot.stage) + s * Tile::kKVSliceBytes, &tmap_v, v_full, s * 64,
+                           block * kBlockN, work.kv_head, work.batch);
+      }
     }
-    return;
   }
 
   // ---------------------------------------------------------------- consumers
@@ -226,161 +267,175 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   const int consumer = warpgroup - 1;
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
-  const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
-  const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
 
-  // O accumulator, wgmma layout of an m64n{kHeadDim} result (see OnlineSoftmax).
-  float o[kHeadDim / 2];
+  // Ping-pong: consumer c issues GEMMs after named barrier (1 + c) completes, then lets the
+  // other go. Both take the same turns (num_blocks + 1 per tile), consumer 0 first: consumer
+  // 1 opens consumer 0's first turn, and consumer 0 absorbs consumer 1's last hand-over
+  // before it exits, so no arrival dangles.
+  auto begin_turn = [&]() { ptx::named_barrier_sync(kPingPongBarrier + consumer, 256); };
+  auto end_turn = [&]() { ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256); };
+  if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
+
+  // Each warp's wait_group covered its warpgroup's wgmma, so one lane per warp arrives.
+  auto release = [&](uint64_t& empty) {
+    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
+  };
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
+    ptx::wgmma_fence();
 #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
-  OnlineSoftmax<Element, kBlockN> softmax;
-
-  if (work.num_blocks > 0) {
-    // Ping-pong: consumer c issues GEMMs after barrier (1 + c) completes, then lets the
-    // other go. Consumer 1 opens the first turn for consumer 0. Both consumers take
-    // num_blocks + 1 turns; consumer 1 skips its last hand-over so no arrival dangles.
-    const int num_turns = work.num_blocks + 1;
-    int turn = 0;
-    auto begin_turn = [&]() { ptx::named_barrier_sync(kPingPongBarrier + consumer, 256); };
-    auto end_turn = [&]() {
-      ++turn;
-      if (!(consumer == 1 && turn == num_turns))
-        ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256);
-    };
-    if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
-
-    auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint32_t col_bytes = (kk % 4) * 32;  // 16 elements inside a 128-byte row
-        const uint64_t desc_q =
-            SmemDescSw128(smem_q(consumer) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16);
-        const uint64_t desc_k =
-            SmemDescSw128(smem_k(stage) + (kk / 4) * Tile::kKVSliceBytes + col_bytes, 16);
-        if (kk == 0) {
-          ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
-        } else {
-          ptx::Wgmma<Element, kBlockN>::ss(s, desc_q, desc_k, 1);
-        }
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t col_bytes = (kk % 4) * 32;  // 16 elements inside a 128-byte row
+      const uint64_t desc_q =
+          SmemDescSw128(smem_q(consumer) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16);
+      const uint64_t desc_k =
+          SmemDescSw128(smem_k(stage) + (kk / 4) * Tile::kKVSliceBytes + col_bytes, 16);
+      if (kk == 0) {
+        ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
+      } else {
+        ptx::Wgmma<Element, kBlockN>::ss(s, desc_q, desc_k, 1);
       }
-      ptx::wgmma_commit_group();
-    };
-    // V is [keys x head_dim] with head_dim contiguous: an MN-major B operand whose
-    // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
-    // are two 8-key groups starting at byte 2048 j.
-    auto issue_pv = [&](const uint32_t (&p)[kBlockN / 16][4], int stage) {
-      ptx::wgmma_fence();
+    }
+    ptx::wgmma_commit_group();
+  };
+  // V is [keys x head_dim] with head_dim contiguous: an MN-major B operand whose
+  // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
+  // are two 8-key groups starting at byte 2048 j.
+  auto issue_pv = [&](float (&o)[kHeadDim / 2], const uint32_t (&p)[kBlockN / 16][4], int stage) {
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < kBlockN / 16; ++j) {
-        const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
-        ptx::Wgmma<Element, kHeadDim>::rs_tb(o, p[j], desc_v, 1);
-      }
-      ptx::wgmma_commit_group();
-    };
-    auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
-                            float (&correction)[2], int block) {
-      const int key_start = block * kBlockN;
-      const bool needs_mask =
-          key_start + kBlockN > args.seqlen_k ||
-          (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-      softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, args.seqlen_k,
-                   args.causal, work.diagonal, args.scale_log2);
-    };
-    // Each warp's wait_group covered its warpgroup's wgmma, so one lane per warp arrives.
-    auto release = [&](uint64_t (&empty)[kStages], int stage) {
-      if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty[stage]));
-    };
+    for (int j = 0; j < kBlockN / 16; ++j) {
+      const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
+      ptx::Wgmma<Element, kHeadDim>::rs_tb(o, p[j], desc_v, 1);
+    }
+    ptx::wgmma_commit_group();
+  };
 
-    ptx::mbarrier_wait(SmemAddress(&bars.q_full), 0);
-    float s_acc[kBlockN / 2];
-    // P lives in two register buffers that alternate: the one P V reads stays untouched
-    // while the softmax writes the other. (Copying one into the other instead lets ptxas
-    // give both the same registers, and it then serializes every wgmma, warning C7513.)
-    uint32_t p_even[kBlockN / 16][4], p_odd[kBlockN / 16][4];
-    float correction[2];
+  uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
+  for (int round = 0;; ++round) {
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
+    if (tile >= args.num_tiles) break;
+    const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+    const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
+    const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
 
-    // Block 0: S only.
-    ptx::mbarrier_wait(SmemAddress(&bars.k_full[0]), 0);
-    begin_turn();
-    issue_qk(s_acc, 0);
-    end_turn();
-    ptx::wgmma_wait_group<0>();
-    FenceRegisters(s_acc);
-    release(bars.k_empty, 0);
-    softmax_step(s_acc, p_even, correction, 0);
+    // O accumulator, wgmma layout of an m64n{kHeadDim} result (see OnlineSoftmax).
+    float o[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    OnlineSoftmax<Element, kBlockN> softmax;
 
-    // Block b: S_b and P_{b-1} V_{b-1} go to the tensor cores, then softmax(S_b) runs
-    // while P V is in flight; O is rescaled once P V has landed.
-    auto iteration = [&](int block, const uint32_t (&p_prev)[kBlockN / 16][4],
-                         uint32_t (&p_next)[kBlockN / 16][4]) {
-      const int stage = block % kStages;
-      const int prev = (block - 1) % kStages;
-      ptx::mbarrier_wait(SmemAddress(&bars.k_full[stage]), (block / kStages) & 1);
+    if (work.num_blocks == 0) {
+      release(bars.q_empty);
+    } else {
+      auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
+                              float (&correction)[2], int block) {
+        const int key_start = block * kBlockN;
+        const bool needs_mask =
+            key_start + kBlockN > args.seqlen_k ||
+            (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
+        softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, args.seqlen_k,
+                     args.causal, work.diagonal, args.scale_log2);
+      };
+      // Q is free once the tile's last S = Q K^T has landed.
+      auto after_qk = [&](int block, int stage) {
+        release(bars.k_empty[stage]);
+        if (block == work.num_blocks - 1) release(bars.q_empty);
+      };
+
+      float s_acc[kBlockN / 2];
+      // P lives in two register buffers that alternate: the one P V reads stays untouched
+      // while the softmax writes the other. (Copying one into the other instead lets ptxas
+      // give both the same registers, and it then serializes every wgmma, warning C7513.)
+      uint32_t p_even[kBlockN / 16][4], p_odd[kBlockN / 16][4];
+      float correction[2];
+
+      // Block 0: S only.
+      const Slot first(ring);
+      ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
       begin_turn();
-      issue_qk(s_acc, stage);
-      ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev]), ((block - 1) / kStages) & 1);
-      issue_pv(p_prev, prev);
+      issue_qk(s_acc, first.stage);
       end_turn();
-      ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
+      ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
-      release(bars.k_empty, stage);
-      softmax_step(s_acc, p_next, correction, block);
+      after_qk(0, first.stage);
+      softmax_step(s_acc, p_even, correction, 0);
+
+      // Block b: S_b and P_{b-1} V_{b-1} go to the tensor cores, then softmax(S_b) runs
+      // while P V is in flight; O is rescaled once P V has landed.
+      auto iteration = [&](int block, const uint32_t (&p_prev)[kBlockN / 16][4],
+                           uint32_t (&p_next)[kBlockN / 16][4]) {
+        const Slot cur(ring + block), prev(ring + block - 1);
+        ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
+        begin_turn();
+        issue_qk(s_acc, cur.stage);
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+        issue_pv(o, p_prev, prev.stage);
+        end_turn();
+        ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
+        FenceRegisters(s_acc);
+        after_qk(block, cur.stage);
+        softmax_step(s_acc, p_next, correction, block);
+        ptx::wgmma_wait_group<0>();
+        FenceRegisters(o);
+        release(bars.v_empty[prev.stage]);
+        // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
+        // this saves the work, never changes a bit). The branch is warp-uniform.
+        if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= correction[(i >> 1) & 1];
+        }
+      };
+      for (int block = 1; block < work.num_blocks; block += 2) {
+        iteration(block, p_even, p_odd);
+        if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+      }
+
+      // The last block's P V: its P is in p_even when the block index is even.
+      const int last_block = work.num_blocks - 1;
+      const Slot last(ring + last_block);
+      ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
+      begin_turn();
+      if (last_block % 2 == 0) {
+        issue_pv(o, p_even, last.stage);
+      } else {
+        issue_pv(o, p_odd, last.stage);
+      }
+      end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
-      release(bars.v_empty, prev);
-      // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
-      // this saves the work, never changes a bit). The branch is warp-uniform.
-      if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
+      release(bars.v_empty[last.stage]);
+      ring += work.num_blocks;
+    }
+
+    // Epilogue: normalise, write O (bf16/f16) and the LSE (natural log). Rows with no
+    // visible key have a zero sum: O = 0, LSE = -inf.
+    Element* out = static_cast<Element*>(args.out);
+    const int quad_col = 2 * (lane % 4);
 #pragma unroll
-        for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= correction[(i >> 1) & 1];
+    for (int h = 0; h < 2; ++h) {
+      const float total = QuadSum(softmax.row_sum[h]);
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const int row = first_row + 8 * h;
+      if (row >= args.seqlen_q) continue;
+      const int64_t out_row =
+          ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+          kHeadDim;
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+            PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
       }
-    };
-    for (int block = 1; block < work.num_blocks; block += 2) {
-      iteration(block, p_even, p_odd);
-      if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
-    }
-
-    // The last block's P V: its P is in p_even when the block index is even.
-    const int last = work.num_blocks - 1;
-    ptx::mbarrier_wait(SmemAddress(&bars.v_full[last % kStages]), (last / kStages) & 1);
-    begin_turn();
-    if (last % 2 == 0) {
-      issue_pv(p_even, last % kStages);
-    } else {
-      issue_pv(p_odd, last % kStages);
-    }
-    end_turn();
-    ptx::wgmma_wait_group<0>();
-    FenceRegisters(o);
-  }
-
-  // Epilogue: normalise, write O (bf16/f16) and the LSE (natural log). Rows with no
-  // visible key have a zero sum: O = 0, LSE = -inf.
-  Element* out = static_cast<Element*>(args.out);
-  const int quad_col = 2 * (lane % 4);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float total = QuadSum(softmax.row_sum[h]);
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const int row = first_row + 8 * h;
-    if (row >= args.seqlen_q) continue;
-    const int64_t out_row =
-        ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-        kHeadDim;
-#pragma unroll
-    for (int c = 0; c < kHeadDim / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
-          PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-    }
-    if (lane % 4 == 0) {
-      const float lse =
-          total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
-                      : -INFINITY;
-      args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
-               row] = lse;
+      if (lane % 4 == 0) {
+        const float lse =
+            total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
+                        : -INFINITY;
+        args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
+                 row] = lse;
+      }
     }
   }
+  if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
 }  // namespace jzyfa

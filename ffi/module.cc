@@ -1,4 +1,5 @@
-// The nanobind module `jzyfa._jzyfa_ffi`. Its only job: hand JAX the FFI handler capsules.
+// The nanobind module `jzyfa._jzyfa_ffi`: hands JAX the FFI handler capsules, and reads the
+// handler-call counter (tests use it to tell a command-buffer replay from a handler run).
 #include <nanobind/nanobind.h>
 
 #include "ffi_handlers.h"
@@ -21,4 +22,7 @@ NB_MODULE(_jzyfa_ffi, m) {
     targets["jzyfa_flash_attention_fwd"] = HandlerCapsule(jzyfa::FlashAttentionFwd);
     return targets;
   });
+  m.def(
+      "handler_calls", []() { return jzyfa::HandlerCalls(); },
+      "How many times the jzyfa_flash_attention_fwd handler has executed in this process.");
 }

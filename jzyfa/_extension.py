@@ -37,3 +37,23 @@ def extension_loaded() -> bool:
     without calling `flash_attention` should call this first, so the FFI targets are registered.
     """
     return load_error() is None
+
+
+def handler_calls() -> int:
+    """How many times the FFI handler `jzyfa_flash_attention_fwd` has executed in this process.
+
+    Counts every execution on every device and call site (failed ones too). Under XLA command buffers
+    (CUDA graphs) the handler runs when a graph is recorded or updated, and not when it is replayed,
+    so the difference of two readings tells how many calls ran the handler. Raises RuntimeError when
+    the extension is not loaded (no extension built, or one built before the counter existed).
+    """
+    if (reason := load_error()) is not None:
+        raise RuntimeError(f"jzyfa's handler-call counter is unavailable: {reason}")
+    module = importlib.import_module(EXTENSION_MODULE)
+    counter = getattr(module, "handler_calls", None)
+    if counter is None:
+        raise RuntimeError(
+            f"jzyfa's handler-call counter is unavailable: {EXTENSION_MODULE} has no handler_calls() "
+            "(it was built from older sources; rebuild the extension)"
+        )
+    return int(counter())

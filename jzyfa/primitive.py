@@ -139,10 +139,20 @@ def _reference_fallback(q, k, v, *, softmax_scale, causal, kernel_required):
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
 
 
+# The custom call's third result: one int32 the launch zeroes and the persistent kernel's CTAs
+# claim tiles from. A result (not a global) so that XLA owns it: concurrent calls never share
+# one and command buffers track it like any buffer. The primitive drops it.
+TILE_COUNTER = jax.core.ShapedArray((1,), np.int32)
+
+
 def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, kernel_required):
     del kernel_required  # Only decides what non-CUDA platforms do.
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
     # Attribute types are part of the FFI contract: softmax_scale f32, causal bool.
-    return _ffi_lowering(ctx, q, k, v, softmax_scale=np.float32(softmax_scale), causal=bool(causal))
+    out, lse, _ = _ffi_lowering(
+        ctx, q, k, v, softmax_scale=np.float32(softmax_scale), causal=bool(causal)
+    )
+    return [out, lse]
 
 
 mlir.register_lowering(flash_attention_shard_p, mlir.lower_fun(_reference_fallback, multiple_results=True))

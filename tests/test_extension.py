@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
+import jax
 import pytest
 
 import jzyfa
+from jzyfa import _extension
 
 EXPECT_EXTENSION = os.environ.get("JZYFA_EXPECT_EXTENSION") == "1"
 
@@ -31,3 +34,25 @@ def test_extension_registers_its_targets():
     assert set(targets) == {"jzyfa_flash_attention_fwd"}
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"
+    calls = _extension.handler_calls()
+    assert type(calls) is int and calls >= 0
+    if jax.default_backend() == "cpu":
+        assert calls == 0  # nothing can run the CUDA handler here
+
+
+def test_handler_counter_says_why_it_is_unavailable(monkeypatch):
+    reason = "the extension jzyfa._jzyfa_ffi could not be imported (No module named 'jzyfa._jzyfa_ffi')"
+    monkeypatch.setattr(_extension, "load_error", lambda: reason)
+    with pytest.raises(RuntimeError, match=r"handler-call counter is unavailable: the extension .* imported"):
+        _extension.handler_calls()
+
+
+def test_handler_counter_reads_the_extension(monkeypatch):
+    monkeypatch.setattr(_extension, "load_error", lambda: None)
+    fake = types.SimpleNamespace(registrations=dict, handler_calls=lambda: 7)
+    monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, fake)
+    assert _extension.handler_calls() == 7
+    # An extension built before the counter existed: say so, and how to fix it.
+    monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, types.SimpleNamespace(registrations=dict))
+    with pytest.raises(RuntimeError, match="has no handler_calls.*rebuild the extension"):
+        _extension.handler_calls()

@@ -38,8 +38,9 @@ def test_cuda_lowering_is_the_typed_ffi_custom_call(implementation):
     (call,) = custom_calls(lowered.as_text(dialect="hlo"))
     assert f'custom_call_target="{FFI_TARGET}"' in call
     assert "api_version=API_VERSION_TYPED_FFI" in call
-    # Operands and results as in docs/architecture.md; row-major layouts.
-    assert "(bf16[2,40,8,128]{3,2,1,0}, f32[2,8,40]{2,1,0}) custom-call(" in call
+    # Operands and results as in docs/architecture.md (out, lse, the scheduler's tile counter);
+    # row-major layouts.
+    assert "(bf16[2,40,8,128]{3,2,1,0}, f32[2,8,40]{2,1,0}, s32[1]{0}) custom-call(" in call
     assert "bf16[2,72,2,128]{3,2,1,0}" in call
     # Attribute types are part of the contract: causal a bool, softmax_scale an f32.
     assert "causal = true" in call

@@ -12,6 +12,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 SITE=${JZYFA_SITE:-/tmp/jzyfa-site}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
+# Multi-GPU kinds: NVLink multicast must stay off (it can take the host's shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
 step() { echo; echo "=== $* ==="; }
 
@@ -41,7 +43,7 @@ python3 -c "import jzyfa; print('kernel_available', jzyfa.kernel_available(), jz
 step "GPU tests"
 # JZYFA_GPU_TESTS narrows the run (paths relative to the repository), e.g. tests/test_kernel_gpu.py.
 read -ra gpu_tests <<< "${JZYFA_GPU_TESTS:-tests}"
-python3 -m pytest -q -rs -p no:cacheprovider "${gpu_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+timeout "${JZYFA_GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -q -rs -p no:cacheprovider "${gpu_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${JZYFA_SKIP_EXAMPLE:-}" ]; then
@@ -50,6 +52,16 @@ if [ -z "${JZYFA_SKIP_EXAMPLE:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_MULTI_GPU:-}" ]; then
+  # Sharded prefill over all GPUs (issue 8), e.g. JZYFA_MULTI_GPU="--seqs 32768,65536".
+  step "multi-GPU prefill: ${JZYFA_MULTI_GPU}"
+  # shellcheck disable=SC2086
+  timeout "${JZYFA_MULTI_GPU_TIMEOUT:-300}" python3 "$REPO/tools/multi_gpu_prefill.py" ${JZYFA_MULTI_GPU} 2>&1 \
+    | tee "$OUT_DIR/multi_gpu.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+[ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" 2>"$OUT_DIR/bench_progress.log" \
   | tee "$OUT_DIR/bench.md"
