@@ -25,7 +25,7 @@ def load_error() -> str | None:
     try:
         for name, capsule in module.registrations().items():
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-    except Exception as e:  # Any failure here only disables the kernel path; record it.
+    except Exception as e:  # noqa: BLE001 - any failure here only disables the kernel path; record it.
         return f"registering the FFI targets of {EXTENSION_MODULE} failed ({type(e).__name__}: {e})"
     return None
 

@@ -295,11 +295,11 @@ def _cells(row: Row) -> list[str]:
 
 def _title(report: Report) -> list[str]:
     a = report.args
+    problem = f"batch {a.batch}, {a.seq} tokens, {a.heads} heads, head dim {a.head_dim}, causal, {a.dtype}"
+    loops = f"{a.calls} calls per loop, best of {a.rounds} loops"
     lines = [
-        f"Per-call time: batch {a.batch}, {a.seq} tokens, {a.heads} heads, head dim {a.head_dim}, causal, "
-        f"{a.dtype}; {a.calls} calls per loop, best of {a.rounds} loops; {report.device}, "
-        f"jax {report.jax_version}.",
-        "Command buffers: off = " + _options_text("off") + "; on = " + _options_text("on") + ".",
+        f"Per-call time: {problem}; {loops}; {report.device}, jax {report.jax_version}.",
+        f"Command buffers: off = {_options_text('off')}; on = {_options_text('on')}.",
     ]
     if report.kernel_time_unavailable:
         lines.append(f"Kernel time unavailable ({report.kernel_time_unavailable}): wall time only.")

@@ -42,7 +42,12 @@ CALLS = 5
 
 
 def runs_and_handler_calls(compiled, *args, calls: int = CALLS) -> tuple[list[np.ndarray], int]:
-    """The outputs of `calls` calls on the same inputs, and how often the FFI handler ran meanwhile."""
+    """The outputs of `calls` calls on the same inputs, and how often the FFI handler ran meanwhile.
+
+    Each output is copied to the host and its device buffer dropped before the next call, so the next
+    call gets the same addresses and a graph can be replayed as recorded. (Keeping every output alive
+    gives each call new addresses, and XLA then re-traces the custom call, running the handler.)
+    """
     before = _extension.handler_calls()
     outs = [np.asarray(compiled(*args)) for _ in range(calls)]
     return outs, _extension.handler_calls() - before

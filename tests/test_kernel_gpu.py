@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jzyfa
+from jzyfa.primitive import TILE_COUNTER
 
 pytestmark = [
     pytest.mark.gpu,
@@ -184,9 +185,12 @@ def test_kernel_and_reference_path_agree_under_jit():
 def test_handler_rejects_unsupported_head_dim():
     """The FFI handler itself answers InvalidArgument, not a crash, for what it cannot run."""
     q = jnp.ones((1, 8, 1, 96), jnp.bfloat16)
-    call = jax.ffi.ffi_call(
-        "jzyfa_flash_attention_fwd",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((1, 1, 8), jnp.float32)),
+    # The handler's results: out, lse, and the persistent grid's tile counter (primitive.TILE_COUNTER).
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((1, 1, 8), jnp.float32),
+        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
     )
+    call = jax.ffi.ffi_call("jzyfa_flash_attention_fwd", results)
     with pytest.raises(Exception, match="head_dim must be 64 or 128"):
         jax.block_until_ready(call(q, q, q, softmax_scale=np.float32(0.1), causal=True))

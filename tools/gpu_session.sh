@@ -61,6 +61,14 @@ if [ -n "${JZYFA_MULTI_GPU:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_OVERHEAD:-}" ]; then
+  # Host time per call above the kernel, jzyfa next to cuDNN (issue 6), e.g. JZYFA_OVERHEAD="--seq 512".
+  step "call overhead: ${JZYFA_OVERHEAD}"
+  # shellcheck disable=SC2086
+  timeout 240 python3 -m jzyfa.call_overhead --markdown ${JZYFA_OVERHEAD} 2>&1 | tee "$OUT_DIR/overhead.md"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" 2>"$OUT_DIR/bench_progress.log" \
