@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Generates `jzyfa_ptx.h`: the inline-PTX wrappers the Hopper kernels use.
 
-A `wgmma.mma_async` of shape m64nNk16 with f32 accumulators names N/2 registers per
-thread (64 for N = 128, 128 for N = 256). Writing those operand lists by hand, or with
-C++ template tricks, is error prone; this script spells every one out. Both builds
-(CMake and Bazel) run it and the kernels `#include "jzyfa_ptx.h"`.
+A `wgmma.mma_async` of shape m64nNk16 (16-bit inputs) or m64nNk32 (e4m3 inputs) with f32
+accumulators names N/2 registers per thread (64 for N = 128, 128 for N = 256). Writing those
+operand lists by hand, or with C++ template tricks, is error prone; this script spells every one
+out. Both builds (CMake and Bazel) run it and the kernels `#include "jzyfa_ptx.h"`.
 
 Usage: python3 asm/gen_ptx.py --out path/to/jzyfa_ptx.h
 """
@@ -19,21 +19,38 @@ import sys
 # The wgmma shapes the kernels use: S = Q K^T takes N = key-block width; O += P V takes
 # N = 64 per 64-column slice of the head dim (one 128-byte swizzle atom wide).
 WGMMA_N = (64, 128, 256)
-INPUT_TYPES = {"bf16": "bf16", "f16": "f16"}
+# Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
+INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
+INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
 
 
 @dataclasses.dataclass(frozen=True)
 class Wgmma:
-    """One wgmma.mma_async variant: m64nNk16, f32 accumulators, 16-bit inputs."""
+    """One wgmma.mma_async variant: m64nNk16 (bf16, f16) or m64nNk32 (e4m3), f32 accumulators."""
 
     n: int
-    dtype: str  # "bf16" or "f16"
+    dtype: str  # "bf16", "f16" or "e4m3"
     a_from_registers: bool  # A in registers (P of P V) or in shared memory (Q of Q K^T)
-    b_transposed: bool  # B is MN-major in shared memory (V of P V)
+    b_transposed: bool  # B is MN-major in shared memory (V of P V); 16-bit inputs only
     # D = A B, not D += A B: the accumulators are outputs only. Lets the compiler see that the
     # first k-step of a GEMM does not read registers that ordinary code wrote while other
     # wgmmas were in flight (otherwise ptxas serializes every wgmma, warning C7513).
     overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in INPUT_TYPES:
+            raise ValueError(f"unknown wgmma input type {self.dtype!r}")
+        if self.b_transposed and not self.transposable:
+            raise ValueError(f"{self.dtype} wgmma takes K-major operands only: no transposed B")
+
+    @property
+    def k(self) -> int:
+        return 256 // INPUT_BITS[self.dtype]
+
+    @property
+    def transposable(self) -> bool:
+        """Only 16-bit inputs have the imm-trans-a / imm-trans-b operands (MN-major smem)."""
+        return INPUT_BITS[self.dtype] == 16
 
     @property
     def num_acc(self) -> int:
@@ -44,12 +61,23 @@ class Wgmma:
         a = "rs" if self.a_from_registers else "ss"
         b = "_tb" if self.b_transposed else ""
         z = "_zero" if self.overwrite else ""
-        return f"wgmma_m64n{self.n}k16_f32_{self.dtype}_{a}{b}{z}"
+        return f"wgmma_m64n{self.n}k{self.k}_f32_{self.dtype}_{a}{b}{z}"
 
     @property
     def mnemonic(self) -> str:
         t = INPUT_TYPES[self.dtype]
-        return f"wgmma.mma_async.sync.aligned.m64n{self.n}k16.f32.{t}.{t}"
+        return f"wgmma.mma_async.sync.aligned.m64n{self.n}k{self.k}.f32.{t}.{t}"
+
+    @property
+    def immediates(self) -> str:
+        """imm-scale-a, imm-scale-b (1 = no negation), then the transpose flags where the type has
+        them: imm-trans-a (A in shared memory only) and imm-trans-b. 8-bit types have none."""
+        imms = ["1", "1"]
+        if self.transposable:
+            if not self.a_from_registers:
+                imms.append("0")
+            imms.append("1" if self.b_transposed else "0")
+        return ", ".join(imms)
 
 
 def _acc_list(count: int, first: int) -> str:
@@ -60,7 +88,7 @@ def wgmma_function(op: Wgmma) -> str:
     """A C++ inline function wrapping one wgmma instruction.
 
     Operand numbering: accumulators first (read-write "+f"), then A (descriptor or four
-    32-bit registers), the B descriptor and the scale-d flag.
+    32-bit registers: two 16-bit or four e4m3 values each), the B descriptor and the scale-d flag.
     """
     acc = _acc_list(op.num_acc, 0)
     nxt = op.num_acc
@@ -78,16 +106,10 @@ def wgmma_function(op: Wgmma) -> str:
     scale_operand = f"%{nxt + 1}"
     if op.overwrite:
         return _overwrite_function(op, acc, a_operand, a_param, a_inputs, b_operand)
-    trans_b = 1 if op.b_transposed else 0
-    # Immediate operands: scale-a, scale-b (1 = no negation), then the transpose flags.
-    # With A from registers only tnsp-B exists.
-    if op.a_from_registers:
-        imms = f"1, 1, {trans_b}"
-    else:
-        imms = f"1, 1, 0, {trans_b}"
+    imms = op.immediates
     outputs = ", ".join(f'"+f"(d[{i}])' for i in range(op.num_acc))
     lines = [
-        f"// {op.mnemonic}: D[64 x {op.n}] (+)= A[64 x 16] * B[16 x {op.n}]"
+        f"// {op.mnemonic}: D[64 x {op.n}] (+)= A[64 x {op.k}] * B[{op.k} x {op.n}]"
         + (", B MN-major" if op.b_transposed else "")
         + (", A from registers" if op.a_from_registers else ""),
         f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
@@ -110,11 +132,12 @@ def wgmma_function(op: Wgmma) -> str:
 def _overwrite_function(
     op: Wgmma, acc: str, a_operand: str, a_param: str, a_inputs: str, b_operand: str
 ) -> str:
-    trans = "1" if op.b_transposed else "0"
-    imms = f"1, 1, {trans}" if op.a_from_registers else f"1, 1, 0, {trans}"
+    imms = op.immediates
     outputs = ", ".join(f'"=f"(d[{i}])' for i in range(op.num_acc))
     lines = [
-        f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x 16] * B[16 x {op.n}]",
+        f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x {op.k}] * B[{op.k} x {op.n}]"
+        + (", B MN-major" if op.b_transposed else "")
+        + (", A from registers" if op.a_from_registers else ""),
         f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
         "    uint64_t desc_b) {",
         "  asm volatile(",
@@ -134,11 +157,17 @@ def _overwrite_function(
 
 def all_wgmma_ops() -> list[Wgmma]:
     ops = []
-    for dtype in INPUT_TYPES:
+    for dtype in ("bf16", "f16"):
         for n in WGMMA_N:
             ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False))
             ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False, overwrite=True))
             ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
+    # FP8: K-major A and B only (no transposed B), so V reaches the kernel transposed (V^T,
+    # seq-contiguous) and P V takes P from registers with a plain K-major B.
+    for n in WGMMA_N:
+        for a_from_registers in (False, True):
+            for overwrite in (False, True):
+                ops.append(Wgmma(n, "e4m3", a_from_registers, b_transposed=False, overwrite=overwrite))
     return ops
 
 
@@ -224,7 +253,29 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 """
 
 
-CPP_ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
+# FP8 conversion for the A operand of the e4m3 wgmma (P of P V). Fixed text.
+_FP8 = r"""// Four floats to the four e4m3 bytes of one 32-bit register, `a` in the lowest byte (the
+// lowest k index of a wgmma A-fragment register). Round to nearest even; finite values beyond
+// +-448 saturate to +-448 (.satfinite). Careful: `cvt.rn.satfinite.e4m3x2.f32 d, x, y` puts
+// its FIRST source x in the UPPER byte of d and y in the lower byte (PTX ISA, cvt: "the value
+// converted from input a is stored in the upper half of d"), as in cuda_fp8.hpp's
+// `cvt... %0, %2, %1` for (x.x, x.y); hence the swapped operands below.
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+  uint32_t packed;
+  asm("{\n"
+      ".reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n"
+      "}\n"
+      : "=r"(packed)
+      : "f"(a), "f"(b), "f"(c), "f"(d));
+  return packed;
+}
+"""
+
+
+CPP_ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "e4m3": "__nv_fp8_e4m3"}
 
 
 def dispatch_structs() -> str:
@@ -232,10 +283,18 @@ def dispatch_structs() -> str:
     by_shape: dict[tuple[str, int], list[Wgmma]] = {}
     for op in all_wgmma_ops():
         by_shape.setdefault((op.dtype, op.n), []).append(op)
-    role = {(False, False, False): "ss", (False, False, True): "ss_zero", (True, True, False): "rs_tb"}
+    role = {
+        (False, False, False): "ss",
+        (False, False, True): "ss_zero",
+        (True, True, False): "rs_tb",
+        (True, False, False): "rs",
+        (True, False, True): "rs_zero",
+    }
     lines = [
         "// Wgmma<Element, N>::ss (Q K^T: both operands in shared memory), ::ss_zero (the same,",
         "// overwriting D) and ::rs_tb (P V: A from registers, B MN-major).",
+        "// Wgmma<__nv_fp8_e4m3, N>, alias WgmmaFp8<N> (k32, K-major operands only): ::ss, ::ss_zero,",
+        "// ::rs (P V: A from registers, B = V^T, K-major) and ::rs_zero.",
         "template <typename Element, int N>",
         "struct Wgmma;",
     ]
@@ -245,6 +304,7 @@ def dispatch_structs() -> str:
             name = role[(op.a_from_registers, op.b_transposed, op.overwrite)]
             lines.append(f"  static constexpr auto {name} = {op.name};")
         lines.append("};")
+    lines += ["template <int N>", f"using WgmmaFp8 = Wgmma<{CPP_ELEMENT_TYPES['e4m3']}, N>;"]
     return "\n".join(lines)
 
 
@@ -254,6 +314,7 @@ def render_header() -> str:
         "#pragma once",
         "#include <cuda_bf16.h>",
         "#include <cuda_fp16.h>",
+        "#include <cuda_fp8.h>",
         "",
         "#include <cstdint>",
         "",
@@ -264,7 +325,7 @@ def render_header() -> str:
     for op in all_wgmma_ops():
         parts.append(wgmma_function(op))
         parts.append("")
-    parts += [dispatch_structs(), "", "}  // namespace ptx", "}  // namespace jzyfa", ""]
+    parts += [_FP8, dispatch_structs(), "", "}  // namespace ptx", "}  // namespace jzyfa", ""]
     return "\n".join(parts)
 
 
