@@ -19,6 +19,8 @@ import sys
 # The wgmma shapes the kernels use: S = Q K^T takes N = key-block width; O += P V takes
 # N = 64 per 64-column slice of the head dim (one 128-byte swizzle atom wide).
 WGMMA_N = (64, 128, 256)
+# The FP8 kernel's P V: head dim 128 plus 8 columns that sum P (see all_wgmma_ops).
+FP8_PV_WITH_SUM_N = 136
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
@@ -168,6 +170,10 @@ def all_wgmma_ops() -> list[Wgmma]:
         for a_from_registers in (False, True):
             for overwrite in (False, True):
                 ops.append(Wgmma(n, "e4m3", a_from_registers, b_transposed=False, overwrite=overwrite))
+    # P V with 8 more columns: V^T's tile is followed by 8 rows of e4m3 ones, so columns
+    # D..D+7 of O accumulate the row sum of exactly the rounded P (docs/fp8.md).
+    for overwrite in (False, True):
+        ops.append(Wgmma(FP8_PV_WITH_SUM_N, "e4m3", True, b_transposed=False, overwrite=overwrite))
     return ops
 
 
@@ -191,6 +197,11 @@ __device__ __forceinline__ void fence_operand(float& r) {
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrive_count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrive_count)
                : "memory");
+}
+// Orders this thread's ordinary shared-memory writes before later reads by the async proxy
+// (wgmma operands, TMA); a barrier must still follow for other threads' wgmma.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

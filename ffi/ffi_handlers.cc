@@ -97,6 +97,88 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   return ffi::Error::Success();
 }
 
+// Descales: float32, one value or one per (batch, KV head); the same count for all three.
+ffi::Error CheckDescales(ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk,
+                         ffi::Buffer<ffi::F32> dv, int64_t batch, int64_t heads_kv) {
+  const int64_t count = dq.element_count();
+  if (dk.element_count() != count || dv.element_count() != count ||
+      (count != 1 && count != batch * heads_kv)) {
+    return ffi::Error::InvalidArgument(
+        "jzyfa_flash_attention_fp8_fwd: descale_q, descale_k and descale_v must each hold 1 or "
+        "batch * heads_kv (" + std::to_string(batch * heads_kv) + ") float32 values");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer vt, ffi::Buffer<ffi::F32> descale_q,
+                                    ffi::Buffer<ffi::F32> descale_k,
+                                    ffi::Buffer<ffi::F32> descale_v,
+                                    ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                    ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+                                    float softmax_scale, bool causal, bool lean_p) {
+  const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
+  for (const ffi::AnyBuffer* x : {&q, &k, &vt}) {
+    if (x->element_type() != ffi::DataType::F8E4M3FN) {
+      return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
+    }
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = vt.dimensions(),
+             od = out->dimensions(), ld = lse->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        name + "q and k must be [batch, seq, heads, head_dim], vt [batch, heads_kv, head_dim, keys]");
+  }
+  if (kd[0] != qd[0] || kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[2] || vd[2] != kd[3]) {
+    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
+                                       " and vt " + ShapeString(vd) + " disagree");
+  }
+  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
+    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
+                                       " must have the shape of q " + ShapeString(qd));
+  }
+  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
+    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
+                                       " must be [batch, heads_q, seq_q]");
+  }
+  if (tile_counter->element_count() != 1) {
+    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
+  }
+  ffi::Error descales = CheckDescales(descale_q, descale_k, descale_v, kd[0], kd[2]);
+  if (descales.failure()) return descales;
+
+  FlashFwdFp8Params p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.vt = vt.untyped_data();
+  p.descale_q = descale_q.typed_data();
+  p.descale_k = descale_k.typed_data();
+  p.descale_v = descale_v.typed_data();
+  p.descale_count = descale_q.element_count();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
+  p.batch = qd[0];
+  p.seqlen_q = qd[1];
+  p.heads_q = qd[2];
+  p.head_dim = qd[3];
+  p.seqlen_k = kd[1];
+  p.heads_kv = kd[2];
+  p.seqlen_k_padded = vd[3];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  p.lean_p = lean_p;
+
+  std::string error = ValidateFlashFwdFp8(p);
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = LaunchFlashFwdFp8(p, stream);
+  if (!error.empty()) return ffi::Error::Internal(name + error);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
@@ -112,6 +194,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q, e4m3
+                                  .Arg<ffi::AnyBuffer>()  // k, e4m3
+                                  .Arg<ffi::AnyBuffer>()  // vt, e4m3 (jzyfa/fp8_layout.py)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<bool>("lean_p"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jzyfa

@@ -11,6 +11,10 @@ namespace jzyfa {
 // scratch result the launch zeroes and the persistent kernel claims tiles from).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFwd);
 
+// Custom-call target "jzyfa_flash_attention_fp8_fwd": q, k, vt (e4m3), descale_q, descale_k,
+// descale_v (f32) -> out (bf16), lse, tile counter; attributes softmax_scale, causal, lean_p.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8Fwd);
+
 // How many times the FlashAttentionFwd handler has executed in this process (every device,
 // every call site, failed calls included). Under XLA command buffers the handler runs only
 // when a graph is recorded or updated, not when it is replayed: tests count its runs to see

@@ -1,7 +1,6 @@
 // Launch planning for the forward kernel: validation, TMA tensor maps, the persistent grid,
 // and the explicit instantiations (bf16/f16 x head dim 64/128).
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,103 +10,26 @@
 
 #include "flash_fwd.h"
 #include "flash_fwd_kernel.cuh"
+#include "launch_utils.h"
 
 namespace jzyfa {
 namespace {
 
-std::string CudaError(const char* what, cudaError_t err) {
-  return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-}
-
-// cuTensorMapEncodeTiled lives in the driver API; fetch it through the runtime so the
-// extension links only cudart (statically) and imports on machines without a driver.
-PFN_cuTensorMapEncodeTiled_v12000 GetEncodeTiled(std::string* error) {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::string load_error;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                       cudaEnableDefault, &status);
-    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || ptr == nullptr) {
-      load_error = "cannot load cuTensorMapEncodeTiled from the CUDA driver";
-      if (err != cudaSuccess) load_error += ": " + CudaError("cudaGetDriverEntryPoint", err);
-      return;
-    }
-    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  });
-  if (fn == nullptr) *error = load_error;
-  return fn;
-}
-
-// A 4-D map over a [batch, seq, heads, head_dim] tensor (dims innermost first), loading
-// boxes of 64 head-dim columns x `box_rows` sequence rows of one head, 128-byte swizzled.
-// Rows past `seq` read as zeros: tails need no padded copies.
+// A map over a [batch, seq, heads, head_dim] 16-bit tensor (dims innermost first), loading
+// boxes of 64 head-dim columns x `box_rows` sequence rows of one head.
 bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_t batch,
                      int64_t seq, int64_t heads, int64_t head_dim, int box_rows,
                      std::string* error) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = GetEncodeTiled(error);
-  if (encode == nullptr) return false;
-  const cuuint64_t elem = 2;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seq),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(heads * head_dim) * elem,
-                                 static_cast<cuuint64_t>(head_dim) * elem,
-                                 static_cast<cuuint64_t>(seq * heads * head_dim) * elem};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const uint64_t elem = 2;
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seq),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(heads * head_dim) * elem,
+                               static_cast<uint64_t>(head_dim) * elem,
+                               static_cast<uint64_t>(seq * heads * head_dim) * elem};
+  const uint32_t box[4] = {64, static_cast<uint32_t>(box_rows), 1, 1};
   const CUtensorMapDataType dtype = type == ElementType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  CUresult res = encode(map, dtype, 4, const_cast<void*>(ptr), dims, strides, box,
-                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (res != CUDA_SUCCESS) {
-    *error = "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(res);
-    return false;
-  }
-  return true;
-}
-
-// What the launches need to know of a device, read once per device.
-struct DeviceInfo {
-  std::string error;  // empty when the device can run the kernels
-  int sm_count = 0;
-};
-
-constexpr int kMaxDevices = 64;
-
-const DeviceInfo& GetDeviceInfo(int device) {
-  static DeviceInfo infos[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    DeviceInfo& info = infos[device];
-    int major = 0, minor = 0;
-    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    if (err == cudaSuccess) {
-      err = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device);
-    }
-    if (err != cudaSuccess) {
-      info.error = CudaError("cudaDeviceGetAttribute", err);
-    } else if (major != 9 || minor != 0) {
-      info.error = "the jzyfa kernels need a Hopper GPU (compute capability 9.0); device " +
-                   std::to_string(device) + " has " + std::to_string(major) + "." +
-                   std::to_string(minor);
-    }
-  });
-  return infos[device];
-}
-
-std::string CurrentDevice(int* device) {
-  cudaError_t err = cudaGetDevice(device);
-  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
-  if (*device < 0 || *device >= kMaxDevices) {
-    return "device ordinal " + std::to_string(*device) + " is beyond the " +
-           std::to_string(kMaxDevices) + " devices jzyfa tracks";
-  }
-  return "";
+  return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
 }
 
 // The shared-memory opt-in is per device and kernel: set once for each (the template

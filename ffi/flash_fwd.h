@@ -35,6 +35,34 @@ struct FlashFwdParams {
   ElementType element_type = ElementType::kBF16;
 };
 
+// One FP8 forward call (head dim 128): q [batch, seqlen_q, heads_q, 128] and
+// k [batch, seqlen_k, heads_kv, 128] e4m3; vt e4m3 [batch, heads_kv, 128, seqlen_k_padded], V
+// transposed with keys padded to a multiple of 32 and permuted inside each 32-key group
+// (jzyfa/fp8_layout.py); descales float32, each one value or one per (batch, KV head); out bf16
+// like q; lse and tile_counter as for FlashFwdParams.
+struct FlashFwdFp8Params {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* vt = nullptr;
+  const float* descale_q = nullptr;
+  const float* descale_k = nullptr;
+  const float* descale_v = nullptr;
+  int64_t descale_count = 1;  // 1 or batch * heads_kv, the same for all three
+  void* out = nullptr;
+  float* lse = nullptr;
+  int32_t* tile_counter = nullptr;
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t seqlen_k_padded = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+  float softmax_scale = 1.0f;
+  bool causal = false;
+  bool lean_p = true;  // P's e4m3 codes from one FFMA; false: ex2 rounded to e4m3
+};
+
 // Checks what the kernel can run; returns an empty string when it can, else a message
 // naming the offending argument.
 std::string ValidateFlashFwd(const FlashFwdParams& params);
@@ -45,5 +73,9 @@ std::string CheckDeviceSupport();
 // Enqueues the forward kernel (and the zeroing of its tile counter) on `stream`. Returns an empty string on success, else the
 // error (validation, tensor-map encoding or launch).
 std::string LaunchFlashFwd(const FlashFwdParams& params, cudaStream_t stream);
+
+// The same for the FP8 kernel.
+std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& params);
+std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& params, cudaStream_t stream);
 
 }  // namespace jzyfa

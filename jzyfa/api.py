@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 
 from jzyfa import _platform, _validation
+from jzyfa.fp8_primitive import flash_attention_fp8_kernel, fp8_kernel_config_problem
 from jzyfa.primitive import flash_attention_fwd, kernel_config_problem
 from jzyfa.quantize import dequantize
 from jzyfa.reference import attention_reference
@@ -70,6 +72,41 @@ def choose_path(
     return Path.REFERENCE
 
 
+# The FP8 kernel is built and its SASS checked in CI, but it has not yet run on a GPU. Until its GPU
+# tests (tests/test_fp8_kernel_gpu.py) pass and this is set True, implementation=None keeps FP8 calls
+# on the exact pure-JAX path and implementation="kernel" runs it only with this variable set to 1.
+FP8_KERNEL_VERIFIED = False
+UNVERIFIED_FP8_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_KERNEL"
+
+
+def fp8_kernel_enabled() -> bool:
+    return FP8_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_KERNEL_ENV) == "1"
+
+
+def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
+    """Which path serves a validated FP8 call; raises if the kernel is demanded but cannot serve."""
+    if implementation == "xla":
+        return Path.REFERENCE
+    problem = fp8_kernel_config_problem(q, k, v)
+    if problem is None and kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
+        problem = "the FP8 kernel masks causally or not at all; sliding windows run on the pure-JAX path"
+    if implementation == "kernel":
+        if not fp8_kernel_enabled():
+            raise ValueError(
+                "implementation='kernel' cannot serve FP8 inputs yet: the FP8 kernel has not passed its GPU "
+                f"tests; set {UNVERIFIED_FP8_KERNEL_ENV}=1 to run it anyway, or use implementation=None "
+                "or 'xla' for the pure-JAX FP8 path"
+            )
+        if problem:
+            raise ValueError(f"implementation='kernel' cannot serve this FP8 call: {problem}")
+        if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
+            raise ValueError(f"implementation='kernel' cannot run here: {reason}")
+        return Path.KERNEL_REQUIRED
+    if problem or not FP8_KERNEL_VERIFIED or not _platform.kernel_available():
+        return Path.REFERENCE
+    return Path.PRIMITIVE
+
+
 # The backward recomputes through the reference until a backward kernel exists.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _differentiable_kernel(q, k, v, softmax_scale: float, causal: bool, kernel_required: bool):
@@ -111,6 +148,7 @@ def flash_attention(
     descale_q: jax.Array | None = None,
     descale_k: jax.Array | None = None,
     descale_v: jax.Array | None = None,
+    lean_p: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(scale * q k^T) v, per batch and head.
 
@@ -134,6 +172,8 @@ def flash_attention(
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
+      lean_p: FP8 kernel only: each probability's e4m3 code from one FFMA (True, the default) or
+        exp2 rounded to e4m3 (False). See docs/fp8.md.
 
     Returns:
       out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
@@ -146,14 +186,22 @@ def flash_attention(
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
 
     if descales is not None:
-        if implementation == "kernel":
-            raise ValueError(
-                "implementation='kernel' cannot serve FP8 inputs: the FP8 kernel does not exist yet; "
-                "use implementation=None or 'xla' for the pure-JAX FP8 path"
+        path = choose_fp8_path(q, k, v, causal, window, implementation)
+        if path is Path.REFERENCE:
+            out, lse = _fp8_reference(
+                q, k, v, descales, causal=causal, softmax_scale=softmax_scale, window=window
             )
-        out, lse = _fp8_reference(
-            q, k, v, descales, causal=causal, softmax_scale=softmax_scale, window=window
-        )
+        else:
+            out, lse = flash_attention_fp8_kernel(
+                q,
+                k,
+                v,
+                descales,
+                softmax_scale=softmax_scale,
+                causal=kernel_causal_flag(causal, window, q.shape[1], k.shape[1]),
+                lean_p=lean_p,
+                kernel_required=path is Path.KERNEL_REQUIRED,
+            )
     else:
         path = choose_path(q, k, v, softmax_scale, causal, window, implementation)
         if path is Path.REFERENCE:

@@ -46,7 +46,7 @@ def test_packed_p_with_permuted_v_matches_on_the_gpu(tmp_path):
         ],
         check=True,
     )
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120, check=False)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
     errors = {

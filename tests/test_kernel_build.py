@@ -23,6 +23,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 
 
+# The translation units that hold kernels: the 16-bit forward and the FP8 forward.
+KERNEL_SOURCES = ("flash_fwd", "flash_fwd_fp8")
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
@@ -32,34 +36,39 @@ def compiled(tmp_path_factory):
     subprocess.run(
         [sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(tmp / "jzyfa_ptx.h")], check=True
     )
-    obj = tmp / "flash_fwd.o"
-    build = subprocess.run(
-        [
-            nvcc,
-            "-gencode",
-            "arch=compute_90a,code=sm_90a",
-            "-std=c++17",
-            "-O3",
-            "--expt-relaxed-constexpr",
-            "-Xptxas=-v,-warn-spills,-Werror",
-            "-I",
-            str(tmp),
-            "-I",
-            str(REPO / "ffi"),
-            "-c",
-            str(REPO / "ffi" / "flash_fwd.cu"),
-            "-o",
-            str(obj),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert build.returncode == 0, build.stderr
     env = dict(os.environ, PATH=f"{pathlib.Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    sass = subprocess.run(
-        [cuobjdump, "--dump-sass", str(obj)], check=True, capture_output=True, text=True, env=env
-    ).stdout
-    return build.stderr, sass
+    reports, sass = [], []
+    for source in KERNEL_SOURCES:
+        obj = tmp / f"{source}.o"
+        build = subprocess.run(
+            [
+                nvcc,
+                "-gencode",
+                "arch=compute_90a,code=sm_90a",
+                "-std=c++17",
+                "-O3",
+                "--expt-relaxed-constexpr",
+                "-Xptxas=-v,-warn-spills,-Werror",
+                "-I",
+                str(tmp),
+                "-I",
+                str(REPO / "ffi"),
+                "-c",
+                str(REPO / "ffi" / f"{source}.cu"),
+                "-o",
+                str(obj),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert build.returncode == 0, build.stderr
+        reports.append(build.stderr)
+        sass.append(
+            subprocess.run(
+                [cuobjdump, "--dump-sass", str(obj)], check=True, capture_output=True, text=True, env=env
+            ).stdout
+        )
+    return "\n".join(reports), "\n".join(sass)
 
 
 def kernels(sass: str) -> dict[str, str]:
@@ -78,7 +87,7 @@ def test_no_spills_and_no_wgmma_serialization(compiled):
 
 def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
     _, sass = compiled
-    found = kernels(sass)
+    found = {name: text for name, text in kernels(sass).items() if "Fp8" not in name}
     assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -89,3 +98,24 @@ def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
         assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
         assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+
+
+def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "Fp8" in name}
+    assert len(found) == 2, list(found)  # lean P, exact P
+    for name, text in found.items():
+        lean = "ILb1E" in name  # FlashFwdFp8Kernel<true>
+        # S = Q K^T on 64x128x32, P V on 64x136x32 (8 columns that sum the rounded P).
+        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+        assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+        assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
+        exponentials = len(re.findall(r"\bMUFU\.EX2\b", text))
+        if lean:  # one FFMA per probability writes its e4m3 code: no MUFU in the softmax
+            assert exponentials == 0, f"{name}: {exponentials} MUFU.EX2"
+            assert "F2FP.SATFINITE.E4M3" not in text, name
+        else:
+            assert exponentials >= 64, name
+            assert "F2FP.SATFINITE.E4M3" in text, name

@@ -1,0 +1,137 @@
+// Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V^T as bytes),
+// the persistent grid, and the two instantiations (lean P, exact P).
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <string>
+
+#include "flash_fwd.h"
+#include "flash_fwd_fp8_kernel.cuh"
+#include "launch_utils.h"
+
+namespace jzyfa {
+namespace {
+
+template <bool kLeanP>
+std::string AllowLargeSharedMemoryFp8(int device) {
+  static cudaError_t results[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    results[device] = cudaFuncSetAttribute(FlashFwdFp8Kernel<kLeanP>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           Fp8Tile::kDynamicSmemBytes);
+  });
+  return results[device] == cudaSuccess ? "" : CudaError("cudaFuncSetAttribute", results[device]);
+}
+
+// [batch, seq, heads, 128] e4m3, boxes of the whole head dim (128 bytes) x `box_rows` rows.
+bool EncodeRowMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t seq, int64_t heads,
+                  int box_rows, std::string* error) {
+  const uint64_t d = Fp8Tile::kHeadDim;
+  const uint64_t dims[4] = {d, static_cast<uint64_t>(seq), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(heads) * d, d,
+                               static_cast<uint64_t>(seq * heads) * d};
+  const uint32_t box[4] = {static_cast<uint32_t>(d), static_cast<uint32_t>(box_rows), 1, 1};
+  return EncodeTensorMap4d(map, ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, box, error);
+}
+
+template <bool kLeanP>
+std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
+  using Tile = Fp8Tile;
+  int device = 0;
+  std::string error = CurrentDevice(&device);
+  if (!error.empty()) return error;
+  const DeviceInfo& info = GetDeviceInfo(device);
+  if (!info.error.empty()) return info.error;
+  error = AllowLargeSharedMemoryFp8<kLeanP>(device);
+  if (!error.empty()) return error;
+
+  CUtensorMap tmap_q, tmap_k, tmap_vt;
+  // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
+  const uint64_t keys = static_cast<uint64_t>(p.seqlen_k_padded), d = Tile::kHeadDim;
+  const uint64_t vt_dims[4] = {keys, d, static_cast<uint64_t>(p.heads_kv),
+                               static_cast<uint64_t>(p.batch)};
+  const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
+  const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
+  if (!EncodeRowMap(&tmap_q, p.q, p.batch, p.seqlen_q, p.heads_q, Tile::kRowsPerConsumer, &error) ||
+      !EncodeRowMap(&tmap_k, p.k, p.batch, p.seqlen_k, p.heads_kv, Tile::kBlockN, &error) ||
+      !EncodeTensorMap4d(&tmap_vt, p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, vt_dims, vt_strides, vt_box,
+                         &error)) {
+    return error;
+  }
+  Fp8Args args;
+  args.out = static_cast<__nv_bfloat16*>(p.out);
+  args.lse = p.lse;
+  args.tile_counter = p.tile_counter;
+  args.descale_q = p.descale_q;
+  args.descale_k = p.descale_k;
+  args.descale_v = p.descale_v;
+  args.descale_per_head = p.descale_count > 1 ? 1 : 0;
+  const int64_t m_tiles = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  args.m_tiles = static_cast<int>(m_tiles);
+  args.num_tiles = static_cast<int>(p.batch * m_tiles * p.heads_q);
+  args.seqlen_q = static_cast<int>(p.seqlen_q);
+  args.seqlen_k = static_cast<int>(p.seqlen_k);
+  args.heads_q = static_cast<int>(p.heads_q);
+  args.heads_kv = static_cast<int>(p.heads_kv);
+  // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
+  args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
+  args.causal = p.causal ? 1 : 0;
+
+  cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
+  if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
+  const int grid = static_cast<int>(std::min<int64_t>(args.num_tiles, info.sm_count));
+  FlashFwdFp8Kernel<kLeanP><<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(
+      tmap_q, tmap_k, tmap_vt, args);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 forward kernel", err);
+  return "";
+}
+
+}  // namespace
+
+std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
+  if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
+    return "q, k and v need batch, sequence and head counts of at least 1";
+  }
+  if (p.head_dim != Fp8Tile::kHeadDim) {
+    return "head_dim must be 128 for the jzyfa FP8 kernel, got " + std::to_string(p.head_dim);
+  }
+  if (p.heads_q % p.heads_kv != 0) {
+    return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
+           std::to_string(p.heads_kv) + ")";
+  }
+  if (p.seqlen_k_padded != (p.seqlen_k + 31) / 32 * 32) {
+    return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +
+           std::to_string((p.seqlen_k + 31) / 32 * 32) + "), got " +
+           std::to_string(p.seqlen_k_padded);
+  }
+  if (p.descale_count != 1 && p.descale_count != p.batch * p.heads_kv) {
+    return "descales must hold 1 or batch * heads_kv (" + std::to_string(p.batch * p.heads_kv) +
+           ") values, got " + std::to_string(p.descale_count);
+  }
+  if (p.batch > 65535 || p.seqlen_q > 65535 * 128 || p.seqlen_k > (int64_t{1} << 30) ||
+      p.heads_q > (int64_t{1} << 30)) {
+    return "batch must be at most 65535, seqlen_q at most 65535 * 128, seqlen_k and heads at "
+           "most 2^30";
+  }
+  const int64_t tiles = p.batch * ((p.seqlen_q + 127) / 128) * p.heads_q;
+  if (tiles > (int64_t{1} << 30)) {
+    return "batch x ceil(seqlen_q / 128) x heads_q must be at most 2^30, got " +
+           std::to_string(tiles);
+  }
+  if (p.tile_counter == nullptr) return "the tile counter scratch buffer is missing";
+  if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
+    return "softmax_scale must be a positive finite number";
+  }
+  return "";
+}
+
+std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
+  std::string error = ValidateFlashFwdFp8(p);
+  if (!error.empty()) return error;
+  return p.lean_p ? Launch<true>(p, stream) : Launch<false>(p, stream);
+}
+
+}  // namespace jzyfa

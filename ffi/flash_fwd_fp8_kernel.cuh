@@ -1,0 +1,431 @@
+// The Hopper forward kernel for FP8 (e4m3) inputs, head dim 128: the schedule of the 16-bit
+// kernel (flash_fwd_kernel.cuh: persistent grid, producer + two consumer warpgroups, K/V ring,
+// in-warpgroup overlap, ping-pong) with the FP8 softmax of docs/fp8.md, which
+// jzyfa/fp8_emulation.py specifies bit for bit where it can:
+//   - S = Q K^T and O += P V on e4m3 wgmma (QGMMA, k32). FP8 wgmma reads both operands K-major,
+//     so V arrives transposed (V^T [head_dim, keys], keys permuted inside each 32-key group:
+//     jzyfa/fp8_layout.py) and P goes from the S accumulators into A registers without moving a
+//     byte between lanes.
+//   - One integer reference exponent r per row: P~ = 2^(t - r), t the score in log2 units. r rises
+//     lazily (only when a block's largest P~ would pass 2^(8 + 0.75)) and falls for blocks far below
+//     the row maximum (per-block power-of-two scaling), so O is rescaled by exact powers of two.
+//   - Lean P: each probability's e4m3 code from one FFMA, RNE(s * 8 scale + 56 - 8 r), read off the
+//     float's low byte (no MUFU.EX2 in the loop); kLeanP = false rounds ex2.approx to e4m3 instead.
+//   - The row sum is the sum of exactly the rounded P~: V^T's tile is followed by 8 rows of e4m3
+//     ones, so the P V wgmma (N = 136) accumulates it in O's columns 128..135.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "flash_fwd_common.cuh"
+#include "sm90_mma.cuh"
+
+namespace jzyfa {
+
+struct Fp8Args {
+  __nv_bfloat16* out;
+  float* lse;
+  int* tile_counter;  // zero before the launch; each claim takes the next tile
+  // Descales (float32 in device memory): one value, or one per (batch, KV head).
+  const float* descale_q;
+  const float* descale_k;
+  const float* descale_v;
+  int descale_per_head;
+  int num_tiles;  // batch * m_tiles * heads_q
+  int m_tiles;    // query tiles per (batch, head)
+  int seqlen_q;
+  int seqlen_k;
+  int heads_q;
+  int heads_kv;
+  float scale_log2;  // f32(softmax_scale * log2 e), rounded once on the host
+  int causal;
+};
+
+struct Fp8Tile {
+  static constexpr int kHeadDim = 128;
+  static constexpr int kConsumers = 2;
+  static constexpr int kRowsPerConsumer = 64;
+  static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kPvN = kHeadDim + 8;  // O's columns plus the row-sum columns
+  // One byte per element: a 128-byte swizzle row holds the whole head dim (or 128 keys of V^T).
+  static constexpr int kQConsumerBytes = kRowsPerConsumer * kHeadDim;
+  static constexpr int kQBytes = kQConsumerBytes * kConsumers;
+  static constexpr int kKBytes = kBlockN * kHeadDim;
+  static constexpr int kVtBytes = kHeadDim * kBlockN;
+  static constexpr int kOnesBytes = 8 * kBlockN;  // rows 128..135 of the P V B operand
+  static constexpr int kStageBytes = kKBytes + kVtBytes + kOnesBytes;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
+  static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
+};
+
+// The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
+struct Fp8Softmax {
+  static constexpr float kPExponent = 8.f;         // a fresh r puts a block's max P~ in (2^7, 2^8]
+  static constexpr float kLazyThreshold = 0.75f;   // r rises only past P~ = 2^8.75 (< 448)
+  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^4
+  static constexpr float kMaxBlockExponent = 32.f;  // r stays within 2^32 of the running max's
+  static constexpr float kCodeSlope = 8.f;         // e4m3 codes per doubling
+  static constexpr float kCodeOfOne = 56.f;        // 0x38
+  static constexpr float kRoundingMagic = 12582912.f;  // 1.5 * 2^23: the FFMA rounds to an integer
+};
+
+// r after a block whose largest score (log2 units) is block_max; integers only, so exact.
+__device__ __forceinline__ float NextReference(float r, float running_max, float block_max) {
+  using C = Fp8Softmax;
+  const float floor_r = ceilf(running_max) - C::kPExponent - C::kMaxBlockExponent;
+  const float fresh = fmaxf(ceilf(block_max) - C::kPExponent, floor_r);
+  bool change = block_max > r + C::kPExponent + C::kLazyThreshold;  // r = -inf: any visible key
+  change |= block_max < r + C::kPExponent - C::kHysteresis && fresh < r;
+  change &= block_max > -INFINITY;
+  return change ? fresh : r;
+}
+
+// 2^d for an integer-valued d (0 below the float32 normal range): the exact rescale factor.
+__device__ __forceinline__ float Exp2Integer(float d) {
+  return d < -126.f ? 0.f : __int_as_float((static_cast<int>(d) + 127) << 23);
+}
+
+// The low bytes of four 32-bit words, `a` lowest: four lean-P codes in one A register.
+__device__ __forceinline__ uint32_t PackLowBytes(float a, float b, float c, float d) {
+  const uint32_t ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
+  const uint32_t cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+  return __byte_perm(ab, cd, 0x5410);
+}
+
+// The online softmax of one consumer warpgroup over one 128-key block (accumulator layout as in
+// OnlineSoftmax of flash_fwd_kernel.cuh: a thread owns rows h = 0, 1, pairs of columns).
+template <bool kLeanP>
+struct Fp8OnlineSoftmax {
+  float r[2] = {-INFINITY, -INFINITY};            // reference exponents (integers)
+  float running_max[2] = {-INFINITY, -INFINITY};  // log2 units
+
+  // Masks S, updates r, writes P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that
+  // V^T's permuted keys line up) and the factor O must be rescaled by.
+  __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
+                                       float (&alpha)[2], float row_scale, bool needs_mask,
+                                       int key_start, int first_row, int lane, int seqlen_k,
+                                       bool causal, int diagonal) {
+    using C = Fp8Softmax;
+    constexpr int kChunks = Fp8Tile::kBlockN / 8;
+    const int quad_col = 2 * (lane % 4);
+    if (needs_mask) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_start + 8 * c + quad_col + (e & 1);
+          const int row = first_row + 8 * (e >> 1);
+          if (!(key < seqlen_k && (!causal || key <= row + diagonal))) s[4 * c + e] = -INFINITY;
+        }
+    }
+    float c1 = 0.f, c0[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+      block_max = QuadMax(block_max) * row_scale;  // max commutes with the positive scale
+      running_max[h] = fmaxf(running_max[h], block_max);
+      const float new_r = NextReference(r[h], running_max[h], block_max);
+      alpha[h] = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
+      r[h] = new_r;
+      // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
+      const float finite_r = new_r == -INFINITY ? 0.f : new_r;
+      if (kLeanP) {
+        c1 = C::kCodeSlope * row_scale;
+        c0[h] = C::kCodeOfOne - C::kCodeSlope * finite_r + C::kRoundingMagic;
+      } else {
+        c1 = row_scale;
+        c0[h] = -finite_r;
+      }
+    }
+    // P~ per element: lean, the code RNE(s c1 + c0) in the float's low byte (max with the magic
+    // clamps codes below 0 to 0; tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
+    // 2^(s scale - r) rounded to e4m3.
+#pragma unroll
+    for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
+      const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
+      s[i] = kLeanP ? fmaxf(x, C::kRoundingMagic) : ptx::ex2_approx(x);
+    }
+    // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
+    // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float* t = s + 16 * j;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float* u = t + 8 * half;
+        if (kLeanP) {
+          p[j][2 * half + 0] = PackLowBytes(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = PackLowBytes(u[2], u[3], u[6], u[7]);
+        } else {
+          p[j][2 * half + 0] = ptx::pack4_e4m3(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = ptx::pack4_e4m3(u[2], u[3], u[6], u[7]);
+        }
+      }
+    }
+  }
+};
+
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
+    FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
+                      const __grid_constant__ CUtensorMap tmap_k,
+                      const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
+  using Tile = Fp8Tile;
+  constexpr int kBlockN = Tile::kBlockN;
+  constexpr int kStages = Tile::kStages;
+  using Slot = RingSlot<kStages>;
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) FwdBarriers<kStages> bars;
+  const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
+                             ~uint32_t(Tile::kSmemAlign - 1);
+  auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
+  auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * Tile::kStageBytes; };
+  auto smem_vt = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
+
+  const int warpgroup = threadIdx.x / 128;
+
+  // The ones below each stage's V^T tile (e4m3 1.0 = 0x38): written once, read by every P V.
+  {
+    uint8_t* aligned = smem_raw + (smem_base - SmemAddress(smem_raw));
+    for (int i = threadIdx.x; i < kStages * Tile::kOnesBytes / 4; i += Tile::kThreads) {
+      const int stage = i / (Tile::kOnesBytes / 4), word = i % (Tile::kOnesBytes / 4);
+      reinterpret_cast<uint32_t*>(aligned + (smem_vt(stage) - smem_base) + Tile::kVtBytes)[word] =
+          0x38383838u;
+    }
+    ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
+  }
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * Tile::kConsumers);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
+      ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
+      ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * Tile::kConsumers);
+      ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * Tile::kConsumers);
+    }
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  // ---------------------------------------------------------------- producer
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<Tile::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    ptx::prefetch_tensor_map(&tmap_q);
+    ptx::prefetch_tensor_map(&tmap_k);
+    ptx::prefetch_tensor_map(&tmap_vt);
+    const uint32_t q_full = SmemAddress(&bars.q_full);
+    uint32_t ring = 0;
+    int tile = blockIdx.x;
+    for (int round = 0;; ++round) {
+      if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
+      *reinterpret_cast<volatile int*>(&bars.tile) = tile;
+      if (tile >= args.num_tiles) {
+        ptx::mbarrier_arrive(q_full);
+        return;
+      }
+      const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
+      const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+      tile = next_tile;
+      if (work.num_blocks == 0) {
+        ptx::mbarrier_arrive(q_full);
+        continue;
+      }
+      ptx::mbarrier_arrive_expect_tx(q_full, Tile::kQBytes);
+      for (int c = 0; c < Tile::kConsumers; ++c)
+        ptx::tma_load_4d(smem_q(c), &tmap_q, q_full, 0, work.q_start + c * Tile::kRowsPerConsumer,
+                         work.head, work.batch);
+      for (int block = 0; block < work.num_blocks; ++block, ++ring) {
+        const Slot slot(ring);
+        const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
+        const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
+        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKBytes);
+        ptx::tma_load_4d(smem_k(slot.stage), &tmap_k, k_full, 0, block * kBlockN, work.kv_head,
+                         work.batch);
+        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[slot.stage]), slot.parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(v_full, Tile::kVtBytes);
+        // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows.
+        ptx::tma_load_4d(smem_vt(slot.stage), &tmap_vt, v_full, block * kBlockN, 0, work.kv_head,
+                         work.batch);
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- consumers
+  ptx::setmaxnreg_inc<Tile::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int lane = threadIdx.x % 32;
+  const int warp = (threadIdx.x % 128) / 32;
+
+  // Ping-pong turns exactly as in the 16-bit kernel.
+  auto begin_turn = [&]() { ptx::named_barrier_sync(kPingPongBarrier + consumer, 256); };
+  auto end_turn = [&]() { ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256); };
+  if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
+
+  auto release = [&](uint64_t& empty) {
+    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
+  };
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kHeadDim / 32; ++kk) {
+      const uint64_t desc_q = SmemDescSw128(smem_q(consumer) + 32 * kk, 16);
+      const uint64_t desc_k = SmemDescSw128(smem_k(stage) + 32 * kk, 16);
+      if (kk == 0) {
+        ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss_zero(s, desc_q, desc_k);
+      } else {
+        ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss(s, desc_q, desc_k, 1);
+      }
+    }
+    ptx::wgmma_commit_group();
+  };
+  // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
+  // bytes per 8, keys contiguous; k-step j starts 32 bytes (keys) into each row.
+  auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kBlockN / 32; ++j) {
+      const uint64_t desc_vt = SmemDescSw128(smem_vt(stage) + 32 * j, 16);
+      ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, 1);
+    }
+    ptx::wgmma_commit_group();
+  };
+
+  uint32_t ring = 0;
+  for (int round = 0;; ++round) {
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
+    if (tile >= args.num_tiles) break;
+    const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+    const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
+    const int first_row = rows_start + 16 * warp + lane / 4;
+    const int descale_index =
+        args.descale_per_head ? work.batch * args.heads_kv + work.kv_head : 0;
+    // (descale_q * descale_k) * scale_log2, in the emulation's order.
+    const float row_scale =
+        (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
+
+    // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal).
+    float o[Tile::kPvN / 2];
+#pragma unroll
+    for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
+    Fp8OnlineSoftmax<kLeanP> softmax;
+
+    if (work.num_blocks == 0) {
+      release(bars.q_empty);
+    } else {
+      auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
+                              int block) {
+        const int key_start = block * kBlockN;
+        const bool needs_mask =
+            key_start + kBlockN > args.seqlen_k ||
+            (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
+        softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, args.seqlen_k,
+                     args.causal, work.diagonal);
+      };
+      auto after_qk = [&](int block, int stage) {
+        release(bars.k_empty[stage]);
+        if (block == work.num_blocks - 1) release(bars.q_empty);
+      };
+
+      float s_acc[kBlockN / 2];
+      uint32_t p_even[4][4], p_odd[4][4];  // alternate, as in the 16-bit kernel (no C7513)
+      float alpha[2];
+
+      const Slot first(ring);
+      ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
+      begin_turn();
+      issue_qk(s_acc, first.stage);
+      end_turn();
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(s_acc);
+      after_qk(0, first.stage);
+      softmax_step(s_acc, p_even, alpha, 0);  // O is 0: nothing to rescale
+
+      auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
+        const Slot cur(ring + block), prev(ring + block - 1);
+        ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
+        begin_turn();
+        issue_qk(s_acc, cur.stage);
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+        issue_pv(o, p_prev, prev.stage);
+        end_turn();
+        ptx::wgmma_wait_group<1>();
+        FenceRegisters(s_acc);
+        after_qk(block, cur.stage);
+        softmax_step(s_acc, p_next, alpha, block);
+        ptx::wgmma_wait_group<0>();
+        FenceRegisters(o);
+        release(bars.v_empty[prev.stage]);
+        // Lazy rescale: r rarely changes, and then by an exact power of two (sums included).
+        if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+        }
+      };
+      for (int block = 1; block < work.num_blocks; block += 2) {
+        iteration(block, p_even, p_odd);
+        if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+      }
+
+      const int last_block = work.num_blocks - 1;
+      const Slot last(ring + last_block);
+      ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
+      begin_turn();
+      if (last_block % 2 == 0) {
+        issue_pv(o, p_even, last.stage);
+      } else {
+        issue_pv(o, p_odd, last.stage);
+      }
+      end_turn();
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(o);
+      release(bars.v_empty[last.stage]);
+      ring += work.num_blocks;
+    }
+
+    // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):
+    // O = 0, LSE = -inf.
+    const float descale_v = args.descale_v[descale_index];
+    const int quad_col = 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = o[Tile::kHeadDim / 2 + 2 * h];  // a sum column of row h
+      const float inv = total > 0.f ? descale_v / total : 0.f;
+      const int row = first_row + 8 * h;
+      if (row >= args.seqlen_q) continue;
+      const int64_t out_row =
+          ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+          Tile::kHeadDim;
+#pragma unroll
+      for (int c = 0; c < Tile::kHeadDim / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(args.out + out_row + 8 * c + quad_col) =
+            PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+      }
+      if (lane % 4 == 0) {
+        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
+        args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
+                 row] = lse;
+      }
+    }
+  }
+  if (consumer == 0) begin_turn();  // consumer 1's last hand-over
+}
+
+}  // namespace jzyfa

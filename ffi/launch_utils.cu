@@ -1,0 +1,94 @@
+// Host-side helpers of the kernel launches (see launch_utils.h).
+#include "launch_utils.h"
+
+#include <cudaTypedefs.h>
+
+#include <mutex>
+
+namespace jzyfa {
+namespace {
+
+// cuTensorMapEncodeTiled lives in the driver API; fetch it through the runtime so the
+// extension links only cudart (statically) and imports on machines without a driver.
+PFN_cuTensorMapEncodeTiled_v12000 GetEncodeTiled(std::string* error) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::string load_error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                       cudaEnableDefault, &status);
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || ptr == nullptr) {
+      load_error = "cannot load cuTensorMapEncodeTiled from the CUDA driver";
+      if (err != cudaSuccess) load_error += ": " + CudaError("cudaGetDriverEntryPoint", err);
+      return;
+    }
+    fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  });
+  if (fn == nullptr) *error = load_error;
+  return fn;
+}
+
+}  // namespace
+
+std::string CudaError(const char* what, cudaError_t err) {
+  return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+}
+
+// A 4-D tiled map, 128-byte swizzled, L2 promotion of 256 bytes; rows past the tensor's end
+// read as zeros (tails need no padded copies).
+bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType type,
+                       const uint64_t (&dims)[4], const uint64_t (&strides)[3],
+                       const uint32_t (&box)[4], std::string* error) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = GetEncodeTiled(error);
+  if (encode == nullptr) return false;
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  cuuint64_t dims64[4], strides64[3];
+  cuuint32_t box32[4];
+  for (int i = 0; i < 4; ++i) dims64[i] = dims[i], box32[i] = box[i];
+  for (int i = 0; i < 3; ++i) strides64[i] = strides[i];
+  CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims64, strides64, box32,
+                        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    *error = "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(res);
+    return false;
+  }
+  return true;
+}
+
+const DeviceInfo& GetDeviceInfo(int device) {
+  static DeviceInfo infos[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device] {
+    DeviceInfo& info = infos[device];
+    int major = 0, minor = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&info.sm_count, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (err != cudaSuccess) {
+      info.error = CudaError("cudaDeviceGetAttribute", err);
+    } else if (major != 9 || minor != 0) {
+      info.error = "the jzyfa kernels need a Hopper GPU (compute capability 9.0); device " +
+                   std::to_string(device) + " has " + std::to_string(major) + "." +
+                   std::to_string(minor);
+    }
+  });
+  return infos[device];
+}
+
+std::string CurrentDevice(int* device) {
+  cudaError_t err = cudaGetDevice(device);
+  if (err != cudaSuccess) return CudaError("cudaGetDevice", err);
+  if (*device < 0 || *device >= kMaxDevices) {
+    return "device ordinal " + std::to_string(*device) + " is beyond the " +
+           std::to_string(kMaxDevices) + " devices jzyfa tracks";
+  }
+  return "";
+}
+
+}  // namespace jzyfa

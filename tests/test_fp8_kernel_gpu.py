@@ -1,0 +1,137 @@
+"""The FP8 kernel on a Hopper GPU: against its emulation (the same algorithm: closely) and against
+float64 attention of the dequantized inputs (loosely), outputs NaN-poisoned beforehand; rows that see
+no key; bitwise-identical reruns.
+
+Skipped without a Hopper GPU and the built extension. Runs the kernel through
+`implementation="kernel"` with JZYFA_UNVERIFIED_FP8_KERNEL=1 until jzyfa.api.FP8_KERNEL_VERIFIED is on.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gpu_utils import requires_hopper
+from test_kernel_gpu import attention_float64, relative_l2
+
+import jzyfa
+from jzyfa import api
+from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.quantize import fp8_quantize
+
+pytestmark = [pytest.mark.gpu, requires_hopper]
+
+EMULATION_TOLERANCE = 1e-2  # relative L2 of O, kernel against its emulation (same rounded P, mostly)
+FLOAT64_TOLERANCE = 8e-2  # relative L2 of O against float64 attention of the dequantized inputs
+LSE_TOLERANCE = 1e-3
+
+
+@pytest.fixture(autouse=True)
+def allow_unverified_kernel(monkeypatch):
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+
+
+def quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity):
+    shapes = [(batch, seq_q, heads_q, 128), (batch, seq_k, heads_kv, 128), (batch, seq_k, heads_kv, 128)]
+    xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    q8, dq = fp8_quantize(xs[0], granularity, kv_heads=heads_kv if granularity == "head" else None)
+    k8, dk = fp8_quantize(xs[1], granularity)
+    v8, dv = fp8_quantize(xs[2], granularity)
+    return (q8, k8, v8), (dq, dk, dv)
+
+
+def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
+    """The kernel writing into NaN-filled, donated buffers; (out, lse) as NumPy float32."""
+
+    def call(q8, k8, v8, dq, dk, dv, out_poison, lse_poison):
+        del out_poison, lse_poison
+        return jzyfa.flash_attention(
+            q8,
+            k8,
+            v8,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dv,
+            causal=causal,
+            lean_p=lean_p,
+            return_lse=True,
+            implementation="kernel",
+        )
+
+    b, sq, hq, d = q8.shape
+    poison = (jnp.full((b, sq, hq, d), jnp.nan, jnp.bfloat16), jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
+    hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
+    assert "jzyfa_flash_attention_fp8_fwd" in hlo
+    assert "input_output_alias" in hlo
+    out, lse = fn(q8, k8, v8, *descales, *poison)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity",
+    [
+        (2, 300, 300, 4, 2, True, "tensor"),
+        (1, 1000, 1000, 2, 2, True, "head"),
+        (1, 77, 333, 2, 1, True, "tensor"),  # Sk > Sq, Sk not a multiple of 32
+        (1, 200, 64, 2, 2, True, "tensor"),  # Sq > Sk: the first 136 rows see no key
+        (2, 257, 513, 4, 4, False, "head"),
+    ],
+)
+def test_fp8_kernel_against_emulation_and_float64(
+    rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
+):
+    (q8, k8, v8), descales = quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity)
+    out, lse = run_poisoned(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
+    assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
+
+    emu_out, emu_lse = attention_fp8_emulated(
+        q8, k8, v8, *descales, causal=causal, lean_p=lean_p, integer_reference=True
+    )
+    emu_out, emu_lse = np.asarray(emu_out, np.float32), np.asarray(emu_lse)
+    seen = np.isfinite(emu_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen, "rows with no visible key must give LSE = -inf")
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
+    assert relative_l2(out, emu_out) < EMULATION_TOLERANCE
+    if seen.any():
+        assert relative_l2(lse[seen], emu_lse[seen]) < LSE_TOLERANCE
+
+    def dequantized(x8, d, heads):
+        d = np.asarray(d, np.float64)
+        if d.ndim == 2:  # [B, Hkv] -> per head of x
+            d = np.repeat(d, heads // d.shape[1], axis=1)[:, None, :, None]
+        return np.asarray(x8.astype(jnp.float32), np.float64) * d
+
+    ref_out, _ = attention_float64(
+        dequantized(q8, descales[0], heads_q),
+        dequantized(k8, descales[1], heads_kv),
+        dequantized(v8, descales[2], heads_kv),
+        causal=causal,
+        scale=128**-0.5,
+    )
+    assert relative_l2(out, ref_out) < FLOAT64_TOLERANCE
+
+
+def test_fp8_kernel_is_bitwise_deterministic(rng):
+    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 2, 1024, 1024, 8, 2, "tensor")
+    fn = jax.jit(
+        functools.partial(
+            jzyfa.flash_attention,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dv,
+            causal=True,
+            return_lse=True,
+            implementation="kernel",
+        )
+    )
+    first = [np.asarray(x).view(np.uint8) for x in fn(q8, k8, v8)]
+    noise = jnp.ones((4096, 4096))
+    for _ in range(100):
+        again = fn(q8, k8, v8)
+        noise = noise @ noise * 1e-4  # other GPU work in between
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, np.asarray(b).view(np.uint8))

@@ -1,0 +1,134 @@
+"""The FP8 kernel's JAX side on the CPU: the primitive's emulation lowering, its CUDA custom call, and
+the choice of path. (The kernel itself: tests/test_fp8_kernel_gpu.py and tests/test_kernel_build.py.)"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jzyfa
+from jzyfa import api
+from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_primitive import FFI_TARGET_FP8, flash_attention_fp8_kernel
+from jzyfa.quantize import fp8_quantize
+
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
+
+def quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, head_dim=128, granularity="tensor"):
+    shapes = [
+        (batch, seq_q, heads_q, head_dim),
+        (batch, seq_k, heads_kv, head_dim),
+        (batch, seq_k, heads_kv, head_dim),
+    ]
+    xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+    kv_heads = heads_kv if granularity == "head" else None
+    q8, dq = fp8_quantize(xs[0], granularity, kv_heads=kv_heads)
+    k8, dk = fp8_quantize(xs[1], granularity)
+    v8, dv = fp8_quantize(xs[2], granularity)
+    return (q8, k8, v8), (dq, dk, dv)
+
+
+@pytest.mark.parametrize("lean_p", [True, False])
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity",
+    [
+        (2, 40, 40, 4, 2, True, "tensor"),
+        (1, 30, 75, 2, 1, True, "head"),  # Sk > Sq and not a multiple of 32: padded V^T
+        (1, 90, 20, 2, 2, True, "tensor"),  # Sq > Sk: the first rows see no key
+        (1, 33, 130, 2, 2, False, "head"),
+    ],
+)
+def test_primitive_off_cuda_is_the_emulation(
+    rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
+):
+    (q8, k8, v8), descales = quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity=granularity)
+    scale = 128**-0.5
+    out, lse = jax.jit(
+        functools.partial(
+            flash_attention_fp8_kernel,
+            softmax_scale=scale,
+            causal=causal,
+            lean_p=lean_p,
+            kernel_required=False,
+        )
+    )(q8, k8, v8, descales)
+    want_out, want_lse = attention_fp8_emulated(
+        q8, k8, v8, *descales, causal=causal, softmax_scale=scale, lean_p=lean_p, integer_reference=True
+    )
+    assert out.dtype == jnp.bfloat16 and out.shape == q8.shape and lse.shape == (batch, heads_q, seq_q)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    if causal and seq_q > seq_k:
+        assert np.all(np.isneginf(np.asarray(lse)[:, :, : seq_q - seq_k]))
+
+
+def test_mixed_descale_shapes_broadcast_to_per_head(rng):
+    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 2, 16, 16, 2, 2, granularity="head")
+    mixed = (dq, jnp.float32(dk.max()), dv)
+    out, _ = flash_attention_fp8_kernel(
+        q8, k8, v8, mixed, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
+    )
+    want, _ = attention_fp8_emulated(
+        q8, k8, v8, *mixed, causal=True, softmax_scale=0.1, integer_reference=True
+    )
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_cuda_lowering_is_the_fp8_custom_call(rng):
+    (q8, k8, v8), descales = quantized(rng, 2, 40, 70, 4, 2, granularity="head")
+    fn = functools.partial(
+        flash_attention_fp8_kernel, softmax_scale=0.125, causal=True, lean_p=False, kernel_required=True
+    )
+    hlo = jax.jit(fn).trace(q8, k8, v8, descales).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    (call,) = [line for line in hlo.splitlines() if f'custom_call_target="{FFI_TARGET_FP8}"' in line]
+    # Results: out bf16, lse, the tile counter; operands: q, k, V^T (keys padded to 96), three descales.
+    assert "(bf16[2,40,4,128]{3,2,1,0}, f32[2,4,40]{2,1,0}, s32[1]{0}) custom-call(" in call
+    assert "f8e4m3fn[2,2,128,96]{3,2,1,0}" in call
+    assert call.count("f32[4]{0}") == 3  # per (batch, KV head) descales, flattened
+    assert "causal = true" in call and "lean_p = false" in call
+    assert re.search(r"softmax_scale = 1.250*e-01 : f32", call)
+
+
+def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
+    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 1, 16, 16, 2, 2)
+    call = functools.partial(jzyfa.flash_attention, descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
+    monkeypatch.delenv(api.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
+    with pytest.raises(ValueError, match="has not passed its GPU tests"):
+        call(q8, k8, v8, implementation="kernel")
+    # implementation=None stays on the exact pure-JAX path while the kernel is unverified.
+    assert api.choose_fp8_path(q8, k8, v8, True, None, None) is api.Path.REFERENCE
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    assert api.choose_fp8_path(q8, k8, v8, True, None, "kernel") is api.Path.KERNEL_REQUIRED
+    # Lowered for the CPU, a required kernel is an error, as for 16-bit inputs.
+    with pytest.raises(ValueError, match="non-CUDA platform"):
+        call(q8, k8, v8, implementation="kernel")
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, message",
+    [
+        (((1, 16, 2, 64), (1, 16, 2, 64)), {}, "head dim 128"),
+        (((1, 16, 2, 128), (1, 16, 2, 128)), {"window": (4, 0)}, "sliding windows"),
+    ],
+)
+def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, shapes, kwargs, message):
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    q_shape, kv_shape = shapes
+    q8, dq = fp8_quantize(jnp.asarray(rng.standard_normal(q_shape), jnp.float32))
+    k8, dk = fp8_quantize(jnp.asarray(rng.standard_normal(kv_shape), jnp.float32))
+    with pytest.raises(ValueError, match=message):
+        jzyfa.flash_attention(
+            q8,
+            k8,
+            k8,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dk,
+            causal=True,
+            implementation="kernel",
+            **kwargs,
+        )
