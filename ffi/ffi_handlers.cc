@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -24,6 +25,24 @@ std::string ShapeString(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
+}
+
+// out must have q's shape, lse be [batch, heads_q, seq_q], the tile counter one int32.
+ffi::Error CheckResults(const std::string& name, ffi::Span<const int64_t> qd,
+                        ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld,
+                        int64_t tile_counter_size) {
+  if (od.size() != qd.size() || !std::equal(od.begin(), od.end(), qd.begin())) {
+    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
+                                       " must have the shape of q " + ShapeString(qd));
+  }
+  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
+    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
+                                       " must be [batch, heads_q, seq_q]");
+  }
+  if (tile_counter_size != 1) {
+    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -51,25 +70,15 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
       return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: k " + ShapeString(kd) +
                                          " and v " + ShapeString(vd) + " differ");
     }
-    if (od.size() != 4 || od[i] != qd[i]) {
-      return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: out " + ShapeString(od) +
-                                         " must have the shape of q " + ShapeString(qd));
-    }
   }
   if (kd[0] != qd[0] || kd[3] != qd[3]) {
     return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: q " + ShapeString(qd) +
                                        " and k " + ShapeString(kd) +
                                        " disagree on batch or head_dim");
   }
-  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
-    return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: lse " + ShapeString(ld) +
-                                       " must be [batch, heads_q, seq_q]");
-  }
-
-  if (tile_counter->element_count() != 1) {
-    return ffi::Error::InvalidArgument(
-        "jzyfa_flash_attention_fwd: the tile counter scratch result must hold one int32");
-  }
+  ffi::Error results = CheckResults("jzyfa_flash_attention_fwd: ", qd, od, ld,
+                                    tile_counter->element_count());
+  if (results.failure()) return results;
 
   FlashFwdParams p;
   p.q = q.untyped_data();
@@ -134,17 +143,8 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
                                        " and vt " + ShapeString(vd) + " disagree");
   }
-  if (od.size() != 4 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] || od[3] != qd[3]) {
-    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
-                                       " must have the shape of q " + ShapeString(qd));
-  }
-  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
-    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
-                                       " must be [batch, heads_q, seq_q]");
-  }
-  if (tile_counter->element_count() != 1) {
-    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
-  }
+  ffi::Error results = CheckResults(name, qd, od, ld, tile_counter->element_count());
+  if (results.failure()) return results;
   ffi::Error descales = CheckDescales(descale_q, descale_k, descale_v, kd[0], kd[2]);
   if (descales.failure()) return descales;
 

@@ -71,23 +71,16 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   args.out = p.out;
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
-  const int64_t m_tiles = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  args.m_tiles = static_cast<int>(m_tiles);
-  args.num_tiles = static_cast<int>(p.batch * m_tiles * p.heads_q);
-  args.seqlen_q = static_cast<int>(p.seqlen_q);
-  args.seqlen_k = static_cast<int>(p.seqlen_k);
-  args.heads_q = static_cast<int>(p.heads_q);
-  args.heads_kv = static_cast<int>(p.heads_kv);
+  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.causal,
+                  Tile::kBlockM);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  args.causal = p.causal ? 1 : 0;
 
-  // Persistent: one CTA per SM (or per tile, if fewer); CTA i starts on tile i and claims
-  // the rest from the counter, which starts at zero.
-  cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
-  if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
-  const int grid = static_cast<int>(std::min<int64_t>(args.num_tiles, info.sm_count));
+  // Persistent: CTA i starts on tile i and claims the rest from the counter.
+  int grid = 0;
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  if (!error.empty()) return error;
   kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
   return "";
 }

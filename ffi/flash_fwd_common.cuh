@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "sm90_mma.cuh"
+
 namespace jzyfa {
 
 template <int kStages>
@@ -57,5 +59,66 @@ struct RingSlot {
   __device__ __forceinline__ explicit RingSlot(uint32_t n)
       : stage(static_cast<int>(n % kStages)), parity((n / kStages) & 1) {}
 };
+
+// Thread 0 sets up the barriers (one arrival per consumer warp on the "empty" ones); every
+// thread must pass a __syncthreads after it.
+template <int kStages, int kConsumers>
+__device__ __forceinline__ void InitBarriers(FwdBarriers<kStages>& bars) {
+  if (threadIdx.x != 0) return;
+  ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
+  ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * kConsumers);
+  for (int s = 0; s < kStages; ++s) {
+    ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * kConsumers);
+    ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * kConsumers);
+  }
+  ptx::fence_mbarrier_init();
+}
+
+// The producer thread's loop: claims tiles from the counter, hands each to the consumers through
+// `bars.tile` and q_full, and loads its Q and K/V blocks into the ring. The loads are the
+// kernel's: load_q(work, bar), load_k(work, block, stage, bar), load_v(work, block, stage, bar)
+// issue the TMA copies whose bytes (q_bytes, k_bytes, v_bytes) complete `bar`.
+template <int kStages, int kBlockM, int kBlockN, typename Args, typename LoadQ, typename LoadK,
+          typename LoadV>
+__device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const Args& args,
+                                             uint32_t q_bytes, uint32_t k_bytes, uint32_t v_bytes,
+                                             LoadQ load_q, LoadK load_k, LoadV load_v) {
+  const uint32_t q_full = SmemAddress(&bars.q_full);
+  uint32_t ring = 0;  // K/V blocks loaded since the launch
+  int tile = blockIdx.x;
+  for (int round = 0;; ++round) {
+    // The index and Q buffers are reused once both consumers are done with the last tile.
+    if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
+    *reinterpret_cast<volatile int*>(&bars.tile) = tile;
+    if (tile >= args.num_tiles) {
+      ptx::mbarrier_arrive(q_full);  // tells the consumers to stop
+      return;
+    }
+    // Claim the next tile now: the atomic's latency hides behind this tile's loads.
+    const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
+    const FwdWork work = PlanTile<kBlockM, kBlockN>(tile, args);
+    tile = next_tile;
+    if (work.num_blocks == 0) {
+      ptx::mbarrier_arrive(q_full);  // nothing to load: the consumers write O = 0
+      continue;
+    }
+    ptx::mbarrier_arrive_expect_tx(q_full, q_bytes);
+    load_q(work, q_full);
+    for (int block = 0; block < work.num_blocks; ++block, ++ring) {
+      const RingSlot<kStages> slot(ring);
+      // Refill a stage once both consumers released the block that was in it.
+      const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
+      const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
+      if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(k_full, k_bytes);
+      load_k(work, block, slot.stage, k_full);
+      if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[slot.stage]), slot.parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(v_full, v_bytes);
+      load_v(work, block, slot.stage, v_full);
+    }
+  }
+}
 
 }  // namespace jzyfa

@@ -68,23 +68,17 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
   args.descale_k = p.descale_k;
   args.descale_v = p.descale_v;
   args.descale_per_head = p.descale_count > 1 ? 1 : 0;
-  const int64_t m_tiles = (p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  args.m_tiles = static_cast<int>(m_tiles);
-  args.num_tiles = static_cast<int>(p.batch * m_tiles * p.heads_q);
-  args.seqlen_q = static_cast<int>(p.seqlen_q);
-  args.seqlen_k = static_cast<int>(p.seqlen_k);
-  args.heads_q = static_cast<int>(p.heads_q);
-  args.heads_kv = static_cast<int>(p.heads_kv);
+  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.causal,
+                  Tile::kBlockM);
   // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
   args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
-  args.causal = p.causal ? 1 : 0;
 
-  cudaError_t err = cudaMemsetAsync(p.tile_counter, 0, sizeof(int32_t), stream);
-  if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
-  const int grid = static_cast<int>(std::min<int64_t>(args.num_tiles, info.sm_count));
+  int grid = 0;
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  if (!error.empty()) return error;
   FlashFwdFp8Kernel<kLeanP><<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(
       tmap_q, tmap_k, tmap_vt, args);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 forward kernel", err);
   return "";
 }

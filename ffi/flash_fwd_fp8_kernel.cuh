@@ -209,17 +209,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     }
     ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
   }
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
-    ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * Tile::kConsumers);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
-      ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
-      ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * Tile::kConsumers);
-      ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * Tile::kConsumers);
-    }
-    ptx::fence_mbarrier_init();
-  }
+  InitBarriers<kStages, Tile::kConsumers>(bars);
   __syncthreads();
 
   // ---------------------------------------------------------------- producer
@@ -229,42 +219,22 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_vt);
-    const uint32_t q_full = SmemAddress(&bars.q_full);
-    uint32_t ring = 0;
-    int tile = blockIdx.x;
-    for (int round = 0;; ++round) {
-      if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
-      *reinterpret_cast<volatile int*>(&bars.tile) = tile;
-      if (tile >= args.num_tiles) {
-        ptx::mbarrier_arrive(q_full);
-        return;
-      }
-      const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
-      const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
-      tile = next_tile;
-      if (work.num_blocks == 0) {
-        ptx::mbarrier_arrive(q_full);
-        continue;
-      }
-      ptx::mbarrier_arrive_expect_tx(q_full, Tile::kQBytes);
+    // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T).
+    auto load_q = [&](const FwdWork& work, uint32_t bar) {
       for (int c = 0; c < Tile::kConsumers; ++c)
-        ptx::tma_load_4d(smem_q(c), &tmap_q, q_full, 0, work.q_start + c * Tile::kRowsPerConsumer,
+        ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, work.q_start + c * Tile::kRowsPerConsumer,
                          work.head, work.batch);
-      for (int block = 0; block < work.num_blocks; ++block, ++ring) {
-        const Slot slot(ring);
-        const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
-        const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
-        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
-        ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKBytes);
-        ptx::tma_load_4d(smem_k(slot.stage), &tmap_k, k_full, 0, block * kBlockN, work.kv_head,
-                         work.batch);
-        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[slot.stage]), slot.parity ^ 1);
-        ptx::mbarrier_arrive_expect_tx(v_full, Tile::kVtBytes);
-        // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows.
-        ptx::tma_load_4d(smem_vt(slot.stage), &tmap_vt, v_full, block * kBlockN, 0, work.kv_head,
-                         work.batch);
-      }
-    }
+    };
+    auto load_k = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+      ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, block * kBlockN, work.kv_head, work.batch);
+    };
+    // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows.
+    auto load_vt = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, block * kBlockN, 0, work.kv_head, work.batch);
+    };
+    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
+                                                   Tile::kVtBytes, load_q, load_k, load_vt);
+    return;
   }
 
   // ---------------------------------------------------------------- consumers

@@ -149,17 +149,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 
   const int warpgroup = threadIdx.x / 128;
 
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
-    ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * Tile::kConsumers);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
-      ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
-      ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * Tile::kConsumers);
-      ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * Tile::kConsumers);
-    }
-    ptx::fence_mbarrier_init();
-  }
+  InitBarriers<kStages, Tile::kConsumers>(bars);
   __syncthreads();
 
   // ---------------------------------------------------------------- producer
@@ -169,47 +159,26 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_v);
-    const uint32_t q_full = SmemAddress(&bars.q_full);
-    uint32_t ring = 0;  // K/V blocks loaded since the launch
-    int tile = blockIdx.x;
-    for (int round = 0;; ++round) {
-      // The index and Q buffers are reused once both consumers are done with the last tile.
-      if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
-      *reinterpret_cast<volatile int*>(&bars.tile) = tile;
-      if (tile >= args.num_tiles) {
-        ptx::mbarrier_arrive(q_full);  // tells the consumers to stop
-        return;
-      }
-      // Claim the next tile now: the atomic's latency hides behind this tile's loads.
-      const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
-      const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
-      tile = next_tile;
-      if (work.num_blocks == 0) {
-        ptx::mbarrier_arrive(q_full);  // nothing to load: the consumers write O = 0
-        continue;
-      }
-      ptx::mbarrier_arrive_expect_tx(q_full, Tile::kQBytes);
+    // 64-column slices of the head dim: one 128-byte swizzle atom each.
+    auto load_q = [&](const FwdWork& work, uint32_t bar) {
       for (int c = 0; c < Tile::kConsumers; ++c)
         for (int s = 0; s < kSlices; ++s)
-          ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, q_full, s * 64,
+          ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, bar, s * 64,
                            work.q_start + c * Tile::kRowsPerConsumer, work.head, work.batch);
-      for (int block = 0; block < work.num_blocks; ++block, ++ring) {
-        const Slot slot(ring);
-        // Refill a stage once both consumers released the block that was in it.
-        const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
-        const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
-        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
-        ptx::mbarrier_arrive_expect_tx(k_full, Tile::kKVBytes);
-        for (int s = 0; s < kSlices; ++s)
-          ptx::tma_load_4d(smem_k(slot.stage) + s * Tile::kKVSliceBytes, &tmap_k, k_full, s * 64,
-                           block * kBlockN, work.kv_head, work.batch);
-        if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.v_empty[slot.stage]), slot.parity ^ 1);
-        ptx::mbarrier_arrive_expect_tx(v_full, Tile::kKVBytes);
-        for (int s = 0; s < kSlices; ++s)
-          ptx::tma_load_4d(smem_v(slot.stage) + s * Tile::kKVSliceBytes, &tmap_v, v_full, s * 64,
-                           block * kBlockN, work.kv_head, work.batch);
-      }
-    }
+    };
+    auto load_k = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+      for (int s = 0; s < kSlices; ++s)
+        ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64,
+                         block * kBlockN, work.kv_head, work.batch);
+    };
+    auto load_v = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+      for (int s = 0; s < kSlices; ++s)
+        ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64,
+                         block * kBlockN, work.kv_head, work.batch);
+    };
+    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKVBytes,
+                                                   Tile::kKVBytes, load_q, load_k, load_v);
+    return;
   }
 
   // ---------------------------------------------------------------- consumers

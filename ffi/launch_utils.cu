@@ -3,6 +3,7 @@
 
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <mutex>
 
 namespace jzyfa {
@@ -88,6 +89,14 @@ std::string CurrentDevice(int* device) {
     return "device ordinal " + std::to_string(*device) + " is beyond the " +
            std::to_string(kMaxDevices) + " devices jzyfa tracks";
   }
+  return "";
+}
+
+std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,
+                           cudaStream_t stream, int* grid) {
+  cudaError_t err = cudaMemsetAsync(tile_counter, 0, sizeof(int32_t), stream);
+  if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
+  *grid = std::min(num_tiles, sm_count);
   return "";
 }
 

@@ -31,4 +31,24 @@ const DeviceInfo& GetDeviceInfo(int device);
 // The current device's ordinal, or why it cannot be used.
 std::string CurrentDevice(int* device);
 
+// The persistent grid's tile geometry in a kernel's launch arguments (any struct with these
+// fields): tiles of block_m query rows per (batch, head).
+template <typename Args>
+void SetTileGeometry(Args& args, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                     int64_t heads_q, int64_t heads_kv, bool causal, int block_m) {
+  const int64_t m_tiles = (seqlen_q + block_m - 1) / block_m;
+  args.m_tiles = static_cast<int>(m_tiles);
+  args.num_tiles = static_cast<int>(batch * m_tiles * heads_q);
+  args.seqlen_q = static_cast<int>(seqlen_q);
+  args.seqlen_k = static_cast<int>(seqlen_k);
+  args.heads_q = static_cast<int>(heads_q);
+  args.heads_kv = static_cast<int>(heads_kv);
+  args.causal = causal ? 1 : 0;
+}
+
+// Zeroes the tile counter on `stream` and returns the persistent grid's size (one CTA per SM,
+// or per tile if fewer) in *grid; or why it could not.
+std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,
+                           cudaStream_t stream, int* grid);
+
 }  // namespace jzyfa
