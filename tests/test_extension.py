@@ -12,6 +12,8 @@ import pytest
 
 import jzyfa
 from jzyfa import _extension
+from jzyfa.fp8_primitive import FFI_TARGET_FP8
+from jzyfa.primitive import FFI_TARGET
 
 EXPECT_EXTENSION = os.environ.get("JZYFA_EXPECT_EXTENSION") == "1"
 
@@ -31,7 +33,7 @@ def test_extension_registers_its_targets():
     from jzyfa import _jzyfa_ffi
 
     targets = _jzyfa_ffi.registrations()
-    assert set(targets) == {"jzyfa_flash_attention_fwd"}
+    assert set(targets) == {FFI_TARGET, FFI_TARGET_FP8}
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"
     calls = _extension.handler_calls()
