@@ -3,8 +3,8 @@
 Kernel time comes from CUPTI through `jax.experimental.mosaic.gpu.profiler.measure`, which records
 the duration of every kernel a jitted function launches. PyTorch peers are timed with CUDA events
 around each rotation over the input sets (`torch_event_time`). Wall time is measured over many
-asynchronously dispatched calls, synchronised only at the end of each round. The SM clock is polled
-by a background thread (NVML, else `nvidia-smi`) while a timed loop runs.
+asynchronously dispatched calls, synchronised only at the end of each round. The SM clock and the
+board power are polled by a background thread (NVML, else `nvidia-smi`) while a timed loop runs.
 
 Nothing here needs a GPU to import; on CPU the kernel timer raises `TimingUnavailable` and the
 clock monitor reports no samples.
@@ -84,7 +84,8 @@ class _NvmlReader:
 
 
 class _NvidiaSmiReader:
-    """Reads the SM clock through one `nvidia-smi` process per sample (slow: ~20-50 ms)."""
+    """Reads the SM clock (MHz) and board power (W, None when "[N/A]") through one `nvidia-smi`
+    process per sample (slow: ~20-50 ms)."""
 
     source = "nvidia-smi"
 
@@ -137,11 +138,15 @@ class ClockStats:
     median_mhz: float | None
     min_mhz: float | None
     max_mhz: float | None
+    # Board power (W) over the samples that had a reading; None where the source gives none. NVML
+    # on Ampere and newer GPUs (the H200 included) reports power averaged over the last second.
     median_watts: float | None
+    min_watts: float | None = None
+    max_watts: float | None = None
 
 
 class ClockMonitor:
-    """Polls the SM clock in a background thread while a `with` block runs.
+    """Polls the SM clock and board power in a background thread while a `with` block runs.
 
     The reader is opened once and shared by every `with` block; `stats()` summarises the samples of
     the most recent block. At least one sample is taken per block, even for very short ones.
@@ -194,6 +199,8 @@ class ClockMonitor:
             min(mhz),
             max(mhz),
             statistics.median(watts) if watts else None,
+            min(watts) if watts else None,
+            max(watts) if watts else None,
         )
 
     def close(self) -> None:

@@ -255,7 +255,7 @@ def _cudnn_bf16(q, k, v, setting: Setting):
     return out, peers.lse_from_btn(residual)
 
 
-def _jzyfa_fp8(implementation: str | None, hadamard: bool):
+def _jzyfa_fp8(implementation: str | None, hadamard: bool, lean_p: bool = True):
     def run(q, k, v, setting: Setting):
         import jzyfa
 
@@ -274,6 +274,7 @@ def _jzyfa_fp8(implementation: str | None, hadamard: bool):
                 softmax_scale=setting.softmax_scale,
                 return_lse=True,
                 implementation=implementation,
+                lean_p=lean_p,
             )
         except ValueError as e:
             if implementation == "kernel":
@@ -335,6 +336,16 @@ VARIANTS: dict[str, Variant] = {
         Variant("jzyfa_fp8", "jzyfa FP8 kernel (implementation='kernel')", _jzyfa_fp8("kernel", False)),
         Variant(
             "jzyfa_fp8_hadamard", "jzyfa FP8 kernel, q and k Hadamard-rotated", _jzyfa_fp8("kernel", True)
+        ),
+        Variant(
+            "jzyfa_fp8_exact_p",
+            "jzyfa FP8 kernel, lean P off (exp2 rounded to e4m3)",
+            _jzyfa_fp8("kernel", False, lean_p=False),
+        ),
+        Variant(
+            "jzyfa_fp8_exact_p_hadamard",
+            "jzyfa FP8 kernel, lean P off, q and k Hadamard-rotated",
+            _jzyfa_fp8("kernel", True, lean_p=False),
         ),
         Variant(
             "fp8_dequant_exact",

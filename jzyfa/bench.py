@@ -3,10 +3,10 @@ r"""The attention benchmark: `python -m jzyfa.bench`.
 For every input kind, shape and implementation: check the output against float64 attention
 (NumPy, on a slice of (batch, head) pairs of the unquantized inputs), then time it: the median of
 many launches after a warm-up, with the inputs rotating over enough sets that L2 cannot hold them,
-and the SM clock read while the timed loop runs. JAX implementations are timed by CUPTI kernel
-time (and wall clock per call), PyTorch ones by CUDA events. A progress line per measurement goes
-to stderr; the table (plain, or markdown with --markdown) to stdout; everything to --json_out; a
-PNG of TFLOP/s against sequence length per implementation to --plot.
+and the SM clock and board power read while the timed loop runs. JAX implementations are timed by
+CUPTI kernel time (and wall clock per call), PyTorch ones by CUDA events. A progress line per
+measurement goes to stderr; the table (plain, or markdown with --markdown) to stdout; everything to
+--json_out; a PNG of TFLOP/s against sequence length per implementation to --plot.
 
 Standard runs on a Hopper GPU (docs/measuring.md explains every column):
 
@@ -325,6 +325,8 @@ def _jzyfa_status() -> dict[str, Any]:
         info["version"] = importlib.metadata.version("jzyfa")
     except Exception:  # noqa: BLE001 - running from a source tree
         info["version"] = None
+    # Set, it lets implementation="kernel" run the FP8 kernel before it has passed its GPU tests.
+    info["unverified_fp8_kernel_env"] = os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV)
     # An installed copy is no git checkout: tools/gpu_session.sh can pass the commit it built.
     info["git_commit"] = os.environ.get("JZYFA_GIT_COMMIT") or _run_text(
         ["git", "-C", str(_package_dir()), "rev-parse", "--short", "HEAD"]
@@ -453,6 +455,7 @@ def measure_peer(
         "tflops": None,
         "timing_source": None,
         "sm_clock_mhz": None,
+        "board_power_w": None,  # median board power during the primary timed loop, where readable
         "kernel": None,  # CUPTI kernel-time (or CUDA-event) summary, GPU only
         "kernel_unavailable": None,  # why there is no kernel time, when CUPTI failed
         "wall": None,  # wall-clock summary
@@ -523,6 +526,7 @@ def measure_peer(
     result["median_ms"] = primary["median_ms"]
     result["tflops"] = problem.flops / (primary["median_ms"] * 1e-3) / 1e12
     result["sm_clock_mhz"] = primary["sm_clock"]["median_mhz"]
+    result["board_power_w"] = primary["sm_clock"].get("median_watts")
     result["wall_tflops"] = problem.flops / (result["wall"]["median_ms"] * 1e-3) / 1e12
     result["status"] = "ok" if result["err_ok"] else "bad"
     if not result["err_ok"]:
@@ -568,6 +572,7 @@ TABLE_COLUMNS = [
     "wall ms",
     "TFLOP/s",
     "SM MHz",
+    "W",
     "rel err",
     "status",
 ]
@@ -588,6 +593,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
                 _fmt(wall_ms, ".3f"),
                 _fmt_tflops(r["tflops"]),
                 _fmt(r["sm_clock_mhz"], ".0f"),
+                _fmt(r.get("board_power_w"), ".0f"),
                 _fmt(r["rel_err"], ".2e"),
                 status,
             ]
@@ -642,14 +648,16 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
                 if r is None or r["tflops"] is None:
                     row.append("-" if r is None else r["status"])
                 else:
-                    mhz = _fmt(r["sm_clock_mhz"], ".0f", "")
                     row.append(
-                        _fmt_tflops(r["tflops"])
-                        + (f" ({mhz} MHz)" if mhz else "")
-                        + ("" if r["status"] == "ok" else " BAD")
+                        _fmt_tflops(r["tflops"]) + _clock_text(r) + ("" if r["status"] == "ok" else " BAD")
                     )
             summary.append(row)
-        lines += ["", f"TFLOP/s on {kind} inputs (SM clock during the timed loop):", ""]
+        during = (
+            "SM clock and board power"
+            if any(r.get("board_power_w") is not None for r in subset)
+            else "SM clock"
+        )
+        lines += ["", f"TFLOP/s on {kind} inputs ({during} during the timed loop):", ""]
         lines += md_table(["impl"] + labels, summary)
     notes = {r["impl"]: r["notes"] for r in results if r.get("notes") and r["status"] not in ("unsupported",)}
     if notes:
@@ -657,6 +665,16 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
     lines += ["", "Details:", ""]
     lines += md_table(TABLE_COLUMNS, table_rows(results))
     return "\n".join(lines)
+
+
+def _clock_text(r: dict[str, Any]) -> str:
+    """' (1560 MHz, 690 W)' after a headline figure: the readings that exist, or nothing."""
+    readings = [
+        f"{value:.0f} {unit}"
+        for value, unit in ((r["sm_clock_mhz"], "MHz"), (r.get("board_power_w"), "W"))
+        if value is not None
+    ]
+    return f" ({', '.join(readings)})" if readings else ""
 
 
 def _label(r: dict[str, Any]) -> str:
@@ -671,7 +689,7 @@ def _heads_text(config: dict[str, Any]) -> str:
 
 def progress_line(r: dict[str, Any]) -> str:
     head = (
-        f"{r['impl']:>16} {r.get('inputs') or 'gaussian'} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
+        f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
         f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
         f"{' causal' if r['causal'] else ''}"
     )
@@ -686,7 +704,7 @@ def progress_line(r: dict[str, Any]) -> str:
     if r.get("wall"):
         parts.append(f"wall {r['wall']['median_ms']:.4f} ms")
     parts.append(f"{_fmt_tflops(r['tflops'])} TFLOP/s")
-    parts.append(f"SM {_fmt(r['sm_clock_mhz'], '.0f')} MHz")
+    parts.append(f"SM {_fmt(r['sm_clock_mhz'], '.0f')} MHz, {_fmt(r.get('board_power_w'), '.0f')} W")
     return f"{head}: " + ", ".join(parts) + ("" if r["status"] == "ok" else " [BAD]")
 
 

@@ -256,21 +256,71 @@ class Peer:
 # ---- jzyfa
 
 
-class Jzyfa(Peer):
-    """jzyfa.flash_attention: the kernel on a GPU (or the reason it cannot run), the default path elsewhere."""
+UNVERIFIED_FP8_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_KERNEL"  # jzyfa.api's gate of the FP8 kernel
 
-    def __init__(self, name: str, precision: str, forced: str | None = None):
+
+def _fp8_kernel_gated() -> bool:
+    """True while jzyfa refuses implementation="kernel" for FP8 (unverified, variable unset)."""
+    from jzyfa import api
+
+    return not api.fp8_kernel_enabled()
+
+
+def _fp8_kernel_unverified() -> bool:
+    """True until the FP8 kernel has passed its GPU tests: it runs only where the variable lifts the gate."""
+    from jzyfa import api
+
+    return not api.FP8_KERNEL_VERIFIED
+
+
+class Jzyfa(Peer):
+    """jzyfa.flash_attention: the kernel on a GPU (or the reason it cannot run), the default path elsewhere.
+
+    FP8 peers pass `lean_p` (the FP8 kernel's rounding of P; the pure-JAX FP8 path ignores it);
+    16-bit peers do not pass it. `fp8_only` peers are unsupported in 16-bit runs.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        precision: str,
+        forced: str | None = None,
+        lean_p: bool | None = None,
+        fp8_only: bool = False,
+    ):
         self.name = name
         self.precision = precision
         self.forced = forced  # "xla": always the pure-JAX path
         fp8 = precision == "fp8"
+        if fp8 and lean_p is None:
+            lean_p = True  # flash_attention's default, passed explicitly
+        if not fp8 and (lean_p is not None or fp8_only):
+            raise ValueError(f"{name}: lean_p and fp8_only are for FP8 peers")
+        self.lean_p = lean_p
+        self.fp8_only = fp8_only
         self.description = "jzyfa.flash_attention" + (
             " on fp8_quantize'd e4m3 inputs with descales (bf16 out)" if fp8 else ""
         )
         if forced:
             self.description += f' (implementation="{forced}")'
+        if fp8 and forced != "xla":
+            self.description += (
+                ", lean_p=True: each probability's e4m3 code from one FFMA"
+                if lean_p
+                else ", lean_p=False: exact P, exp2 rounded to e4m3"
+            )
         if fp8:
             self.notes = "e4m3 q/k/v, one power-of-two descale per tensor; bf16 output"
+            if forced != "xla":
+                self.notes += "; lean P" if lean_p else "; exact P (lean_p=False)"
+
+    def supports(self, problem: Problem) -> str | None:
+        if self.fp8_only and problem.dtype != "fp8":
+            return (
+                f"an FP8-kernel variant (lean_p={self.lean_p}) that runs only with --dtype fp8; this run is "
+                f"{problem.dtype}"
+            )
+        return None
 
     def _call(self, problem: Problem, implementation: str | None) -> Callable:
         import jzyfa
@@ -281,9 +331,12 @@ class Jzyfa(Peer):
             "implementation": implementation,
         }
         if self.precision == "fp8":
+            lean_p = self.lean_p
 
             def fn(q8, k8, v8, dq, dk, dv):
-                return jzyfa.flash_attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, **kwargs)
+                return jzyfa.flash_attention(
+                    q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv, lean_p=lean_p, **kwargs
+                )
         else:
 
             def fn(q, k, v):
@@ -302,15 +355,32 @@ class Jzyfa(Peer):
             return Built(self._call(problem, "xla"), "pure-JAX")
         if not _on_gpu():  # the primitive's CPU lowering (16-bit) or the pure-JAX FP8 path
             return Built(self._call(problem, None), "pure-JAX (no GPU)")
+        fp8 = self.precision == "fp8"
+        gated = fp8 and _fp8_kernel_gated()
         kernel = self._call(problem, "kernel")
         try:  # the kernel's checks run at trace time: nothing launches here
             jax.eval_shape(kernel, *self._abstract_args(problem))
         except ValueError as e:
-            if options.allow_xla_fallback:
+            if options.allow_xla_fallback and self.lean_p is not False:
                 return Built(self._call(problem, "xla"), "xla-fallback")
-            if self.precision == "fp8":
-                raise Unsupported(f"{e}; --allow_xla_fallback times the pure-JAX FP8 path instead") from e
+            if fp8:
+                message = str(e)
+                if options.allow_xla_fallback:  # lean_p=False differs from jzyfa_fp8 in the kernel only
+                    raise Unsupported(
+                        f"{message}; no fallback for lean_p=False: the pure-JAX FP8 path has no lean P, so it "
+                        "would time what jzyfa_fp8[xla-fallback] times"
+                    ) from e
+                if gated and f"{UNVERIFIED_FP8_KERNEL_ENV}=1" not in message:
+                    message += (
+                        f"; set {UNVERIFIED_FP8_KERNEL_ENV}=1 to time the FP8 kernel before it has passed "
+                        "its GPU tests"
+                    )
+                raise Unsupported(
+                    f"{message}; --allow_xla_fallback times the pure-JAX FP8 path instead"
+                ) from e
             raise
+        if fp8 and _fp8_kernel_unverified():  # the gate was lifted by the environment variable
+            return Built(kernel, "kernel (unverified)")
         return Built(kernel, "kernel")
 
 
@@ -594,7 +664,8 @@ PEERS: dict[str, Peer] = {
     for peer in [
         Jzyfa("jzyfa", "16-bit"),
         Jzyfa("jzyfa_xla", "16-bit", forced="xla"),
-        Jzyfa("jzyfa_fp8", "fp8"),
+        Jzyfa("jzyfa_fp8", "fp8", lean_p=True),
+        Jzyfa("jzyfa_fp8_exact_p", "fp8", lean_p=False, fp8_only=True),
         Jzyfa("jzyfa_fp8_xla", "fp8", forced="xla"),
         JaxNn("cudnn", "cudnn"),
         JaxNn("xla", "xla"),
@@ -620,7 +691,7 @@ AUTO_16BIT = [
     "flash_attn",
     "flash_attn3",
 ]
-AUTO_FP8 = ["jzyfa_fp8", "cudnn_fp8", "flash_attn3_fp8", "jzyfa", "cudnn"]
+AUTO_FP8 = ["jzyfa_fp8", "jzyfa_fp8_exact_p", "cudnn_fp8", "flash_attn3_fp8", "jzyfa", "cudnn"]
 
 
 def auto_peers(dtype: str) -> list[str]:

@@ -332,6 +332,8 @@ def test_peers_off_gpu_say_why():
         assert "GPU" in peers.PEERS[name].supports(problem), name
     for name in ["jzyfa", "jzyfa_xla", "jzyfa_fp8", "jzyfa_fp8_xla", "xla"]:
         assert peers.PEERS[name].supports(problem) is None, name
+    fp8_problem = dataclasses_replace(problem, dtype="fp8")
+    assert peers.PEERS["jzyfa_fp8_exact_p"].supports(fp8_problem) is None
 
 
 def test_peer_limits():
@@ -386,9 +388,11 @@ def test_pallas_arguments_prescale_q_in_f16():
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, allow):
-    """On a GPU (faked here) the FP8 peer asks for the kernel; without it: unsupported, or with
-    --allow_xla_fallback the pure-JAX path under a name that says so."""
+    """On a GPU (faked here) the FP8 peer asks for the kernel; while the FP8 kernel is gated:
+    unsupported (saying how to lift the gate), or with --allow_xla_fallback the pure-JAX path under
+    a name that says so."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
+    monkeypatch.delenv(peers.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
     problem = bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8")
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)
     ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
@@ -409,6 +413,78 @@ def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, 
     else:
         assert r["status"] == "unsupported" and "--allow_xla_fallback" in r["message"], r
         assert r["impl"] == "jzyfa_fp8" and r["tflops"] is None
+    # The lean_p=False variant: unsupported either way (the pure-JAX path has no lean P to switch
+    # off, so a fallback would time what jzyfa_fp8[xla-fallback] times).
+    exact = bench.measure_peer(
+        peers.PEERS["jzyfa_fp8_exact_p"], problem, sets, ref, opts, _timing.ClockMonitor(None)
+    )
+    assert exact["status"] == "unsupported" and exact["impl"] == "jzyfa_fp8_exact_p", exact
+    assert ("no fallback for lean_p=False" if allow else "--allow_xla_fallback") in exact["message"]
+    for unsupported in [exact] + ([] if allow else [r]):
+        assert f"{peers.UNVERIFIED_FP8_KERNEL_ENV}=1" in unsupported["message"], unsupported["message"]
+
+
+def test_fp8_peers_pass_lean_p(monkeypatch):
+    """jzyfa_fp8 passes lean_p=True, jzyfa_fp8_exact_p lean_p=False; 16-bit jzyfa passes none. Off
+    GPU both FP8 peers build jzyfa's default (pure-JAX FP8) path, as jzyfa does."""
+    calls = []
+
+    def recorder(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return jnp.zeros(q.shape, jnp.bfloat16)
+
+    monkeypatch.setattr(peers, "_on_gpu", lambda: False)
+    monkeypatch.setattr(jzyfa, "flash_attention", recorder)
+    problem = bench.Problem(1, 32, 32, 2, 2, 16, True, "fp8")
+    inputs = bench.make_input_sets(problem, "gaussian", 1, seed=0)[0]
+    for name, expected in [("jzyfa_fp8", True), ("jzyfa_fp8_exact_p", False), ("jzyfa", None)]:
+        peer = peers.PEERS[name]
+        built = peer.build(problem, peers.Options())
+        assert built.path == "pure-JAX (no GPU)", name
+        built.fn(*peer.arguments(problem, inputs))
+        kwargs = calls.pop()
+        assert kwargs["implementation"] is None and kwargs.get("lean_p", "absent") == (
+            "absent" if expected is None else expected
+        ), (name, kwargs)
+        assert ("descale_q" in kwargs) == (expected is not None)
+    assert "lean_p=False" in peers.PEERS["jzyfa_fp8_exact_p"].description
+    assert "exp2 rounded to e4m3" in peers.PEERS["jzyfa_fp8_exact_p"].description
+    assert "lean_p=True" in peers.PEERS["jzyfa_fp8"].description
+
+
+def test_fp8_exact_p_runs_only_in_fp8_runs():
+    peer = peers.PEERS["jzyfa_fp8_exact_p"]
+    assert "jzyfa_fp8_exact_p" in peers.auto_peers("fp8")
+    assert "jzyfa_fp8_exact_p" not in peers.auto_peers("bf16") + peers.auto_peers("f16")
+    for dtype in ("bf16", "f16"):
+        reason = peer.supports(bench.Problem(1, 64, 64, 2, 2, 128, True, dtype))
+        assert "--dtype fp8" in reason and dtype in reason
+    problem = bench.Problem(1, 64, 64, 2, 2, 128, True, "bf16")
+    sets = bench.make_input_sets(problem, "gaussian", 1, seed=0)
+    ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
+    opts = bench.Options(
+        iters=2, min_time_s=0, warmup_s=0, wall_rounds=1, cupti=False, cupti_mem_mb=1, max_rel_err=None
+    )
+    r = bench.measure_peer(peer, problem, sets, ref, opts, _timing.ClockMonitor(None))
+    assert r["status"] == "unsupported" and "--dtype fp8" in r["message"] and r["tflops"] is None
+
+
+@pytest.mark.parametrize("name", ["jzyfa_fp8", "jzyfa_fp8_exact_p"])
+def test_unverified_fp8_kernel_runs_when_the_variable_is_set(monkeypatch, cpu_backend, name):
+    """With JZYFA_UNVERIFIED_FP8_KERNEL=1 on a GPU (faked) the FP8 peers build the kernel call,
+    labelled unverified; where the kernel cannot serve, the reason is jzyfa's, without the gate hint."""
+    from jzyfa import api
+
+    if api.FP8_KERNEL_VERIFIED:
+        pytest.skip("the FP8 kernel is verified: no gate")
+    monkeypatch.setattr(peers, "_on_gpu", lambda: True)
+    monkeypatch.setenv(peers.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    peer = peers.PEERS[name]
+    built = peer.build(bench.Problem(1, 64, 64, 2, 2, 128, True, "fp8"), peers.Options())
+    assert built.path == "kernel (unverified)"
+    with pytest.raises(peers.Unsupported, match="head dim 128") as info:
+        peer.build(bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8"), peers.Options())
+    assert peers.UNVERIFIED_FP8_KERNEL_ENV not in str(info.value)
 
 
 def test_fp8_sets_quantize_once():
@@ -445,6 +521,7 @@ def _fake_result(**overrides):
         "median_ms": 1.5,
         "tflops": 733.0,
         "sm_clock_mhz": 1755.0,
+        "board_power_w": None,
         "rel_err": 2.5e-3,
         "timing_source": "cupti",
         "wall": {"median_ms": 1.6},
@@ -507,6 +584,29 @@ def test_tables():
         "2026-11-29" in markdown and "max SM clock 1980 MHz" in markdown and "power limit 700 W" in markdown
     )
     assert "- torch_sdpa_cudnn: layout" in markdown
+    # No power reading (as on a GPU whose nvidia-smi says [N/A]): the W column says n/a.
+    w = bench.TABLE_COLUMNS.index("W")
+    assert bench.TABLE_COLUMNS[w - 1] == "SM MHz"
+    assert [row[w] for row in bench.table_rows(results)] == ["n/a"] * 4
+    assert "(SM clock during the timed loop)" in markdown
+
+
+def test_tables_with_board_power():
+    results = _results()
+    results[0]["board_power_w"] = 690.4
+    plain = bench.format_plain(results)
+    header, _, first = plain.splitlines()[:3]
+    assert header.split()[header.split().index("MHz") + 1] == "W"
+    assert first.split()[bench.TABLE_COLUMNS.index("W")] == "690"  # one word per cell in data rows
+    markdown = bench.format_markdown(results, ENV, CONFIG)
+    assert "| jzyfa | 733 (1755 MHz, 690 W) |" in markdown
+    assert "TFLOP/s on gaussian inputs (SM clock and board power during the timed loop)" in markdown
+    assert "| jzyfa | 701 (1755 MHz) |" in markdown  # activations: no reading, no "W"
+    assert "SM 1755 MHz, 690 W" in bench.progress_line(results[0])
+    assert "SM 1755 MHz, n/a W" in bench.progress_line(results[2])
+    no_clock = _fake_result(sm_clock_mhz=None)
+    assert "SM n/a MHz, n/a W" in bench.progress_line(no_clock)
+    assert "| jzyfa | 733 |" in bench.format_markdown([no_clock], ENV, CONFIG)
 
 
 def test_plot_png(tmp_path):
@@ -530,7 +630,7 @@ RESULT_KEYS = {
     "impl", "peer", "description", "notes", "framework", "path", "inputs", "batch", "seq_q", "seq_k", "heads_q",
     "heads_kv", "head_dim", "causal", "dtype", "compute_dtype", "flops", "input_sets", "status", "message",
     "rel_err", "max_abs_err", "max_rel_err", "err_ok", "median_ms", "tflops", "timing_source", "sm_clock_mhz",
-    "kernel", "kernel_unavailable", "wall", "wall_tflops", "reference_pairs",
+    "board_power_w", "kernel", "kernel_unavailable", "wall", "wall_tflops", "reference_pairs",
 }  # fmt: skip
 
 
@@ -538,7 +638,7 @@ def test_smoke_run_writes_sane_json(tmp_path):
     """The command as a user runs it, in smoke mode on this machine, on both input kinds."""
     out = tmp_path / "bench.json"
     png = tmp_path / "bench.png"
-    impls = "jzyfa,cudnn,xla,pallas,torch_sdpa_cudnn,flash_attn3,cudnn_fp8,jzyfa_fp8"
+    impls = "jzyfa,cudnn,xla,pallas,torch_sdpa_cudnn,flash_attn3,cudnn_fp8,jzyfa_fp8,jzyfa_fp8_exact_p"
     cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--kv_heads", "2", "--shapes", "2x128,1x96x160",
            "--impls", impls, "--inputs", "gaussian,activations", "--markdown", f"--json_out={out}",
            f"--plot={png}"]  # fmt: skip
@@ -548,7 +648,7 @@ def test_smoke_run_writes_sane_json(tmp_path):
     has_matplotlib = importlib_find("matplotlib")
     assert proc.returncode == (0 if has_matplotlib else 3), proc.stderr[-3000:]
     assert "| impl |" in proc.stdout and "TFLOP/s on activations inputs" in proc.stdout
-    assert "[jzyfa.bench] [16/32]" in proc.stderr  # progress lines
+    assert "[jzyfa.bench] [18/36]" in proc.stderr  # progress lines
     if has_matplotlib:
         assert png.read_bytes()[:4] == b"\x89PNG"
     else:
@@ -559,11 +659,14 @@ def test_smoke_run_writes_sane_json(tmp_path):
     assert report["env"]["jax"] == jax.__version__ and "packages" in report["env"]
     assert report["config"]["smoke"] is True and report["impls"] == impls.split(",")
     results = {(r["inputs"], r["peer"], r["seq_q"], r["seq_k"]): r for r in report["results"]}
-    assert len(results) == 2 * 2 * 8
+    assert len(results) == 2 * 2 * 9
     for (kind, peer, seq_q, seq_k), r in results.items():
         assert set(r) >= RESULT_KEYS, RESULT_KEYS - set(r)
         assert r["heads_q"] == 4 and r["heads_kv"] == 2 and r["causal"] is True
         assert r["flops"] == bench.attention_flops(r["batch"], seq_q, seq_k, 4, 128, True)
+        if peer == "jzyfa_fp8_exact_p":  # a bf16 run
+            assert r["status"] == "unsupported" and "--dtype fp8" in r["message"]
+            continue
         if not ON_GPU and peer in ("cudnn", "pallas", "torch_sdpa_cudnn", "flash_attn3", "cudnn_fp8"):
             assert r["status"] == "unsupported" and "GPU" in r["message"]
             continue
@@ -586,6 +689,7 @@ def test_smoke_run_writes_sane_json(tmp_path):
         assert r["wall"]["median_ms"] > 0 and r["wall"]["samples"] >= 1
         if not ON_GPU:
             assert r["timing_source"] == "wall" and r["sm_clock_mhz"] is None and r["kernel"] is None
+            assert r["board_power_w"] is None
             assert r["path"] == "pure-JAX (no GPU)" if peer.startswith("jzyfa") else r["path"] is None
 
 
@@ -631,7 +735,56 @@ def test_fp8_run_in_process():
     by_peer = {r["peer"]: r for r in report["results"]}
     assert list(by_peer) == peers.AUTO_FP8
     fp8, bf16 = by_peer["jzyfa_fp8"], by_peer["jzyfa"]
+    exact = by_peer["jzyfa_fp8_exact_p"]
     if not ON_GPU:
         assert fp8["status"] == "ok" and fp8["compute_dtype"] == "fp8" and fp8["dtype"] == "fp8"
         # Both are measured against float64 attention on the same unquantized inputs.
         assert bf16["rel_err"] < 1e-2 < fp8["rel_err"] < 0.15
+        # Off GPU the lean_p=False peer runs the same pure-JAX FP8 path (it has no lean P).
+        assert exact["status"] == "ok" and exact["path"] == fp8["path"] == "pure-JAX (no GPU)"
+        assert exact["rel_err"] == pytest.approx(fp8["rel_err"], rel=1e-6)
+    else:
+        assert exact["status"] in ("ok", "unsupported")
+        if exact["status"] == "unsupported" and not os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV):
+            assert f"{peers.UNVERIFIED_FP8_KERNEL_ENV}=1" in exact["message"]
+
+
+class PowerClock:
+    """A clock reader as on a GPU: a constant SM clock, and the board power or None ([N/A])."""
+
+    source = "fake-power"
+
+    def __init__(self, watts):
+        self.watts = watts
+
+    def read(self):
+        return 1560.0, self.watts
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("watts", [655.0, None])
+def test_board_power_reaches_json_and_tables(monkeypatch, watts):
+    """The median board power of the timed loop goes into each result, the JSON, both tables and
+    the progress line; a reader without power gives None, shown as n/a."""
+    monkeypatch.setattr(_timing, "open_clock_reader", lambda device=None: PowerClock(watts))
+    config = _resolve(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa_xla,cudnn",
+                       "--iters", "2", "--min_time_s", "0"])  # fmt: skip
+    report = json.loads(json.dumps(bench._json_safe(bench.run(config)), allow_nan=False))  # as main writes it
+    timed, other = report["results"]
+    assert timed["status"] == "ok" and timed["sm_clock_mhz"] == 1560.0 and timed["board_power_w"] == watts
+    clock = timed["wall"]["sm_clock"]
+    assert clock["source"] == "fake-power" and clock["median_watts"] == watts
+    assert clock["min_watts"] == clock["max_watts"] == watts
+    w = bench.TABLE_COLUMNS.index("W")
+    shown = "n/a" if watts is None else "655"
+    assert bench.table_rows(report["results"])[0][w] == shown
+    assert bench.table_rows(report["results"])[1][w] == "n/a"  # no timed loop
+    markdown = bench.format_markdown(report["results"], report["env"], config)
+    cell = next(line for line in markdown.splitlines() if line.startswith("| jzyfa_xla | "))
+    assert cell.endswith("(1560 MHz, 655 W) |" if watts else "(1560 MHz) |"), cell
+    assert f"SM 1560 MHz, {shown} W" in bench.progress_line(timed)
+    if ON_GPU:
+        return
+    assert other["status"] == "unsupported" and other["board_power_w"] is None
