@@ -5,8 +5,8 @@ lowering that runs the kernel's algorithm in pure JAX (jzyfa.fp8_emulation).
 kernel's layout (jzyfa/fp8_layout.py: transposed, keys padded to 32 and permuted) and binds the
 primitive. Descales reach the kernel as device buffers (float32, one value or one per (batch, KV
 head)), never as host values, so nothing is read back and calls stay inside CUDA graphs.
-No sharding rule and no batching rule yet: under `jit` with sharded inputs XLA gathers them to run
-the call whole; shard over batch or heads with `shard_map` instead.
+`jax.vmap` folds the mapped axis into the batch. No sharding rule yet: under `jit` with sharded
+inputs XLA gathers them to run the call whole; shard over batch or heads with `shard_map` instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, value_from_operand
@@ -133,3 +133,37 @@ def flash_attention_fp8_kernel(
         lean_p=bool(lean_p),
         kernel_required=bool(kernel_required),
     )
+
+
+def _batch_rule(args, dims, **params):
+    """vmap: folds the mapped axis into the batch axis (one launch). Descales follow: per-(batch, KV
+    head) vectors fold with the batch; a scalar descale that differs along the mapped axis becomes a
+    per-(batch, KV head) vector."""
+    q8, k8, vt8, *descales = args
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+
+    def moved(x, d):
+        return jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+
+    def fold(x, d):
+        x = moved(x, d)
+        return x.reshape((size * x.shape[1],) + x.shape[2:])
+
+    q8, k8, vt8 = (fold(x, d) for x, d in zip((q8, k8, vt8), dims[:3]))
+    descale_dims = dims[3:]
+    if all(d is None for d in descale_dims) and all(x.size == 1 for x in descales):
+        folded = descales  # one value for everything
+    else:
+        per_element = (k8.shape[0] // size) * k8.shape[2]  # B * Hkv of one mapped element
+
+        def per_head(x, d):  # [size, 1 or B * Hkv] -> [size * B * Hkv]
+            x = moved(x, d)
+            return jnp.broadcast_to(x, (size, per_element)).reshape(-1)
+
+        folded = [per_head(x, d) for x, d in zip(descales, descale_dims)]
+    out, lse = flash_attention_fp8_p.bind(q8, k8, vt8, *folded, **params)
+    unfold = lambda y: y.reshape((size, -1) + y.shape[1:])
+    return (unfold(out), unfold(lse)), (0, 0)
+
+
+batching.primitive_batchers[flash_attention_fp8_p] = _batch_rule

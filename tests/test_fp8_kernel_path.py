@@ -132,3 +132,33 @@ def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, shapes, kwargs, m
             implementation="kernel",
             **kwargs,
         )
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_vmap_folds_into_the_batch(rng, granularity):
+    """vmap over a leading axis (per-element descales too) equals a loop over it."""
+    sets = [quantized(rng, 2, 24, 40, 2, 1, granularity=granularity) for _ in range(3)]
+    stack = lambda i: jnp.stack([s[0][i] for s in sets])  # noqa: E731
+    stack_d = lambda i: jnp.stack([s[1][i] for s in sets])  # noqa: E731
+    call = functools.partial(
+        flash_attention_fp8_kernel, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
+    )
+    out, lse = jax.vmap(lambda q, k, v, dq, dk, dv: call(q, k, v, (dq, dk, dv)))(
+        stack(0), stack(1), stack(2), stack_d(0), stack_d(1), stack_d(2)
+    )
+    for i, ((q8, k8, v8), descales) in enumerate(sets):
+        want_out, want_lse = call(q8, k8, v8, descales)
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(want_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
+
+
+def test_vmap_with_shared_descales_and_unmapped_kv(rng):
+    (q8, k8, v8), descales = quantized(rng, 1, 16, 32, 2, 2)
+    qs = jnp.stack([q8, q8[:, ::-1]])
+    call = functools.partial(
+        flash_attention_fp8_kernel, softmax_scale=0.1, causal=False, lean_p=False, kernel_required=False
+    )
+    out, _ = jax.vmap(lambda q: call(q, k8, v8, descales))(qs)
+    for i in range(2):
+        want, _ = call(qs[i], k8, v8, descales)
+        np.testing.assert_array_equal(np.asarray(out[i], np.float32), np.asarray(want, np.float32))
