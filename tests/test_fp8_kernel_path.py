@@ -138,8 +138,8 @@ def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, shapes, kwargs, m
 def test_vmap_folds_into_the_batch(rng, granularity):
     """vmap over a leading axis (per-element descales too) equals a loop over it."""
     sets = [quantized(rng, 2, 24, 40, 2, 1, granularity=granularity) for _ in range(3)]
-    stack = lambda i: jnp.stack([s[0][i] for s in sets])  # noqa: E731
-    stack_d = lambda i: jnp.stack([s[1][i] for s in sets])  # noqa: E731
+    stack = lambda i: jnp.stack([s[0][i] for s in sets])
+    stack_d = lambda i: jnp.stack([s[1][i] for s in sets])
     call = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
     )
