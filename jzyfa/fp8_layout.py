@@ -40,6 +40,15 @@ def physical_key(k: int | np.ndarray) -> np.ndarray:
 KEY_PERMUTATION = physical_key(np.arange(KEY_GROUP))
 
 
+def _key_permutation() -> jax.Array:
+    """KEY_PERMUTATION computed by JAX ops (iota and integer arithmetic), not captured as a constant:
+    `custom_partitioning` traces the per-shard function and refuses closed-over constants."""
+    k = jnp.arange(KEY_GROUP, dtype=jnp.int32)
+    high, rest = k // 16, k % 16
+    quad, byte = rest // 4, rest % 4
+    return 16 * high + 8 * (byte // 2) + 2 * quad + byte % 2
+
+
 def padded_keys(seq_k: int) -> int:
     """Key count of the kernel's V^T: a whole number of 32-key groups."""
     return -(-seq_k // KEY_GROUP) * KEY_GROUP
@@ -60,7 +69,7 @@ def fp8_value_operand(v: jax.Array) -> jax.Array:
     if pad:
         v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
     groups = v.reshape(batch, -1, KEY_GROUP, heads_kv, head_dim)
-    permuted = jnp.take(groups, jnp.asarray(KEY_PERMUTATION), axis=2)
+    permuted = jnp.take(groups, _key_permutation(), axis=2)
     # [B, G, 32, Hkv, D] -> [B, Hkv, D, G, 32] -> [B, Hkv, D, Sk']
     return permuted.transpose(0, 3, 4, 1, 2).reshape(batch, heads_kv, head_dim, -1)
 
@@ -69,6 +78,5 @@ def value_from_operand(vt: jax.Array, seq_k: int) -> jax.Array:
     """The inverse of `fp8_value_operand` (for tests and debugging): back to [B, Sk, Hkv, D]."""
     batch, heads_kv, head_dim, padded = vt.shape
     groups = vt.reshape(batch, heads_kv, head_dim, padded // KEY_GROUP, KEY_GROUP)
-    inverse = np.argsort(KEY_PERMUTATION)
-    restored = jnp.take(groups, jnp.asarray(inverse), axis=4)
+    restored = jnp.take(groups, jnp.argsort(_key_permutation()), axis=4)
     return restored.transpose(0, 3, 4, 1, 2).reshape(batch, padded, heads_kv, head_dim)[:, :seq_k]

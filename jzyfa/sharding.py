@@ -97,6 +97,12 @@ def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads
     return ShardPlan(batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0)
 
 
+def local_kv_head(plan: ShardPlan, mesh: jax.sharding.Mesh, heads_kv: int) -> jax.Array:
+    """With more query-head shards than KV heads (plan.kv_heads_split False): the KV head this shard uses."""
+    shards_per_kv_head = math.prod(mesh.shape[a] for a in plan.heads_q) // heads_kv
+    return lax.axis_index(plan.heads_q) // shards_per_kv_head
+
+
 def per_shard_attention(
     shard_kernel: ShardKernel,
     plan: ShardPlan,
@@ -117,8 +123,7 @@ def per_shard_attention(
 
     def run(q, k, v):
         if not plan.kv_heads_split:
-            shards_per_kv_head = math.prod(mesh.shape[a] for a in plan.heads_q) // heads_kv
-            kv_head = lax.axis_index(plan.heads_q) // shards_per_kv_head
+            kv_head = local_kv_head(plan, mesh, heads_kv)
             k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
         if not (causal and plan.seq_q):
             return attend(q, k, v, causal)
@@ -187,5 +192,91 @@ def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
         partition=functools.partial(partition, shard_kernel),
         infer_sharding_from_operands=_infer_sharding_from_operands,
         sharding_rule=SHARDING_RULE,
+    )
+    return fn
+
+
+# ---- the FP8 kernel: q, k, v and three descales of shape [batch, heads_kv]
+
+# The FP8 call's operands: q, k, v as above, then descale_q, descale_k, descale_v, each [B, Hkv]
+# (scalar descales are broadcast to that before the call), sharded with K/V's batch and heads.
+FP8_SHARDING_RULE = SdyShardingRule(
+    (
+        ArrayMapping("b", "sq", "hq", "d"),
+        ArrayMapping("b", "sk", "h", "d"),
+        ArrayMapping("b", "sk", "h", "dv"),
+        ArrayMapping("b", "h"),
+        ArrayMapping("b", "h"),
+        ArrayMapping("b", "h"),
+    ),
+    (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")),
+    need_replication_factors=("d", "sk", "dv"),
+)
+
+
+def _fp8_plan(mesh, arg_shapes) -> ShardPlan:
+    # A sequence-sharded FP8 q is gathered: the chunked causal offsets of the 16-bit path are not
+    # wired for FP8 yet (their no-key rows would be e4m3, the kernel's output bf16).
+    return dataclasses.replace(_plan_from_shapes(mesh, arg_shapes[:3]), seq_q=())
+
+
+def _infer_fp8_sharding(softmax_scale, causal, lean_p, kernel_required, mesh, arg_shapes, result_shape):
+    del softmax_scale, causal, lean_p, kernel_required, result_shape
+    return _result_shardings(mesh, _fp8_plan(mesh, arg_shapes))
+
+
+def _partition_fp8(
+    shard_kernel, softmax_scale, causal, lean_p, kernel_required, mesh, arg_shapes, result_shape
+):
+    del result_shape
+    plan = _fp8_plan(mesh, arg_shapes)
+    heads_kv = arg_shapes[1].shape[2]
+
+    def run(q, k, v, *descales):
+        if not plan.kv_heads_split:
+            kv_head = local_kv_head(plan, mesh, heads_kv)
+            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
+            descales = tuple(lax.dynamic_slice_in_dim(d, kv_head, 1, axis=1) for d in descales)
+        return shard_kernel(
+            q,
+            k,
+            v,
+            *descales,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            lean_p=lean_p,
+            kernel_required=kernel_required,
+        )
+
+    kv_heads = _entry(plan.heads_q) if plan.kv_heads_split else None
+    descale = NamedSharding(mesh, P(_entry(plan.batch), kv_heads))
+    kv = NamedSharding(mesh, plan.kv_spec())
+    in_shardings = (NamedSharding(mesh, plan.q_spec()), kv, kv, descale, descale, descale)
+    return mesh, run, _result_shardings(mesh, plan), in_shardings
+
+
+def partitioned_fp8(shard_kernel) -> custom_partitioning:
+    """The FP8 shard kernel for the partitioner; call it as
+    f(q8, k8, v8, descale_q, descale_k, descale_v, softmax_scale, causal, lean_p, kernel_required)."""
+
+    def call(q, k, v, dq, dk, dv, softmax_scale, causal, lean_p, kernel_required):
+        return shard_kernel(
+            q,
+            k,
+            v,
+            dq,
+            dk,
+            dv,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            lean_p=lean_p,
+            kernel_required=kernel_required,
+        )
+
+    fn = custom_partitioning(call, static_argnums=(6, 7, 8, 9))
+    fn.def_partition(
+        partition=functools.partial(_partition_fp8, shard_kernel),
+        infer_sharding_from_operands=_infer_fp8_sharding,
+        sharding_rule=FP8_SHARDING_RULE,
     )
     return fn

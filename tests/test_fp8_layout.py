@@ -104,3 +104,7 @@ def test_e4m3_passes_through_unchanged():
 def test_rank_is_checked():
     with pytest.raises(ValueError, match="v must be"):
         fp8_value_operand(jnp.zeros((4, 8, 16)))
+
+
+def test_traced_permutation_equals_the_numpy_one():
+    np.testing.assert_array_equal(np.asarray(fp8_layout._key_permutation()), KEY_PERMUTATION)
