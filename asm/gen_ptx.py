@@ -233,6 +233,28 @@ __device__ __forceinline__ void tma_load_4d(uint32_t smem_dst, const void* tenso
       "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// TMA store: a 4-D box of shared memory to the tensor map's tensor (elements past its end are
+// not written), tracked by bulk groups: commit, then wait until the source was read (.read: the
+// buffer may be reused) or the writes are done.
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t smem_src, int c0,
+                                             int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          tensor_map),
+      "r"(smem_src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 // Warp specialization: the producer warpgroup gives registers back, consumers take them.
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {

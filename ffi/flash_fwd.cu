@@ -67,6 +67,13 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
                        Tile::kBlockN, &error)) {
     return error;
   }
+#if JZYFA_EPILOGUE_TMA
+  CUtensorMap tmap_o;  // O is stored in Q's boxes
+  if (!EncodeTensorMap(&tmap_o, p.out, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+                       Tile::kRowsPerConsumer, &error)) {
+    return error;
+  }
+#endif
   FwdArgs args;
   args.out = p.out;
   args.lse = p.lse;
@@ -79,7 +86,11 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
   if (!error.empty()) return error;
-  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                                                                     tmap_o,
+#endif
+                                                                     args);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
   return "";

@@ -25,6 +25,8 @@ struct FwdBarriers {
 
 // Named barriers 1 and 2: consumer c may issue its GEMMs once barrier 1 + c completes.
 constexpr int kPingPongBarrier = 1;
+// Named barriers 3 and 4: consumer c's 128 threads around its epilogue's shared-memory O tile.
+constexpr int kEpilogueBarrier = 3;
 
 // One tile: its rows and how many key blocks they need.
 struct FwdWork {

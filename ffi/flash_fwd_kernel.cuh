@@ -29,6 +29,12 @@
 #define JZYFA_KV_STAGES 2
 #endif
 
+// Epilogue through shared memory and a TMA store (1), or plain global stores from registers (0,
+// the measured default). A build can pick it (-DJZYFA_EPILOGUE_TMA=1) to measure it.
+#ifndef JZYFA_EPILOGUE_TMA
+#define JZYFA_EPILOGUE_TMA 0
+#endif
+
 namespace jzyfa {
 
 // Runtime arguments of one launch (the tensor maps travel as separate kernel parameters).
@@ -63,7 +69,10 @@ struct FwdTile {
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
   static constexpr int kKVSliceBytes = kBlockN * 128;
   static constexpr int kKVBytes = kKVSliceBytes * kSlices;  // one of K or V, one stage
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes;
+  // With the TMA-store epilogue each consumer also has an O tile (Q's size): Q itself is being
+  // refilled for the next tile while the epilogue runs.
+  static constexpr int kOBytes = JZYFA_EPILOGUE_TMA ? kQBytes : 0;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kOBytes;
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64");
@@ -132,7 +141,11 @@ template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdKernel(const __grid_constant__ CUtensorMap tmap_q,
                    const __grid_constant__ CUtensorMap tmap_k,
-                   const __grid_constant__ CUtensorMap tmap_v, const FwdArgs args) {
+                   const __grid_constant__ CUtensorMap tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                   const __grid_constant__ CUtensorMap tmap_o,
+#endif
+                   const FwdArgs args) {
   using Tile = FwdTile<kHeadDim>;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kSlices = Tile::kSlices;
@@ -146,6 +159,11 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
   auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
   auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * 2 * Tile::kKVBytes; };
   auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKVBytes; };
+#if JZYFA_EPILOGUE_TMA
+  auto smem_o = [&](int consumer) {
+    return smem_base + Tile::kQBytes + 2 * kStages * Tile::kKVBytes + consumer * Tile::kQConsumerBytes;
+  };
+#endif
 
   const int warpgroup = threadIdx.x / 128;
 
@@ -331,11 +349,31 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     // visible key have a zero sum: O = 0, LSE = -inf.
     Element* out = static_cast<Element*>(args.out);
     const int quad_col = 2 * (lane % 4);
+#if JZYFA_EPILOGUE_TMA
+    // O goes through this consumer's shared-memory tile, laid out as the TMA box (64-column
+    // slices, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one thread
+    // stores it with TMA, which also drops rows past seqlen_q.
+    const bool store_thread = threadIdx.x % 128 == 0;
+    if (store_thread) ptx::tma_store_wait_read<0>();  // the last tile's store has read the tile
+    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+    uint8_t* o_tile = smem_raw + (smem_o(consumer) - SmemAddress(smem_raw));
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = QuadSum(softmax.row_sum[h]);
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int row = first_row + 8 * h;
+#if JZYFA_EPILOGUE_TMA
+      const int tile_row = row - rows_start;
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        const int chunk = (c % 8) ^ (tile_row % 8);
+        *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
+                                     chunk * 16 + quad_col * 2) =
+            PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+      }
+      if (row >= args.seqlen_q) continue;
+#else
       if (row >= args.seqlen_q) continue;
       const int64_t out_row =
           ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
@@ -345,6 +383,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
         *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
             PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
       }
+#endif
       if (lane % 4 == 0) {
         const float lse =
             total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
@@ -353,7 +392,21 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                  row] = lse;
       }
     }
+#if JZYFA_EPILOGUE_TMA
+    (void)out;
+    ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
+    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+    if (store_thread) {
+      for (int s = 0; s < kSlices; ++s)
+        ptx::tma_store_4d(&tmap_o, smem_o(consumer) + s * Tile::kQSliceBytes, s * 64, rows_start,
+                          work.head, work.batch);
+      ptx::tma_store_commit();
+    }
+#endif
   }
+#if JZYFA_EPILOGUE_TMA
+  if (threadIdx.x % 128 == 0) ptx::tma_store_wait<0>();  // shared memory must outlive the stores
+#endif
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
