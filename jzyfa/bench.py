@@ -129,6 +129,11 @@ flags.DEFINE_integer("seed", 0, "Seed of the inputs.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON to this path.")
 flags.DEFINE_bool("markdown", False, "Print markdown tables (for docs/benchmarks.md).")
 flags.DEFINE_string("plot", None, "Write a PNG of TFLOP/s against sequence length per implementation here.")
+flags.DEFINE_string(
+    "replot",
+    None,
+    "Measure nothing: draw the --plot PNG from this JSON (an earlier run's --json_out) and print its tables.",
+)
 
 # What --smoke changes, unless the flag was given explicitly.
 _SMOKE_OVERRIDES = {
@@ -917,9 +922,27 @@ def _reserve_gpu_memory_for_torch() -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_MEMORY_FRACTION_WITH_TORCH)
 
 
+def replot(json_path: str, plot_path: str | None, markdown: bool) -> int:
+    """Tables (and a PNG, if plot_path) from a saved report: figures from a GPU run, drawn anywhere."""
+    with open(json_path) as f:
+        report = json.load(f)
+    results, env, config = report["results"], report["env"], report["config"]
+    print(format_markdown(results, env, config) if markdown else format_plain(results))
+    if plot_path:
+        try:
+            points = write_plot(results, env, config, plot_path)
+        except PlotUnavailable as e:
+            _log(f"no plot: {e}")
+            return 3
+        _log(f"wrote {plot_path} ({points} points)")
+    return 0
+
+
 def main(argv: Sequence[str]) -> int:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.replot:
+        return replot(FLAGS.replot, FLAGS.plot, FLAGS.markdown)
     _reserve_gpu_memory_for_torch()
     config = resolve_config()
     try:

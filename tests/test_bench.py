@@ -788,3 +788,20 @@ def test_board_power_reaches_json_and_tables(monkeypatch, watts):
     if ON_GPU:
         return
     assert other["status"] == "unsupported" and other["board_power_w"] is None
+
+
+def test_replot_draws_a_saved_report_without_measuring(tmp_path):
+    """--replot: the tables and the PNG of an earlier run's JSON, with no GPU and no timing."""
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "bench.json", tmp_path / "again.png"
+    run = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--shapes", "2x128,1x256", "--impls", "jzyfa,xla",
+           f"--json_out={out}"]  # fmt: skip
+    subprocess.run(run, check=True, capture_output=True, text=True)
+    saved = json.loads(out.read_text())
+    again = subprocess.run(
+        [sys.executable, "-m", "jzyfa.bench", f"--replot={out}", f"--plot={png}", "--markdown"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| jzyfa |" in again.stdout and "| xla |" in again.stdout
+    assert f"({len([r for r in saved['results'] if r['tflops'] is not None])} points)" in again.stderr
