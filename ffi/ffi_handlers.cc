@@ -45,6 +45,29 @@ ffi::Error CheckResults(const std::string& name, ffi::Span<const int64_t> qd,
   return ffi::Error::Success();
 }
 
+// The fields both kernels' parameters share, from the decoded buffers: q [B, Sq, Hq, D] and
+// k [B, Sk, Hkv, D], out, lse, the tile counter and the attributes.
+template <typename Params, typename Out>
+void SetCommonParams(Params& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, Out& out,
+                     ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& tile_counter, float softmax_scale,
+                     bool causal) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
+  p.batch = qd[0];
+  p.seqlen_q = qd[1];
+  p.heads_q = qd[2];
+  p.head_dim = qd[3];
+  p.seqlen_k = kd[1];
+  p.heads_kv = kd[2];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+}
+
 ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                  ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::Buffer<ffi::F32>> lse,
@@ -81,20 +104,8 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   if (results.failure()) return results;
 
   FlashFwdParams p;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
+  SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.v = v.untyped_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
-  p.tile_counter = tile_counter->typed_data();
-  p.batch = qd[0];
-  p.seqlen_q = qd[1];
-  p.heads_q = qd[2];
-  p.head_dim = qd[3];
-  p.seqlen_k = kd[1];
-  p.heads_kv = kd[2];
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
 
   std::string error = ValidateFlashFwd(p);
@@ -149,25 +160,13 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   if (descales.failure()) return descales;
 
   FlashFwdFp8Params p;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
+  SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.vt = vt.untyped_data();
   p.descale_q = descale_q.typed_data();
   p.descale_k = descale_k.typed_data();
   p.descale_v = descale_v.typed_data();
   p.descale_count = descale_q.element_count();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
-  p.tile_counter = tile_counter->typed_data();
-  p.batch = qd[0];
-  p.seqlen_q = qd[1];
-  p.heads_q = qd[2];
-  p.head_dim = qd[3];
-  p.seqlen_k = kd[1];
-  p.heads_kv = kd[2];
   p.seqlen_k_padded = vd[3];
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
   p.lean_p = lean_p;
 
   std::string error = ValidateFlashFwdFp8(p);
