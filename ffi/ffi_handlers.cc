@@ -120,8 +120,9 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
 // Descales: float32, one value or one per (batch, KV head); the same count for all three.
 ffi::Error CheckDescales(ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk,
                          ffi::Buffer<ffi::F32> dv, int64_t batch, int64_t heads_kv) {
-  const int64_t count = dq.element_count();
-  if (dk.element_count() != count || dv.element_count() != count ||
+  const int64_t count = static_cast<int64_t>(dq.element_count());
+  if (static_cast<int64_t>(dk.element_count()) != count ||
+      static_cast<int64_t>(dv.element_count()) != count ||
       (count != 1 && count != batch * heads_kv)) {
     return ffi::Error::InvalidArgument(
         "jzyfa_flash_attention_fp8_fwd: descale_q, descale_k and descale_v must each hold 1 or "
