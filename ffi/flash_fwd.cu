@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <string>
 
 #include "flash_fwd.h"
@@ -32,20 +31,6 @@ bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_
   return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
 }
 
-// The shared-memory opt-in is per device and kernel: set once for each (the template
-// parameters name the kernel; its function type is the same for all of them).
-template <typename Element, int kHeadDim>
-std::string AllowLargeSharedMemory(int device) {
-  static cudaError_t results[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    results[device] = cudaFuncSetAttribute(FlashFwdKernel<Element, kHeadDim>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           FwdTile<kHeadDim>::kDynamicSmemBytes);
-  });
-  return results[device] == cudaSuccess ? "" : CudaError("cudaFuncSetAttribute", results[device]);
-}
-
 template <typename Element, int kHeadDim>
 std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
@@ -55,7 +40,8 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
   if (!error.empty()) return error;
   const DeviceInfo& info = GetDeviceInfo(device);
   if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<Element, kHeadDim>(device);
+  error = AllowLargeSharedMemory<FlashFwdKernel<Element, kHeadDim>>(device,
+                                                                   Tile::kDynamicSmemBytes);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_v;

@@ -2,7 +2,6 @@
 // the persistent grid, and the two instantiations (lean P, exact P).
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <string>
 
 #include "flash_fwd.h"
@@ -11,18 +10,6 @@
 
 namespace jzyfa {
 namespace {
-
-template <bool kLeanP>
-std::string AllowLargeSharedMemoryFp8(int device) {
-  static cudaError_t results[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
-  std::call_once(once[device], [device] {
-    results[device] = cudaFuncSetAttribute(FlashFwdFp8Kernel<kLeanP>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Fp8Tile::kDynamicSmemBytes);
-  });
-  return results[device] == cudaSuccess ? "" : CudaError("cudaFuncSetAttribute", results[device]);
-}
 
 // [batch, seq, heads, 128] e4m3, boxes of the whole head dim (128 bytes) x `box_rows` rows.
 bool EncodeRowMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t seq, int64_t heads,
@@ -44,7 +31,7 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
   if (!error.empty()) return error;
   const DeviceInfo& info = GetDeviceInfo(device);
   if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemoryFp8<kLeanP>(device);
+  error = AllowLargeSharedMemory<FlashFwdFp8Kernel<kLeanP>>(device, Tile::kDynamicSmemBytes);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_vt;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 namespace jzyfa {
@@ -27,6 +28,19 @@ struct DeviceInfo {
 constexpr int kMaxDevices = 64;
 
 const DeviceInfo& GetDeviceInfo(int device);
+
+// The shared-memory opt-in of `kernel` for `bytes` of dynamic shared memory: per device and
+// kernel, so set once for each (the kernel is a template argument: all of ours share one type).
+template <auto kernel>
+std::string AllowLargeSharedMemory(int device, int bytes) {
+  static cudaError_t results[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  std::call_once(once[device], [device, bytes] {
+    results[device] =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  });
+  return results[device] == cudaSuccess ? "" : CudaError("cudaFuncSetAttribute", results[device]);
+}
 
 // The current device's ordinal, or why it cannot be used.
 std::string CurrentDevice(int* device);

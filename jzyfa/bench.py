@@ -922,20 +922,32 @@ def _reserve_gpu_memory_for_torch() -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", _JAX_MEMORY_FRACTION_WITH_TORCH)
 
 
+def _print_tables(results, env, config, markdown: bool) -> None:
+    if markdown:
+        print(format_markdown(results, env, config))
+    else:
+        print(header_line(env))
+        print(format_plain(results))
+
+
+def _write_plot(results, env, config, path: str) -> int:
+    """The PNG at path; 0, or 3 (the exit status) where matplotlib is missing."""
+    try:
+        points = write_plot(results, env, config, path)
+    except PlotUnavailable as e:
+        _log(f"no plot: {e}")
+        return 3
+    _log(f"wrote {path} ({points} points)")
+    return 0
+
+
 def replot(json_path: str, plot_path: str | None, markdown: bool) -> int:
     """Tables (and a PNG, if plot_path) from a saved report: figures from a GPU run, drawn anywhere."""
     with open(json_path) as f:
         report = json.load(f)
     results, env, config = report["results"], report["env"], report["config"]
-    print(format_markdown(results, env, config) if markdown else format_plain(results))
-    if plot_path:
-        try:
-            points = write_plot(results, env, config, plot_path)
-        except PlotUnavailable as e:
-            _log(f"no plot: {e}")
-            return 3
-        _log(f"wrote {plot_path} ({points} points)")
-    return 0
+    _print_tables(results, env, config, markdown)
+    return _write_plot(results, env, config, plot_path) if plot_path else 0
 
 
 def main(argv: Sequence[str]) -> int:
@@ -949,23 +961,14 @@ def main(argv: Sequence[str]) -> int:
         report = run(config)
     except ValueError as e:
         raise app.UsageError(str(e)) from e
-    if config["markdown"]:
-        print(format_markdown(report["results"], report["env"], config))
-    else:
-        print(header_line(report["env"]))
-        print(format_plain(report["results"]))
+    _print_tables(report["results"], report["env"], config, config["markdown"])
     if config["json_out"]:
         with open(config["json_out"], "w") as f:
             json.dump(_json_safe(report), f, indent=1, allow_nan=False)
             f.write("\n")
         _log(f"wrote {config['json_out']}")
     if config["plot"]:
-        try:
-            points = write_plot(report["results"], report["env"], config, config["plot"])
-        except PlotUnavailable as e:
-            _log(f"no plot: {e}")
-            return 3
-        _log(f"wrote {config['plot']} ({points} points)")
+        return _write_plot(report["results"], report["env"], config, config["plot"])
     return 0
 
 

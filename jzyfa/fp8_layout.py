@@ -29,9 +29,12 @@ import numpy as np
 KEY_GROUP = 32  # the k of one FP8 wgmma: the permutation repeats every 32 keys
 
 
-def physical_key(k: int | np.ndarray) -> np.ndarray:
-    """The key (0..31, inside its group) whose probability sits at logical k of the A fragment."""
-    k = np.asarray(k)
+def physical_key(k):
+    """The key (0..31, inside its group) whose probability sits at logical k of the A fragment.
+
+    Integer arithmetic only, so k may be a NumPy or a JAX array (traced functions must build the
+    permutation from iota rather than capture it: `custom_partitioning` refuses constants).
+    """
     high, rest = k // 16, k % 16
     quad, byte = rest // 4, rest % 4  # quad: t, the lane within the 4-lane row group
     return 16 * high + 8 * (byte // 2) + 2 * quad + byte % 2
@@ -41,12 +44,8 @@ KEY_PERMUTATION = physical_key(np.arange(KEY_GROUP))
 
 
 def _key_permutation() -> jax.Array:
-    """KEY_PERMUTATION computed by JAX ops (iota and integer arithmetic), not captured as a constant:
-    `custom_partitioning` traces the per-shard function and refuses closed-over constants."""
-    k = jnp.arange(KEY_GROUP, dtype=jnp.int32)
-    high, rest = k // 16, k % 16
-    quad, byte = rest // 4, rest % 4
-    return 16 * high + 8 * (byte // 2) + 2 * quad + byte % 2
+    """KEY_PERMUTATION as JAX ops, for traced code."""
+    return physical_key(jnp.arange(KEY_GROUP, dtype=jnp.int32))
 
 
 def padded_keys(seq_k: int) -> int:

@@ -25,7 +25,7 @@ from jax.interpreters import batching, mlir
 from jzyfa import sharding
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, value_from_operand
-from jzyfa.primitive import TILE_COUNTER
+from jzyfa.primitive import KERNEL_MAX_BATCH, KERNEL_MAX_SEQ_Q, TILE_COUNTER
 from jzyfa.primitive import _abstract_eval as _attention_abstract_eval
 
 FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
@@ -164,8 +164,8 @@ def fp8_kernel_config_problem(q8, k8, v8) -> str | None:
             f"the FP8 kernel needs head dim {FP8_KERNEL_HEAD_DIM} for q, k and v, "
             f"got {q8.shape[-1]}/{v8.shape[-1]}"
         )
-    if q8.shape[0] > 65535 or q8.shape[1] > 65535 * 128:
-        return "the FP8 kernel takes batch <= 65535 and seq_q <= 65535 * 128"
+    if q8.shape[0] > KERNEL_MAX_BATCH or q8.shape[1] > KERNEL_MAX_SEQ_Q:
+        return f"the FP8 kernel takes batch <= {KERNEL_MAX_BATCH} and seq_q <= {KERNEL_MAX_SEQ_Q}"
     return None
 
 

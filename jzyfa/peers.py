@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzyfa import api
+
 PRECISIONS = ("16-bit", "fp8")
 # jax.nn's XLA attention materialises the [B, Hq, Sq, Sk] scores; beyond this it is not attempted.
 XLA_SCORE_BYTES_LIMIT = 40 * 2**30
@@ -256,21 +258,9 @@ class Peer:
 # ---- jzyfa
 
 
-UNVERIFIED_FP8_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_KERNEL"  # jzyfa.api's gate of the FP8 kernel
-
-
-def _fp8_kernel_gated() -> bool:
-    """True while jzyfa refuses implementation="kernel" for FP8 (unverified, variable unset)."""
-    from jzyfa import api
-
-    return not api.fp8_kernel_enabled()
-
-
-def _fp8_kernel_unverified() -> bool:
-    """True until the FP8 kernel has passed its GPU tests: it runs only where the variable lifts the gate."""
-    from jzyfa import api
-
-    return not api.FP8_KERNEL_VERIFIED
+# jzyfa.api's gate of the FP8 kernel: until it has passed its GPU tests, only this variable lets
+# implementation="kernel" run it (and jzyfa's refusal names the variable).
+UNVERIFIED_FP8_KERNEL_ENV = api.UNVERIFIED_FP8_KERNEL_ENV
 
 
 class Jzyfa(Peer):
@@ -356,7 +346,6 @@ class Jzyfa(Peer):
         if not _on_gpu():  # the primitive's CPU lowering (16-bit) or the pure-JAX FP8 path
             return Built(self._call(problem, None), "pure-JAX (no GPU)")
         fp8 = self.precision == "fp8"
-        gated = fp8 and _fp8_kernel_gated()
         kernel = self._call(problem, "kernel")
         try:  # the kernel's checks run at trace time: nothing launches here
             jax.eval_shape(kernel, *self._abstract_args(problem))
@@ -370,16 +359,11 @@ class Jzyfa(Peer):
                         f"{message}; no fallback for lean_p=False: the pure-JAX FP8 path has no lean P, so it "
                         "would time what jzyfa_fp8[xla-fallback] times"
                     ) from e
-                if gated and f"{UNVERIFIED_FP8_KERNEL_ENV}=1" not in message:
-                    message += (
-                        f"; set {UNVERIFIED_FP8_KERNEL_ENV}=1 to time the FP8 kernel before it has passed "
-                        "its GPU tests"
-                    )
                 raise Unsupported(
                     f"{message}; --allow_xla_fallback times the pure-JAX FP8 path instead"
                 ) from e
             raise
-        if fp8 and _fp8_kernel_unverified():  # the gate was lifted by the environment variable
+        if fp8 and not api.FP8_KERNEL_VERIFIED:  # the gate was lifted by the environment variable
             return Built(kernel, "kernel (unverified)")
         return Built(kernel, "kernel")
 

@@ -36,7 +36,7 @@ flash_attention_shard_p = Primitive(FFI_TARGET + "_shard")
 flash_attention_shard_p.multiple_results = True
 
 
-# Launch-grid limits of the kernel (ffi/flash_fwd.cu): batch on grid z, 128-row query tiles on y.
+# Shape limits the kernels' launch code enforces (ffi/flash_fwd.cu, ffi/flash_fwd_fp8.cu).
 KERNEL_MAX_BATCH = 65535
 KERNEL_MAX_SEQ_Q = 65535 * 128
 

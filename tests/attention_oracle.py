@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jzyfa.quantize import fp8_quantize
+
 
 def random_qkv(
     rng: np.random.Generator,
@@ -26,6 +28,32 @@ def random_qkv(
     k = rng.standard_normal((batch, seq_k, heads_kv, head_dim))
     v = rng.standard_normal((batch, seq_k, heads_kv, head_dim_v))
     return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def random_fp8_qkv(
+    rng: np.random.Generator,
+    *,
+    batch: int = 1,
+    seq_q: int,
+    seq_k: int | None = None,
+    heads_q: int = 2,
+    heads_kv: int | None = None,
+    head_dim: int = 128,
+    granularity: str = "tensor",
+):
+    """random_qkv's inputs (float32) through `jzyfa.fp8_quantize`: ((q8, k8, v8), (dq, dk, dv)).
+
+    granularity="head" gives [B, Hkv] descales (q's shared by each KV head's query group).
+    """
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    q, k, v = random_qkv(
+        rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+        dtype=jnp.float32,
+    )  # fmt: skip
+    q8, dq = fp8_quantize(q, granularity, kv_heads=heads_kv if granularity == "head" else None)
+    k8, dk = fp8_quantize(k, granularity)
+    v8, dv = fp8_quantize(v, granularity)
+    return (q8, k8, v8), (dq, dk, dv)
 
 
 def visible_f64(seq_q: int, seq_k: int, *, causal: bool, window=None) -> np.ndarray:

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_oracle import random_fp8_qkv
 from gpu_utils import requires_hopper
 from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.quantize import fp8_quantize
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -30,15 +30,6 @@ LSE_TOLERANCE = 1e-3
 @pytest.fixture(autouse=True)
 def allow_unverified_kernel(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
-
-
-def quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity):
-    shapes = [(batch, seq_q, heads_q, 128), (batch, seq_k, heads_kv, 128), (batch, seq_k, heads_kv, 128)]
-    xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
-    q8, dq = fp8_quantize(xs[0], granularity, kv_heads=heads_kv if granularity == "head" else None)
-    k8, dk = fp8_quantize(xs[1], granularity)
-    v8, dv = fp8_quantize(xs[2], granularity)
-    return (q8, k8, v8), (dq, dk, dv)
 
 
 def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
@@ -83,7 +74,15 @@ def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
 def test_fp8_kernel_against_emulation_and_float64(
     rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
 ):
-    (q8, k8, v8), descales = quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity)
+    (q8, k8, v8), descales = random_fp8_qkv(
+        rng,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        granularity=granularity,
+    )
     out, lse = run_poisoned(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
@@ -116,7 +115,7 @@ def test_fp8_kernel_against_emulation_and_float64(
 
 
 def test_fp8_kernel_is_bitwise_deterministic(rng):
-    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 2, 1024, 1024, 8, 2, "tensor")
+    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, batch=2, seq_q=1024, heads_q=8, heads_kv=2)
     fn = jax.jit(
         functools.partial(
             jzyfa.flash_attention,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_oracle import random_fp8_qkv
 
 import jzyfa
 from jzyfa import api
@@ -16,20 +17,6 @@ from jzyfa.fp8_primitive import FFI_TARGET_FP8, flash_attention_fp8_kernel
 from jzyfa.quantize import fp8_quantize
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
-
-
-def quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, head_dim=128, granularity="tensor"):
-    shapes = [
-        (batch, seq_q, heads_q, head_dim),
-        (batch, seq_k, heads_kv, head_dim),
-        (batch, seq_k, heads_kv, head_dim),
-    ]
-    xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
-    kv_heads = heads_kv if granularity == "head" else None
-    q8, dq = fp8_quantize(xs[0], granularity, kv_heads=kv_heads)
-    k8, dk = fp8_quantize(xs[1], granularity)
-    v8, dv = fp8_quantize(xs[2], granularity)
-    return (q8, k8, v8), (dq, dk, dv)
 
 
 @pytest.mark.parametrize("lean_p", [True, False])
@@ -45,7 +32,15 @@ def quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, head_dim=128, granula
 def test_primitive_off_cuda_is_the_emulation(
     rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
 ):
-    (q8, k8, v8), descales = quantized(rng, batch, seq_q, seq_k, heads_q, heads_kv, granularity=granularity)
+    (q8, k8, v8), descales = random_fp8_qkv(
+        rng,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        granularity=granularity,
+    )
     scale = 128**-0.5
     out, lse = jax.jit(
         functools.partial(
@@ -67,7 +62,7 @@ def test_primitive_off_cuda_is_the_emulation(
 
 
 def test_mixed_descale_shapes_broadcast_to_per_head(rng):
-    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 2, 16, 16, 2, 2, granularity="head")
+    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, batch=2, seq_q=16, heads_q=2, granularity="head")
     mixed = (dq, jnp.float32(dk.max()), dv)
     out, _ = flash_attention_fp8_kernel(
         q8, k8, v8, mixed, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
@@ -79,7 +74,9 @@ def test_mixed_descale_shapes_broadcast_to_per_head(rng):
 
 
 def test_cuda_lowering_is_the_fp8_custom_call(rng):
-    (q8, k8, v8), descales = quantized(rng, 2, 40, 70, 4, 2, granularity="head")
+    (q8, k8, v8), descales = random_fp8_qkv(
+        rng, batch=2, seq_q=40, seq_k=70, heads_q=4, heads_kv=2, granularity="head"
+    )
     fn = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.125, causal=True, lean_p=False, kernel_required=True
     )
@@ -94,7 +91,7 @@ def test_cuda_lowering_is_the_fp8_custom_call(rng):
 
 
 def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
-    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 1, 16, 16, 2, 2)
+    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, seq_q=16, heads_q=2)
     call = functools.partial(jzyfa.flash_attention, descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
     monkeypatch.delenv(api.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
     with pytest.raises(ValueError, match="has not passed its GPU tests"):
@@ -137,7 +134,10 @@ def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, shapes, kwargs, m
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_vmap_folds_into_the_batch(rng, granularity):
     """vmap over a leading axis (per-element descales too) equals a loop over it."""
-    sets = [quantized(rng, 2, 24, 40, 2, 1, granularity=granularity) for _ in range(3)]
+    sets = [
+        random_fp8_qkv(rng, batch=2, seq_q=24, seq_k=40, heads_q=2, heads_kv=1, granularity=granularity)
+        for _ in range(3)
+    ]
     stack = lambda i: jnp.stack([s[0][i] for s in sets])
     stack_d = lambda i: jnp.stack([s[1][i] for s in sets])
     call = functools.partial(
@@ -153,7 +153,7 @@ def test_vmap_folds_into_the_batch(rng, granularity):
 
 
 def test_vmap_with_shared_descales_and_unmapped_kv(rng):
-    (q8, k8, v8), descales = quantized(rng, 1, 16, 32, 2, 2)
+    (q8, k8, v8), descales = random_fp8_qkv(rng, seq_q=16, seq_k=32, heads_q=2)
     qs = jnp.stack([q8, q8[:, ::-1]])
     call = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.1, causal=False, lean_p=False, kernel_required=False

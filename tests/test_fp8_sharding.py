@@ -5,29 +5,19 @@ with K/V; a sequence-sharded q is gathered."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_oracle import random_fp8_qkv
 from hlo_utils import collective_counts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
 
 from jzyfa.fp8_primitive import flash_attention_fp8_kernel
-from jzyfa.quantize import fp8_quantize
 
 NO_COLLECTIVES = dict.fromkeys(
     ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter"), 0
 )
-
-
-def quantized(rng, batch, seq, heads_q, heads_kv):
-    shapes = [(batch, seq, heads_q, 128), (batch, seq, heads_kv, 128), (batch, seq, heads_kv, 128)]
-    xs = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
-    q8, dq = fp8_quantize(xs[0], "head", kv_heads=heads_kv)
-    k8, dk = fp8_quantize(xs[1], "head")
-    v8, dv = fp8_quantize(xs[2], "head")
-    return (q8, k8, v8), (dq, dk, dv)
 
 
 def call(q8, k8, v8, dq, dk, dv, *, lean_p=True):
@@ -51,7 +41,9 @@ def test_batch_and_head_sharding_match_unsharded(
 ):
     mesh = cpu_mesh(shape, axes)
     batch = 8 if "data" in axes else 1
-    (q8, k8, v8), (dq, dk, dv) = quantized(rng, batch, 64, heads_q, heads_kv)
+    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(
+        rng, batch=batch, seq_q=64, heads_q=heads_q, heads_kv=heads_kv, granularity="head"
+    )
     shardings = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, d_spec, d_spec, d_spec)]
     sharded = jax.jit(call, in_shardings=shardings)
     lowered = sharded.lower(q8, k8, v8, dq, dk, dv)
@@ -67,7 +59,7 @@ def test_batch_and_head_sharding_match_unsharded(
 
 def test_sequence_sharded_q_is_gathered_and_correct(rng):
     mesh = cpu_mesh((4,), ("seq",))
-    (q8, k8, v8), (dq, dk, dv) = quantized(rng, 1, 128, 2, 2)
+    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, seq_q=128, heads_q=2, granularity="head")
     q_sharding = NamedSharding(mesh, P(None, "seq"))
     rest = [NamedSharding(mesh, P())] * 5
     sharded = jax.jit(functools.partial(call, lean_p=False), in_shardings=[q_sharding, *rest])

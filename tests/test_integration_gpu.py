@@ -7,7 +7,6 @@ overhead per call) are printed past pytest's capture, so they reach the log with
 
 import functools
 import re
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jzyfa
 from jzyfa import _extension
+from jzyfa.call_overhead import wall_us_per_call
 from jzyfa.primitive import FFI_TARGET
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
@@ -79,18 +79,6 @@ def test_command_buffers_capture_the_kernel_and_match_bitwise(rng, capsys):
     np.testing.assert_array_equal(np.asarray(graphs(q2, k2, v2)), np.asarray(plain(q2, k2, v2)))
 
 
-def microseconds_per_call(fn, *args, calls=2000) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    return best
-
-
 @pytest.mark.parametrize("options", [WITHOUT_GRAPHS, WITH_GRAPHS], ids=["thunks", "graphs"])
 def test_host_overhead_per_call(rng, options, capsys, record_property):
     """A tiny call is host-bound: its time over a trivial jitted op is the handler's host work."""
@@ -98,7 +86,9 @@ def test_host_overhead_per_call(rng, options, capsys, record_property):
     attention = jax.jit(functools.partial(jzyfa.flash_attention, causal=True, implementation="kernel"))
     attention = attention.lower(q, k, v).compile(compiler_options=options)
     trivial = jax.jit(lambda q, k, v: q + 1).lower(q, k, v).compile(compiler_options=options)
-    overhead = microseconds_per_call(attention, q, k, v) - microseconds_per_call(trivial, q, k, v)
+    overhead = wall_us_per_call(attention, (q, k, v), calls=2000, rounds=3) - wall_us_per_call(
+        trivial, (q, k, v), calls=2000, rounds=3
+    )
     # Printed past pytest's capture, so the number reaches the log without -s (and the JUnit XML).
     record_property("overhead_us_per_call", round(overhead, 2))
     with capsys.disabled():
