@@ -71,7 +71,8 @@ fi
 
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
-python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" 2>"$OUT_DIR/bench_progress.log" \
+timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" \
+  2>"$OUT_DIR/bench_progress.log" \
   | tee "$OUT_DIR/bench.md"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 # More configurations, one bench call each: JZYFA_BENCH_EXTRA="--nocausal;--heads 32 --kv_heads 8 --shapes 1x16384"
@@ -79,7 +80,8 @@ IFS=';' read -ra extra_runs <<< "${JZYFA_BENCH_EXTRA:-}"
 for i in "${!extra_runs[@]}"; do
   step "benchmark extra $i: ${extra_runs[$i]}"
   # shellcheck disable=SC2086
-  python3 -m jzyfa.bench --markdown --json_out "/tmp/bench_extra$i.json" ${extra_runs[$i]} \
+  timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "/tmp/bench_extra$i.json" \
+    ${extra_runs[$i]} \
     2>>"$OUT_DIR/bench_progress.log" | tee -a "$OUT_DIR/bench.md"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
