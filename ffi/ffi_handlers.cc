@@ -11,6 +11,7 @@
 #include <string>
 
 #include "flash_fwd.h"
+#include "fp8_value_operand.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -179,6 +180,49 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
+                               ffi::Result<ffi::AnyBuffer> vt) {
+  const std::string name = "jzyfa_fp8_value_operand: ";
+  for (ffi::DataType dtype : {v.element_type(), vt->element_type()}) {
+    if (dtype != ffi::DataType::F8E4M3FN) {
+      return ffi::Error::InvalidArgument(name + "v and vt must be float8_e4m3fn");
+    }
+  }
+  const auto vd = v.dimensions(), td = vt->dimensions();
+  if (vd.size() != 4) {
+    return ffi::Error::InvalidArgument(name + "v " + ShapeString(vd) +
+                                       " must be [batch, seq_k, heads_kv, head_dim]");
+  }
+  if (vd[3] != 128) {
+    return ffi::Error::InvalidArgument(name + "v's head_dim must be 128, got " +
+                                       std::to_string(vd[3]));
+  }
+  const int64_t padded = (vd[1] + 31) / 32 * 32;
+  if (td.size() != 4 || td[0] != vd[0] || td[1] != vd[2] || td[2] != vd[3] || td[3] != padded) {
+    const int64_t want[4] = {vd[0], vd[2], vd[3], padded};
+    return ffi::Error::InvalidArgument(
+        name + "vt " + ShapeString(td) + " must be [batch, heads_kv, head_dim, seq_k rounded up to "
+        "32] = " + ShapeString(ffi::Span<const int64_t>(want, 4)) + " for v " + ShapeString(vd));
+  }
+
+  Fp8ValueOperandParams p;
+  p.v = v.untyped_data();
+  p.vt = vt->untyped_data();
+  p.batch = vd[0];
+  p.seqlen_k = vd[1];
+  p.heads_kv = vd[2];
+  p.head_dim = vd[3];
+  p.seqlen_k_padded = td[3];
+
+  std::string error = ValidateFp8ValueOperand(p);
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = LaunchFp8ValueOperand(p, stream);
+  if (!error.empty()) return ffi::Error::Internal(name + error);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
@@ -211,6 +255,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")
                                   .Attr<bool>("lean_p"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
+                                  .Ret<ffi::AnyBuffer>(),  // vt, e4m3 [B, Hkv, 128, Sk']
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jzyfa

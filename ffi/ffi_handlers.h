@@ -15,6 +15,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFwd);
 // descale_v (f32) -> out (bf16), lse, tile counter; attributes softmax_scale, causal, lean_p.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8Fwd);
 
+// Custom-call target "jzyfa_fp8_value_operand": v e4m3 [batch, seq_k, heads_kv, 128] -> vt e4m3
+// [batch, heads_kv, 128, seq_k rounded up to 32], the FP8 kernel's V operand (jzyfa/fp8_layout.py).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8ValueOperand);
+
 // How many times the FlashAttentionFwd handler has executed in this process (every device,
 // every call site, failed calls included). Under XLA command buffers the handler runs only
 // when a graph is recorded or updated, not when it is replayed: tests count its runs to see

@@ -59,7 +59,9 @@ def fp8_value_operand(v: jax.Array) -> jax.Array:
     key 32 g + physical_key(k)).
 
     One XLA transpose-gather over V (its bytes once); the appended keys are masked in the kernel (their
-    probability is 0), and zeros keep 0 * V finite.
+    probability is 0), and zeros keep 0 * V finite. The FP8 path binds `fp8_primitive.fp8_value_operand_p`,
+    which on CUDA runs a kernel of ours (ffi/fp8_value_operand.cu, bitwise this function) instead of
+    XLA's fusion of it, and lowers to this function everywhere else.
     """
     if v.ndim != 4:
         raise ValueError(f"v must be [batch, seq_k, heads_kv, head_dim], got shape {v.shape}")

@@ -15,7 +15,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_ptx_generator import find_tool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -23,8 +22,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 
 
-# The translation units that hold kernels: the 16-bit forward and the FP8 forward.
-KERNEL_SOURCES = ("flash_fwd", "flash_fwd_fp8")
+# The translation units that hold kernels: the 16-bit forward, the FP8 forward and the FP8 kernel's
+# V-operand layout.
+KERNEL_SOURCES = ("flash_fwd", "flash_fwd_fp8", "fp8_value_operand")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_no_spills_and_no_wgmma_serialization(compiled):
 
 def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "Fp8" not in name}
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdKernel" in name}
     assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -105,7 +105,7 @@ def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
 
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "Fp8" in name}
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Kernel" in name}
     assert len(found) == 2, list(found)  # lean P, exact P
     for name, text in found.items():
         lean = "ILb1E" in name  # FlashFwdFp8Kernel<true>
@@ -122,6 +122,17 @@ def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
         else:
             assert exponentials >= 64, name
             assert "F2FP.SATFINITE.E4M3" in text, name
+
+
+def test_value_operand_kernel_moves_whole_rows_in_registers(compiled):
+    """ffi/fp8_value_operand.cu: 32 loads of a key row's word per lane, the byte transpose in PRMT,
+    eight 16-byte stores (two per V^T row: one 32-byte sector); no shared or local memory."""
+    _, sass = compiled
+    (text,) = [text for name, text in kernels(sass).items() if "Fp8ValueOperandKernel" in name]
+    assert len(re.findall(r"\bLDG\b", text)) == 32
+    assert len(re.findall(r"\bSTG\.E\.128\b", text)) == 8
+    assert len(re.findall(r"\bPRMT\b", text)) == 64  # 8 per 4 x 4 byte transpose
+    assert not re.search(r"\b(LDL|STL|LDS|STS|BAR)\b", text)
 
 
 def test_tma_store_epilogue_variant_builds(tmp_path):
