@@ -13,6 +13,12 @@
 //     float's low byte (no MUFU.EX2 in the loop); kLeanP = false rounds ex2.approx to e4m3 instead.
 //   - The row sum is the sum of exactly the rounded P~: V^T's tile is followed by 8 rows of e4m3
 //     ones, so the P V wgmma (N = 136) accumulates it in O's columns 128..135.
+//   - Two-level accumulation: FP8 wgmma adds into its accumulator with only ~14 significant bits
+//     (the products are aligned to the largest term, the accumulator included), so O and the row
+//     sums lose precision as they grow over many keys (measured: 9% error at 16K keys, 16% at 32K,
+//     against 5% for the same algorithm in float32). Every kPromoteBlocks key blocks a consumer
+//     adds its wgmma accumulator into a float32 copy of O in shared memory and the next P V
+//     starts from zero (scale-d = 0), as DeepSeek-V3 does for FP8 GEMMs.
 #pragma once
 
 #include <cuda.h>
@@ -55,6 +61,14 @@ struct Fp8Tile {
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr int kPvN = kHeadDim + 8;  // O's columns plus the row-sum columns
+#ifndef JZYFA_FP8_PROMOTE_BLOCKS
+#define JZYFA_FP8_PROMOTE_BLOCKS 8
+#endif
+  // Key blocks summed in the wgmma accumulator before it is added to O's float32 copy (32 wgmma
+  // k-steps). Measured at 32K keys (H200, docs/benchmarks.md): every 4 blocks costs 8.6% of the
+  // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
+  // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
+  static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS;
   // One byte per element: a 128-byte swizzle row holds the whole head dim (or 128 keys of V^T).
   static constexpr int kQConsumerBytes = kRowsPerConsumer * kHeadDim;
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
@@ -62,10 +76,14 @@ struct Fp8Tile {
   static constexpr int kVtBytes = kHeadDim * kBlockN;
   static constexpr int kOnesBytes = 8 * kBlockN;  // rows 128..135 of the P V B operand
   static constexpr int kStageBytes = kKBytes + kVtBytes + kOnesBytes;
-  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
+  // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
+  static constexpr int kOCopyBytes = kRowsPerConsumer * kPvN * 4;
+  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
+  static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
 };
 
@@ -198,13 +216,13 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
   auto smem_vt = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
 
   const int warpgroup = threadIdx.x / 128;
+  uint8_t* const smem_aligned = smem_raw + (smem_base - SmemAddress(smem_raw));
 
   // The ones below each stage's V^T tile (e4m3 1.0 = 0x38): written once, read by every P V.
   {
-    uint8_t* aligned = smem_raw + (smem_base - SmemAddress(smem_raw));
     for (int i = threadIdx.x; i < kStages * Tile::kOnesBytes / 4; i += Tile::kThreads) {
       const int stage = i / (Tile::kOnesBytes / 4), word = i % (Tile::kOnesBytes / 4);
-      reinterpret_cast<uint32_t*>(aligned + (smem_vt(stage) - smem_base) + Tile::kVtBytes)[word] =
+      reinterpret_cast<uint32_t*>(smem_aligned + (smem_vt(stage) - smem_base) + Tile::kVtBytes)[word] =
           0x38383838u;
     }
     ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
@@ -267,15 +285,23 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
   };
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8, keys contiguous; k-step j starts 32 bytes (keys) into each row.
-  auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage) {
+  // keep = 0 (warpgroup-uniform) starts the accumulator afresh after a promotion.
+  auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage, int keep) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kBlockN / 32; ++j) {
       const uint64_t desc_vt = SmemDescSw128(smem_vt(stage) + 32 * j, 16);
-      ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, 1);
+      ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
     }
     ptx::wgmma_commit_group();
   };
+
+  // This thread's part of O's float32 copy (see Fp8Tile::kOCopyBytes).
+  float4* const o_copy =
+      reinterpret_cast<float4*>(smem_aligned + Tile::kQBytes + kStages * Tile::kStageBytes +
+                                consumer * Tile::kOCopyBytes) +
+      threadIdx.x % 128;
+  constexpr int kOChunks = Tile::kPvN / 8;  // float4s per thread
 
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
@@ -291,13 +317,63 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     const float row_scale =
         (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
 
-    // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal).
+    // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal) are
+    //   o + (promoted ? o_copy * copy_scale : 0),
+    // o the wgmma accumulator (the key blocks since the last promotion), o_copy the float32 copy
+    // in shared memory, copy_scale a per-row power of two that takes the lazy rescales, so a
+    // rescale touches registers only. Accumulator value i belongs to row (i >> 1) & 1.
     float o[Tile::kPvN / 2];
+    bool promoted = false;
+    int pending = 0;  // key blocks in the accumulator (warpgroup-uniform)
+    float copy_scale[2] = {1.f, 1.f};
+    // o_copy += o / copy_scale: exact scaling (powers of two), one FFMA per value.
+    auto promote = [&]() {
+      const float inv0 = promoted ? __frcp_rn(copy_scale[0]) : 1.f;
+      const float inv1 = promoted ? __frcp_rn(copy_scale[1]) : 1.f;
+      if (!promoted) copy_scale[0] = copy_scale[1] = 1.f;
 #pragma unroll
-    for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
+      for (int c = 0; c < kOChunks; ++c) {
+        const float4 kept = promoted ? o_copy[c * 128] : make_float4(0.f, 0.f, 0.f, 0.f);
+        o_copy[c * 128] = make_float4(fmaf(o[4 * c], inv0, kept.x), fmaf(o[4 * c + 1], inv0, kept.y),
+                                      fmaf(o[4 * c + 2], inv1, kept.z), fmaf(o[4 * c + 3], inv1, kept.w));
+      }
+      promoted = true;
+    };
+    // Every kPromoteBlocks blocks, before the next P V (which then overwrites the accumulator),
+    // and once after the first block: an attention sink (a huge P at key 0) would otherwise set
+    // the accumulator's scale for the blocks after it. Issued inside the wgmma turn, right after
+    // Q K^T, while the tensor cores are busy. `promoted` changes only here: warpgroup-uniform.
+    auto promote_if_due = [&]() {
+      if (pending == Tile::kPromoteBlocks || (pending == 1 && !promoted)) {
+        promote();
+        pending = 0;
+      }
+    };
+    // A rescale by alpha (powers of two, or 0 for a row's first visible key).
+    auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+      if (!promoted) return;
+      copy_scale[0] *= alpha[0];
+      copy_scale[1] *= alpha[1];
+      // Keep 1 / copy_scale finite and exact: rarely (r moved 2^64 since the copy began), fold
+      // the scale into the copy.
+      auto out_of_range = [](float x) { return !(x >= 0x1p-64f && x <= 0x1p64f); };
+      if (out_of_range(copy_scale[0]) || out_of_range(copy_scale[1])) {
+#pragma unroll
+        for (int c = 0; c < kOChunks; ++c) {
+          const float4 kept = o_copy[c * 128];
+          o_copy[c * 128] = make_float4(kept.x * copy_scale[0], kept.y * copy_scale[0],
+                                        kept.z * copy_scale[1], kept.w * copy_scale[1]);
+        }
+        copy_scale[0] = copy_scale[1] = 1.f;
+      }
+    };
     Fp8OnlineSoftmax<kLeanP> softmax;
 
     if (work.num_blocks == 0) {
+#pragma unroll
+      for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
       release(bars.q_empty);
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
@@ -333,8 +409,9 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
         begin_turn();
         issue_qk(s_acc, cur.stage);
+        promote_if_due();  // while the tensor cores run this Q K^T
         ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-        issue_pv(o, p_prev, prev.stage);
+        issue_pv(o, p_prev, prev.stage, pending > 0);
         end_turn();
         ptx::wgmma_wait_group<1>();
         FenceRegisters(s_acc);
@@ -344,10 +421,8 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         FenceRegisters(o);
         release(bars.v_empty[prev.stage]);
         // Lazy rescale: r rarely changes, and then by an exact power of two (sums included).
-        if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-        }
+        if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) rescale(alpha);
+        ++pending;
       };
       for (int block = 1; block < work.num_blocks; block += 2) {
         iteration(block, p_even, p_odd);
@@ -358,16 +433,27 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
       const Slot last(ring + last_block);
       ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
       begin_turn();
+      promote_if_due();
       if (last_block % 2 == 0) {
-        issue_pv(o, p_even, last.stage);
+        issue_pv(o, p_even, last.stage, pending > 0);
       } else {
-        issue_pv(o, p_odd, last.stage);
+        issue_pv(o, p_odd, last.stage, pending > 0);
       }
       end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
       release(bars.v_empty[last.stage]);
       ring += work.num_blocks;
+      if (promoted) {
+#pragma unroll
+        for (int c = 0; c < kOChunks; ++c) {
+          const float4 kept = o_copy[c * 128];
+          o[4 * c] = fmaf(kept.x, copy_scale[0], o[4 * c]);
+          o[4 * c + 1] = fmaf(kept.y, copy_scale[0], o[4 * c + 1]);
+          o[4 * c + 2] = fmaf(kept.z, copy_scale[1], o[4 * c + 2]);
+          o[4 * c + 3] = fmaf(kept.w, copy_scale[1], o[4 * c + 3]);
+        }
+      }
     }
 
     // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):

@@ -72,10 +72,10 @@ def choose_path(
     return Path.REFERENCE
 
 
-# The FP8 kernel is built and its SASS checked in CI, but it has not yet run on a GPU. Until its GPU
-# tests (tests/test_fp8_kernel_gpu.py) pass and this is set True, implementation=None keeps FP8 calls
-# on the exact pure-JAX path and implementation="kernel" runs it only with this variable set to 1.
-FP8_KERNEL_VERIFIED = False
+# The FP8 kernel passed its GPU tests on an H200 on 2026-11-30 (tests/test_fp8_kernel_gpu.py: against
+# its emulation and float64, poisoned outputs, rows with no key, bitwise reruns). Set False to send
+# FP8 calls back to the exact pure-JAX path (implementation="kernel" then needs the variable below).
+FP8_KERNEL_VERIFIED = True
 UNVERIFIED_FP8_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_KERNEL"
 
 

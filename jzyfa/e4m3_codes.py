@@ -131,7 +131,14 @@ def decode(codes: jax.Array) -> jax.Array:
 def round_to_e4m3(x: jax.Array) -> jax.Array:
     """Nearest e4m3fn value (ties to even, subnormals kept), saturating at 448, as float32.
 
-    The kernel's `cvt.rn.satfinite.e4m3x2.f32`; x >= 0 here, and the clip stands in for satfinite
-    (a plain conversion turns values past 464 into NaN).
+    The kernel's `cvt.rn.satfinite.e4m3x2.f32`; x >= 0 here. Computed with float32 arithmetic and
+    `reduce_precision` rather than a round trip through float8: XLA's GPU backend may drop such a
+    round trip (excess precision) in some consumers of the result and keep it in others, which made
+    the emulation's O and row sums disagree there.
     """
-    return jnp.clip(x, 0.0, FP8_MAX).astype(FP8_DTYPE).astype(jnp.float32)
+    x = jnp.clip(x, 0.0, FP8_MAX)
+    # Normal range: three mantissa bits (five exponent bits keep 2^-6 .. 448 normal and finite).
+    normal = lax.reduce_precision(x, exponent_bits=5, mantissa_bits=3)
+    # Below 2^-6 e4m3fn is subnormal: multiples of 2^-9 (jnp.round ties to even; the scalings are exact).
+    subnormal = jnp.round(x * 2.0**9) * 2.0**-9
+    return jnp.where(x < 2.0**-6, subnormal, normal)

@@ -193,7 +193,7 @@ BAD_CALLS = [
         r"descale_v must have shape \(\), \(1,\) or",
     ),
     (FP8_QKV, dict(FP8_DESCALES, descale_q=spec((), BF16)), TypeError, "descale_q must be float32"),
-    (FP8_QKV, dict(FP8_DESCALES, implementation="kernel"), ValueError, "FP8 kernel has not passed its GPU"),
+    (FP8_QKV, dict(FP8_DESCALES, implementation="kernel"), ValueError, "FP8 kernel needs head dim 128"),
     (dict(q=spec((2, 8, 4, 64), FP8)), {}, TypeError, "q, k and v must share a dtype"),
 ]
 

@@ -14,7 +14,7 @@ from absl import flags
 from attention_oracle import naive_attention_f64, random_qkv
 
 import jzyfa
-from jzyfa import _timing, bench, peers
+from jzyfa import _timing, api, bench, peers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -388,10 +388,11 @@ def test_pallas_arguments_prescale_q_in_f16():
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, allow):
-    """On a GPU (faked here) the FP8 peer asks for the kernel; while the FP8 kernel is gated:
-    unsupported (saying how to lift the gate), or with --allow_xla_fallback the pure-JAX path under
-    a name that says so."""
+    """On a GPU (faked here) the FP8 peer asks for the kernel; with the kernel gated off
+    (jzyfa.api.FP8_KERNEL_VERIFIED = False): unsupported (saying how to lift the gate), or with
+    --allow_xla_fallback the pure-JAX path under a name that says so."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(api, "FP8_KERNEL_VERIFIED", False)
     monkeypatch.delenv(peers.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
     problem = bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8")
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)

@@ -90,19 +90,24 @@ def test_cuda_lowering_is_the_fp8_custom_call(rng):
     assert re.search(r"softmax_scale = 1.250*e-01 : f32", call)
 
 
-def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
+def test_kernel_gate(rng, monkeypatch):
+    """FP8_KERNEL_VERIFIED (on since the kernel passed its GPU tests) is a kill switch: off, FP8
+    calls stay on the exact pure-JAX path and implementation="kernel" needs the variable."""
     (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, seq_q=16, heads_q=2)
     call = functools.partial(jzyfa.flash_attention, descale_q=dq, descale_k=dk, descale_v=dv, causal=True)
     monkeypatch.delenv(api.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
-    with pytest.raises(ValueError, match="has not passed its GPU tests"):
-        call(q8, k8, v8, implementation="kernel")
-    # implementation=None stays on the exact pure-JAX path while the kernel is unverified.
-    assert api.choose_fp8_path(q8, k8, v8, True, None, None) is api.Path.REFERENCE
-    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    assert api.FP8_KERNEL_VERIFIED
     assert api.choose_fp8_path(q8, k8, v8, True, None, "kernel") is api.Path.KERNEL_REQUIRED
     # Lowered for the CPU, a required kernel is an error, as for 16-bit inputs.
     with pytest.raises(ValueError, match="non-CUDA platform"):
         call(q8, k8, v8, implementation="kernel")
+
+    monkeypatch.setattr(api, "FP8_KERNEL_VERIFIED", False)
+    with pytest.raises(ValueError, match="has not passed its GPU tests"):
+        call(q8, k8, v8, implementation="kernel")
+    assert api.choose_fp8_path(q8, k8, v8, True, None, None) is api.Path.REFERENCE
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    assert api.choose_fp8_path(q8, k8, v8, True, None, "kernel") is api.Path.KERNEL_REQUIRED
 
 
 @pytest.mark.parametrize(
