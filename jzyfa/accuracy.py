@@ -34,8 +34,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from jzyfa import peers, realistic_inputs
 

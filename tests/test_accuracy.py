@@ -144,7 +144,9 @@ def test_dequant_exact_per_kv_head_is_the_whole_call(granularity):
     is that of one call over all heads (GQA: each KV head with its query heads)."""
     import jzyfa
 
-    q, k, v = realistic_inputs.make_qkv("activations", 1, batch=2, seq_q=64, heads_q=4, heads_kv=2, head_dim=32)
+    q, k, v = realistic_inputs.make_qkv(
+        "activations", 1, batch=2, seq_q=64, heads_q=4, heads_kv=2, head_dim=32
+    )
     setting = accuracy.Setting(causal=True, softmax_scale=1 / math.sqrt(32), granularity=granularity)
     out, lse = accuracy.VARIANTS["fp8_dequant_exact"].run(q, k, v, setting)
     f = accuracy._quantized(q, k, v, setting, False)
@@ -152,7 +154,9 @@ def test_dequant_exact_per_kv_head_is_the_whole_call(granularity):
         f.q, f.k, f.v, descale_q=f.descale_q, descale_k=f.descale_k, descale_v=f.descale_v, causal=True,
         softmax_scale=setting.softmax_scale, return_lse=True, implementation="xla",
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want_out, np.float32), rtol=1e-2, atol=1e-3
+    )
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
 
 
