@@ -258,8 +258,8 @@ class Peer:
 # ---- jzyfa
 
 
-# jzyfa.api's gate of the FP8 kernel: until it has passed its GPU tests, only this variable lets
-# implementation="kernel" run it (and jzyfa's refusal names the variable).
+# jzyfa.api's kill switch of the FP8 kernel: with FP8_KERNEL_VERIFIED set False, only this variable
+# lets implementation="kernel" run it (and jzyfa's refusal names the variable).
 UNVERIFIED_FP8_KERNEL_ENV = api.UNVERIFIED_FP8_KERNEL_ENV
 
 
