@@ -124,15 +124,21 @@ def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
             assert "F2FP.SATFINITE.E4M3" in text, name
 
 
-def test_value_operand_kernel_moves_whole_rows_in_registers(compiled):
-    """ffi/fp8_value_operand.cu: 32 loads of a key row's word per lane, the byte transpose in PRMT,
-    eight 16-byte stores (two per V^T row: one 32-byte sector); no shared or local memory."""
+def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
+    """ffi/fp8_value_operand.cu: per thread four 16-byte evict-first loads of key rows into shared
+    memory, sixteen conflict-free 4-byte shared loads, the byte transpose in PRMT (8 per 4 x 4
+    bytes), four 16-byte shared stores of V^T rows, then four 16-byte loads of them and four 16-byte
+    global stores; two barriers, no local memory."""
     _, sass = compiled
     (text,) = [text for name, text in kernels(sass).items() if "Fp8ValueOperandKernel" in name]
-    assert len(re.findall(r"\bLDG\b", text)) == 32
-    assert len(re.findall(r"\bSTG\.E\.128\b", text)) == 8
-    assert len(re.findall(r"\bPRMT\b", text)) == 64  # 8 per 4 x 4 byte transpose
-    assert not re.search(r"\b(LDL|STL|LDS|STS|BAR)\b", text)
+    assert len(re.findall(r"\bLDG\b", text)) == len(re.findall(r"\bLDG\.E\.EF\.128\b", text)) == 4
+    assert len(re.findall(r"\bSTG\b", text)) == len(re.findall(r"\bSTG\.E\.128\b", text)) == 4
+    assert len(re.findall(r"\bSTS\b", text)) == len(re.findall(r"\bSTS\.128\b", text)) == 8
+    assert len(re.findall(r"\bLDS\.128\b", text)) == 4
+    assert len(re.findall(r"\bLDS\s", text)) == 16  # 32-bit: one word of a key row per lane
+    assert len(re.findall(r"\bPRMT\b", text)) == 32
+    assert len(re.findall(r"\bBAR\.SYNC\b", text)) == 2
+    assert not re.search(r"\b(LDL|STL)\b", text)
 
 
 def test_tma_store_epilogue_variant_builds(tmp_path):
