@@ -131,4 +131,6 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
   return bf16 ? Launch<__nv_bfloat16, 128>(p, stream) : Launch<__half, 128>(p, stream);
 }
 
+std::string ReadFlashFwdTimeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }
+
 }  // namespace jzyfa

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace jzyfa {
 
@@ -77,5 +78,11 @@ std::string LaunchFlashFwd(const FlashFwdParams& params, cudaStream_t stream);
 // The same for the FP8 kernel.
 std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& params);
 std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& params, cudaStream_t stream);
+
+// The consumer-loop timestamps of the last runs (ffi/kernel_timeline.cuh, tools/kernel_timeline.py),
+// [cta][consumer][iteration][event] SM clocks, zeroed after reading; an error unless built with
+// -DJZYFA_TIMELINE=1.
+std::string ReadFlashFwdTimeline(std::vector<uint64_t>* out);
+std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out);
 
 }  // namespace jzyfa

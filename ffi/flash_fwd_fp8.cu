@@ -115,4 +115,6 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   return p.lean_p ? Launch<true>(p, stream) : Launch<false>(p, stream);
 }
 
+std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }
+
 }  // namespace jzyfa

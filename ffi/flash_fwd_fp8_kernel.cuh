@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "flash_fwd_common.cuh"
+#include "kernel_timeline.cuh"
 #include "sm90_mma.cuh"
 
 namespace jzyfa {
@@ -82,7 +83,11 @@ struct Fp8Tile {
   // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
   // consumers' 232 registers without spilling (8 spills).
 #ifndef JZYFA_FP8_REG_COPY_CHUNKS
+#if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
+#define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
+#else
 #define JZYFA_FP8_REG_COPY_CHUNKS 7
+#endif
 #endif
   static constexpr int kRegCopyChunks = JZYFA_FP8_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
@@ -312,6 +317,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
+  TimelineRecorder timeline(consumer);  // no code unless built with JZYFA_TIMELINE (kernel_timeline.cuh)
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -427,23 +433,32 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
 
       auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
+        timeline.Mark(kIterationStart);
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
+        timeline.Mark(kKeysReady);
         begin_turn();
+        timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
         promote_if_due();  // while the tensor cores run this Q K^T
         ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         issue_pv(o, p_prev, prev.stage, pending > 0);
         end_turn();
+        timeline.Mark(kIssued);
         ptx::wgmma_wait_group<1>();
         FenceRegisters(s_acc);
+        timeline.Mark(kScoresLanded);
         after_qk(block, cur.stage);
         softmax_step(s_acc, p_next, alpha, block);
+        timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);
+        timeline.Mark(kOutputLanded);
         release(bars.v_empty[prev.stage]);
         // Lazy rescale: r rarely changes, and then by an exact power of two (sums included).
         if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) rescale(alpha);
         ++pending;
+        timeline.Mark(kIterationEnd);
+        timeline.Next();
       };
       for (int block = 1; block < work.num_blocks; block += 2) {
         iteration(block, p_even, p_odd);

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "flash_fwd_common.cuh"
+#include "kernel_timeline.cuh"
 #include "sm90_mma.cuh"
 
 // K/V ring depth. 2 fits every head dim; 3 fits hd128 too (225 KB of shared memory). A
@@ -247,6 +248,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     ptx::wgmma_commit_group();
   };
 
+  TimelineRecorder timeline(consumer);  // no code unless built with JZYFA_TIMELINE (kernel_timeline.cuh)
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -303,18 +305,25 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       auto iteration = [&](int block, const uint32_t (&p_prev)[kBlockN / 16][4],
                            uint32_t (&p_next)[kBlockN / 16][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
+        timeline.Mark(kIterationStart);
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
+        timeline.Mark(kKeysReady);
         begin_turn();
+        timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
         ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         issue_pv(o, p_prev, prev.stage);
         end_turn();
+        timeline.Mark(kIssued);
         ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
         FenceRegisters(s_acc);
+        timeline.Mark(kScoresLanded);
         after_qk(block, cur.stage);
         softmax_step(s_acc, p_next, correction, block);
+        timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);
+        timeline.Mark(kOutputLanded);
         release(bars.v_empty[prev.stage]);
         // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
         // this saves the work, never changes a bit). The branch is warp-uniform.
@@ -322,6 +331,8 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 #pragma unroll
           for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= correction[(i >> 1) & 1];
         }
+        timeline.Mark(kIterationEnd);
+        timeline.Next();
       };
       for (int block = 1; block < work.num_blocks; block += 2) {
         iteration(block, p_even, p_odd);

@@ -1,8 +1,15 @@
 // The nanobind module `jzyfa._jzyfa_ffi`: hands JAX the FFI handler capsules, and reads the
 // handler-call counter (tests use it to tell a command-buffer replay from a handler run).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "ffi_handlers.h"
+#include "flash_fwd.h"
 
 namespace nb = nanobind;
 
@@ -27,4 +34,21 @@ NB_MODULE(_jzyfa_ffi, m) {
   m.def(
       "handler_calls", []() { return jzyfa::HandlerCalls(); },
       "How many times the jzyfa_flash_attention_fwd handler has executed in this process.");
+  m.def(
+      "kernel_timeline",
+      [](const std::string& kernel) {
+        std::vector<uint64_t> stamps;
+        std::string error;
+        if (kernel == "fp8") {
+          error = jzyfa::ReadFlashFwdFp8Timeline(&stamps);
+        } else if (kernel == "16bit") {
+          error = jzyfa::ReadFlashFwdTimeline(&stamps);
+        } else {
+          throw nb::value_error("kernel must be 'fp8' or '16bit'");
+        }
+        if (!error.empty()) throw std::runtime_error("kernel_timeline: " + error);
+        return nb::bytes(reinterpret_cast<const char*>(stamps.data()), stamps.size() * sizeof(uint64_t));
+      },
+      "SM-clock timestamps of the kernel's consumer loops (ffi/kernel_timeline.cuh), uint64 bytes "
+      "[cta][consumer][iteration][event]; zeroed after reading. Needs a -DJZYFA_TIMELINE=1 build.");
 }

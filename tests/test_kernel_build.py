@@ -29,16 +29,22 @@ KERNEL_SOURCES = ("flash_fwd", "flash_fwd_fp8", "fp8_value_operand")
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kernel")
+    nvcc, cuobjdump, env = toolchain(tmp)
+    reports, sass = zip(*(compile_kernels(nvcc, cuobjdump, env, tmp, source) for source in KERNEL_SOURCES))
+    return "\n".join(reports), "\n".join(sass)
+
+
+def toolchain(tmp):
+    """(nvcc, cuobjdump, environment for cuobjdump), with the generated PTX header written to tmp."""
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
     assert nvcc, "nvcc not found: install the CUDA toolkit (or set JZYFA_SKIP_NVCC=1)"
     assert cuobjdump, "cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
-    tmp = tmp_path_factory.mktemp("kernel")
     subprocess.run(
         [sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(tmp / "jzyfa_ptx.h")], check=True
     )
     env = dict(os.environ, PATH=f"{pathlib.Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    reports, sass = zip(*(compile_kernels(nvcc, cuobjdump, env, tmp, source) for source in KERNEL_SOURCES))
-    return "\n".join(reports), "\n".join(sass)
+    return nvcc, cuobjdump, env
 
 
 def compile_kernels(nvcc, cuobjdump, env, tmp, source: str, defines: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -143,11 +149,7 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
 
 def test_tma_store_epilogue_variant_builds(tmp_path):
     """The measurable alternative epilogue (-DJZYFA_EPILOGUE_TMA=1): no spills, a TMA store per slice."""
-    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
-    subprocess.run(
-        [sys.executable, str(REPO / "asm" / "gen_ptx.py"), "--out", str(tmp_path / "jzyfa_ptx.h")], check=True
-    )
-    env = dict(os.environ, PATH=f"{pathlib.Path(cuobjdump).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd", ("JZYFA_EPILOGUE_TMA=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
@@ -155,3 +157,15 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
     for name, text in kernels(sass).items():
         slices = 2 if "Li128E" in name else 1
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == slices, name
+
+
+@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_fp8"])
+def test_timeline_variant_builds(tmp_path, source):
+    """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop."""
+    nvcc, cuobjdump, env = toolchain(tmp_path)
+    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert frames and all(f == ("0", "0", "0") for f in frames), report
+    for name, text in kernels(sass).items():
+        # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.
+        assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name

@@ -69,6 +69,19 @@ if [ -n "${JZYFA_OVERHEAD:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_TIMELINE_RUNS:-}" ]; then
+  # Where a key block's time goes (needs CUDAFLAGS=-DJZYFA_TIMELINE=1 for the build above), e.g.
+  # JZYFA_TIMELINE_RUNS="--dtype fp8 --seq 32768;--dtype bf16 --seq 16384".
+  IFS=';' read -ra timeline_runs <<< "${JZYFA_TIMELINE_RUNS}"
+  for run in "${timeline_runs[@]}"; do
+    step "kernel timeline: $run"
+    # shellcheck disable=SC2086
+    timeout 120 python3 "$REPO/tools/kernel_timeline.py" $run 2>&1 | grep -v "Unable to initialize backend" \
+      | tee -a "$OUT_DIR/timeline.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+fi
+
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" \

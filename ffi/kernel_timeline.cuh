@@ -1,0 +1,88 @@
+// Optional timestamps of the attention kernels' consumer loops, for finding where a key block's
+// time goes (tools/kernel_timeline.py). Off by default: built without -DJZYFA_TIMELINE=1 every
+// call below compiles to nothing and the kernels' SASS is unchanged.
+//
+// With it, thread 0 of each consumer warpgroup of the first kCtas CTAs writes the SM clock
+// (clock64) at fixed points of each steady-state key-block iteration (TimelineEvent) into a
+// __device__ array, one row of kEvents per iteration, for its first kIterations iterations
+// across tiles. Each translation unit that includes this header has its own array (internal
+// linkage) and reads it back with ReadTimeline (host code in the same .cu file).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace jzyfa {
+
+struct TimelineLayout {
+  static constexpr int kCtas = 4;
+  static constexpr int kConsumers = 2;
+  static constexpr int kIterations = 2048;
+  static constexpr int kEvents = 8;
+  static constexpr int kSlots = kCtas * kConsumers * kIterations * kEvents;
+};
+
+// Points of one iteration (block b: Q K^T of b and P V of b - 1), in program order.
+enum TimelineEvent : int {
+  kIterationStart = 0,  // before waiting for block b's K
+  kKeysReady = 1,       // K of block b has landed
+  kTurnHeld = 2,        // this consumer's wgmma turn begins
+  kIssued = 3,          // Q K^T and P V issued, turn handed over
+  kScoresLanded = 4,    // Q K^T of block b complete
+  kSoftmaxDone = 5,     // P of block b packed
+  kOutputLanded = 6,    // P V of block b - 1 complete
+  kIterationEnd = 7,    // after the rescale / bookkeeping
+};
+
+#if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
+static __device__ uint64_t g_timeline[TimelineLayout::kSlots];
+
+class TimelineRecorder {
+ public:
+  __device__ explicit TimelineRecorder(int consumer) {
+    if (blockIdx.x < TimelineLayout::kCtas && threadIdx.x % 128 == 0) {
+      row_ = g_timeline + (static_cast<int64_t>(blockIdx.x) * TimelineLayout::kConsumers + consumer) *
+                              TimelineLayout::kIterations * TimelineLayout::kEvents;
+    }
+  }
+  __device__ void Mark(TimelineEvent event) {
+    if (row_ != nullptr && iteration_ < TimelineLayout::kIterations) {
+      row_[iteration_ * TimelineLayout::kEvents + event] = clock64();
+    }
+  }
+  __device__ void Next() { ++iteration_; }
+
+ private:
+  uint64_t* row_ = nullptr;
+  int iteration_ = 0;
+};
+
+// Copies the array to `out` and zeroes it for the next run (host code; stream-ordered after the
+// kernels on the legacy default stream, so synchronize the work of interest first).
+static inline std::string ReadTimeline(std::vector<uint64_t>* out) {
+  out->assign(TimelineLayout::kSlots, 0);
+  cudaError_t err = cudaMemcpyFromSymbol(out->data(), g_timeline, sizeof(uint64_t) * out->size());
+  if (err == cudaSuccess) {
+    const std::vector<uint64_t> zeros(TimelineLayout::kSlots, 0);
+    err = cudaMemcpyToSymbol(g_timeline, zeros.data(), sizeof(uint64_t) * zeros.size());
+  }
+  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
+}
+#else
+class TimelineRecorder {
+ public:
+  __device__ explicit TimelineRecorder(int) {}
+  __device__ void Mark(TimelineEvent) {}
+  __device__ void Next() {}
+};
+
+static inline std::string ReadTimeline(std::vector<uint64_t>* out) {
+  out->clear();
+  return "jzyfa was built without -DJZYFA_TIMELINE=1 (set CUDAFLAGS=-DJZYFA_TIMELINE=1 and rebuild)";
+}
+#endif
+
+}  // namespace jzyfa

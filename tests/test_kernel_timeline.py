@@ -1,0 +1,73 @@
+"""tools/kernel_timeline.py's summary of the kernels' consumer-loop timestamps (synthetic stamps);
+the extension's reader refuses clearly when the timeline is not compiled in."""
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    spec = importlib.util.spec_from_file_location("kernel_timeline", REPO / "tools" / "kernel_timeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic(timeline, steps, iterations, tile_gap_every=0):
+    """Stamps whose phases last `steps` cycles, iterations back to back (plus a long gap every
+    `tile_gap_every` iterations), for CTA 0 and 1, both consumers; the rest unrecorded (zeros)."""
+    stamps = np.zeros((timeline.CTAS, timeline.CONSUMERS, timeline.ITERATIONS, timeline.EVENTS), np.uint64)
+    for cta in range(2):
+        for consumer in range(2):
+            t = 1000 + 7 * cta + consumer
+            for i in range(iterations):
+                if tile_gap_every and i and i % tile_gap_every == 0:
+                    t += 100_000
+                row = np.cumsum([t, *steps])
+                stamps[cta, consumer, i] = row
+                t = int(row[-1]) + 5  # the next iteration starts 5 cycles after this one ends
+    return stamps
+
+
+def test_summary_recovers_the_phases(timeline):
+    steps = [10, 20, 300, 40, 500, 60, 70]
+    summary = timeline.summarize(synthetic(timeline, steps, iterations=50, tile_gap_every=10))
+    assert summary["iterations"] == 4 * 50
+    assert list(summary["phases"].values()) == steps
+    assert summary["period"] == sum(steps) + 5
+    assert summary["tile_gaps"] == 4 * 4  # iterations 10, 20, 30, 40 of each (CTA, consumer)
+    text = timeline.format_summary(summary, "fp8")
+    assert "softmax" in text and "528 per consumer" in text
+
+
+def test_summary_without_iterations_says_so(timeline):
+    empty = np.zeros((timeline.CTAS, timeline.CONSUMERS, timeline.ITERATIONS, timeline.EVENTS), np.uint64)
+    with pytest.raises(ValueError, match="no complete iterations"):
+        timeline.summarize(empty)
+
+
+def test_tensor_cycles(timeline):
+    # FP8: m64 x 128 keys x 128 (Q K^T) + m64 x 136 x 128 keys (P V with the row-sum columns), 8192/clk.
+    assert timeline.tensor_cycles_per_block("fp8") == 528
+    assert timeline.tensor_cycles_per_block("bf16") == 1024
+
+
+def test_extension_reader_needs_the_timeline_build():
+    try:
+        ffi = importlib.import_module("jzyfa._jzyfa_ffi")
+    except ImportError:
+        pytest.skip("the jzyfa extension is not built here")
+    with pytest.raises(ValueError, match="'fp8' or '16bit'"):
+        ffi.kernel_timeline("bf16")
+    try:
+        raw = ffi.kernel_timeline("fp8")
+    except RuntimeError as e:
+        assert "JZYFA_TIMELINE" in str(e)
+    else:  # a timeline build: the whole array, zeroed after reading
+        assert len(raw) == 4 * 2 * 2048 * 8 * 8
