@@ -67,9 +67,9 @@ struct FlashFwdFp8Params {
 // q, out [total_q, heads_q, head_dim]; k, v [total_k, heads_kv, head_dim]; cu_seqlens_q and
 // cu_seqlens_k int32 [num_seqs + 1] on the device (sequence s: q tokens cu_seqlens_q[s] ..
 // cu_seqlens_q[s + 1], likewise k/v), never read by the host; lse [heads_q, total_q] float32.
-// Causal masks are bottom-right per sequence. Tokens past cu_seqlens_q[num_seqs] get O = 0 and
-// LSE = -inf. Sequences must be at most max_seqlen_q query tokens long (longer ones leave rows
-// unwritten); tile_counter as for FlashFwdParams.
+// Causal masks are bottom-right per sequence. Tokens of no sequence (past cu_seqlens_q[num_seqs],
+// or before cu_seqlens_q[0]) get O = 0 and LSE = -inf. Sequences must be at most max_seqlen_q
+// query tokens long (longer ones leave rows unwritten); tile_counter as for FlashFwdParams.
 struct FlashFwdVarlenParams {
   const void* q = nullptr;
   const void* k = nullptr;

@@ -34,9 +34,9 @@ struct FwdWork {
 };
 
 // A tile of a packed variable-length batch (the 16-bit kernel's varlen instantiation): where its
-// sequence starts in the packed q and k, and its lengths. `batch` is the sequence; the tail, tokens
-// past the last sequence, is sequence num_seqs with no keys, its rows repeating every row_stride
-// (0 for real sequences) so that its few tiles cover a tail of any length.
+// sequence starts in the packed q and k, and its lengths. `batch` is the sequence; the tail, the
+// tokens of no sequence, is sequence num_seqs with no keys, its rows repeating every row_stride (0
+// for real sequences) so that its few tiles cover a tail of any length.
 struct VarlenWork : FwdWork {
   int q_offset, k_offset, len_q, len_k, row_stride;
 };

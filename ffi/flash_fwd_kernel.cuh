@@ -101,9 +101,11 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
                        : args.causal        ? min(w.len_k, q_last + w.diagonal + 1)
                                             : w.len_k;
     w.num_blocks = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
-  } else {  // the tail: no keys, so O = 0 and LSE = -inf for every token past the last sequence
+  } else {
+    // The tail: the tokens of no sequence, past cu_seqlens_q[num_seqs] and then (wrapping around)
+    // before cu_seqlens_q[0]; no keys, so O = 0 and LSE = -inf.
     w.q_offset = args.cu_seqlens_q[args.num_seqs];
-    w.len_q = max(args.total_q - w.q_offset, 0);
+    w.len_q = max(args.total_q - w.q_offset, 0) + max(args.cu_seqlens_q[0], 0);
     w.k_offset = 0;
     w.len_k = 0;
     w.row_stride = args.m_tiles * kBlockM;
@@ -447,7 +449,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         // offsets are read again here rather than held in registers through the key loop.
         const auto rows = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
         for (int r = row; r < rows.len_q; r += rows.row_stride) {
-          const int64_t token = static_cast<int64_t>(rows.q_offset) + r;
+          int64_t token = static_cast<int64_t>(rows.q_offset) + r;
+          if (rows.row_stride != 0 && token >= args.total_q) token -= args.total_q;  // the tail
           if (token >= 0 && token < args.total_q) {
             const int64_t out_row = (token * args.heads_q + rows.head) * kHeadDim;
 #pragma unroll

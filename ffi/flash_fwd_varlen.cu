@@ -64,7 +64,8 @@ std::string Launch(const FlashFwdVarlenParams& p, cudaStream_t stream) {
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
   args.m_tiles = static_cast<int>((p.max_seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM);
-  // One more "sequence" than there are: the tail past cu_seqlens_q[num_seqs] (O = 0, LSE = -inf).
+  // One more "sequence" than there are: the tail, tokens past cu_seqlens_q[num_seqs] or before
+  // cu_seqlens_q[0] (O = 0, LSE = -inf).
   args.num_tiles = static_cast<int>((p.num_seqs + 1) * args.m_tiles * p.heads_q);
   args.num_seqs = static_cast<int>(p.num_seqs);
   args.total_q = static_cast<int>(p.total_q);

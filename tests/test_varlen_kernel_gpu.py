@@ -187,6 +187,26 @@ def test_max_seqlen_above_the_longest_sequence(rng):
     assert relative_l2(lse[seen], want_lse[seen]) < LSE_TOLERANCE
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_tokens_of_no_sequence_get_zeros(rng, causal):
+    """Tokens before cu_seqlens_q[0] and past cu_seqlens_q[-1] (and keys outside every sequence):
+    O = 0 and LSE = -inf there, as on the pure-JAX path."""
+    cu_q = np.asarray([5, 12, 12, 140], np.int32)
+    cu_k = np.asarray([2, 30, 31, 100], np.int32)
+    q, k, v = packed(rng, 150, 120, 4, 2, 128, jnp.bfloat16)
+    out, lse = run_kernel_poisoned(q, k, v, cu_q, cu_k, 128, 69, causal=causal)
+    want_out, want_lse = naive_varlen_f64(
+        *(np.asarray(x, np.float32) for x in (q, k, v)), cu_q, cu_k, causal=causal
+    )
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    for rows in (slice(0, 5), slice(140, 150)):
+        assert np.all(out[rows] == 0) and np.all(np.isneginf(lse[:, rows]))
+    assert relative_l2(out, want_out) < O_TOLERANCE
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    assert relative_l2(lse[seen], want_lse[seen]) < LSE_TOLERANCE
+
+
 def test_deterministic_across_launches(rng):
     """Bitwise-identical O and LSE over 50 launches, with other GPU work in between."""
     lengths_q, lengths_k = [700, 0, 33, 1000, 1], [900, 20, 33, 1000, 300]
