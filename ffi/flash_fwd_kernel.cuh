@@ -104,8 +104,9 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
   } else {
     // The tail: the tokens of no sequence, past cu_seqlens_q[num_seqs] and then (wrapping around)
     // before cu_seqlens_q[0]; no keys, so O = 0 and LSE = -inf.
+    // (Clamped to total_q tokens, whatever the offsets hold.)
     w.q_offset = args.cu_seqlens_q[args.num_seqs];
-    w.len_q = max(args.total_q - w.q_offset, 0) + max(args.cu_seqlens_q[0], 0);
+    w.len_q = min(max(args.total_q - w.q_offset, 0) + max(args.cu_seqlens_q[0], 0), args.total_q);
     w.k_offset = 0;
     w.len_k = 0;
     w.row_stride = args.m_tiles * kBlockM;
