@@ -118,6 +118,84 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   return ffi::Error::Success();
 }
 
+ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
+                                       ffi::Buffer<ffi::S32> cu_seqlens_k,
+                                       ffi::Result<ffi::AnyBuffer> out,
+                                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                       ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+                                       float softmax_scale, bool causal, int64_t max_seqlen_q,
+                                       int64_t max_seqlen_k) {
+  const std::string name = "jzyfa_flash_attention_varlen_fwd: ";
+  const ffi::DataType dtype = q.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument(name + "q must be bf16 or f16");
+  }
+  if (k.element_type() != dtype || v.element_type() != dtype || out->element_type() != dtype) {
+    return ffi::Error::InvalidArgument(name + "k, v and out must have the dtype of q");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
+             od = out->dimensions(), ld = lse->dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
+    return ffi::Error::InvalidArgument(
+        name + "q, k and v must be packed [total_tokens, heads, head_dim]");
+  }
+  if (!std::equal(kd.begin(), kd.end(), vd.begin())) {
+    return ffi::Error::InvalidArgument(name + "k " + ShapeString(kd) + " and v " +
+                                       ShapeString(vd) + " differ");
+  }
+  if (kd[2] != qd[2]) {
+    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " +
+                                       ShapeString(kd) + " disagree on head_dim");
+  }
+  const auto cqd = cu_seqlens_q.dimensions(), ckd = cu_seqlens_k.dimensions();
+  if (cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
+    return ffi::Error::InvalidArgument(name + "cu_seqlens_q " + ShapeString(cqd) +
+                                       " and cu_seqlens_k " + ShapeString(ckd) +
+                                       " must both be int32 [num_seqs + 1], num_seqs >= 1");
+  }
+  if (od.size() != qd.size() || !std::equal(od.begin(), od.end(), qd.begin())) {
+    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
+                                       " must have the shape of q " + ShapeString(qd));
+  }
+  if (ld.size() != 2 || ld[0] != qd[1] || ld[1] != qd[0]) {
+    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
+                                       " must be [heads_q, total_q]");
+  }
+  if (tile_counter->element_count() != 1) {
+    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
+  }
+
+  FlashFwdVarlenParams p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.cu_seqlens_q = cu_seqlens_q.typed_data();
+  p.cu_seqlens_k = cu_seqlens_k.typed_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
+  p.num_seqs = cqd[0] - 1;
+  p.total_q = qd[0];
+  p.total_k = kd[0];
+  p.max_seqlen_q = max_seqlen_q;
+  p.max_seqlen_k = max_seqlen_k;
+  p.heads_q = qd[1];
+  p.heads_kv = kd[1];
+  p.head_dim = qd[2];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
+
+  std::string error = ValidateFlashFwdVarlen(p);
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = LaunchFlashFwdVarlen(p, stream);
+  if (!error.empty()) return ffi::Error::Internal(name + error);
+  return ffi::Error::Success();
+}
+
 // Descales: float32, one value or one per (batch, KV head); the same count for all three.
 ffi::Error CheckDescales(ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk,
                          ffi::Buffer<ffi::F32> dv, int64_t batch, int64_t heads_kv) {
@@ -238,6 +316,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionVarlenFwd, FlashAttentionVarlenFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q [total_q, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()  // k [total_k, Hkv, D]
+                                  .Arg<ffi::AnyBuffer>()  // v [total_k, Hkv, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
+                                  .Ret<ffi::AnyBuffer>()  // out [total_q, Hq, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [Hq, total_q]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_k"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,

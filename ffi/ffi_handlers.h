@@ -11,6 +11,11 @@ namespace jzyfa {
 // scratch result the launch zeroes and the persistent kernel claims tiles from).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFwd);
 
+// Custom-call target "jzyfa_flash_attention_varlen_fwd": q [total_q, Hq, D], k, v [total_k, Hkv, D]
+// (bf16/f16), cu_seqlens_q, cu_seqlens_k (int32 [num_seqs + 1]) -> out, lse [Hq, total_q], tile
+// counter; attributes softmax_scale, causal, max_seqlen_q, max_seqlen_k (int64).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionVarlenFwd);
+
 // Custom-call target "jzyfa_flash_attention_fp8_fwd": q, k, vt (e4m3), descale_q, descale_k,
 // descale_v (f32) -> out (bf16), lse, tile counter; attributes softmax_scale, causal, lean_p.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8Fwd);

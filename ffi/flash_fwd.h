@@ -64,6 +64,35 @@ struct FlashFwdFp8Params {
   bool lean_p = true;  // P's e4m3 codes from one FFMA; false: ex2 rounded to e4m3
 };
 
+// One forward call over a packed variable-length batch (bf16/f16, head dim 64 or 128):
+// q, out [total_q, heads_q, head_dim]; k, v [total_k, heads_kv, head_dim]; cu_seqlens_q and
+// cu_seqlens_k int32 [num_seqs + 1] on the device (sequence s: q tokens cu_seqlens_q[s] ..
+// cu_seqlens_q[s + 1], likewise k/v), never read by the host; lse [heads_q, total_q] float32.
+// Causal masks are bottom-right per sequence. Tokens of no sequence (past cu_seqlens_q[num_seqs],
+// or before cu_seqlens_q[0]) get O = 0 and LSE = -inf. Sequences must be at most max_seqlen_q
+// query tokens long (longer ones leave rows unwritten); tile_counter as for FlashFwdParams.
+struct FlashFwdVarlenParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int32_t* tile_counter = nullptr;
+  int64_t num_seqs = 0;
+  int64_t total_q = 0;
+  int64_t total_k = 0;
+  int64_t max_seqlen_q = 0;
+  int64_t max_seqlen_k = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;
+  float softmax_scale = 1.0f;
+  bool causal = false;
+  ElementType element_type = ElementType::kBF16;
+};
+
 // Checks what the kernel can run; returns an empty string when it can, else a message
 // naming the offending argument.
 std::string ValidateFlashFwd(const FlashFwdParams& params);
@@ -74,6 +103,10 @@ std::string CheckDeviceSupport();
 // Enqueues the forward kernel (and the zeroing of its tile counter) on `stream`. Returns an empty string on success, else the
 // error (validation, tensor-map encoding or launch).
 std::string LaunchFlashFwd(const FlashFwdParams& params, cudaStream_t stream);
+
+// The same for variable-length batches (ffi/flash_fwd_varlen.cu).
+std::string ValidateFlashFwdVarlen(const FlashFwdVarlenParams& params);
+std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& params, cudaStream_t stream);
 
 // The same for the FP8 kernel.
 std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& params);

@@ -33,6 +33,14 @@ struct FwdWork {
   int batch, head, kv_head, q_start, diagonal, num_blocks;
 };
 
+// A tile of a packed variable-length batch (the 16-bit kernel's varlen instantiation): where its
+// sequence starts in the packed q and k, and its lengths. `batch` is the sequence; the tail, the
+// tokens of no sequence, is sequence num_seqs with no keys, its rows repeating every row_stride (0
+// for real sequences) so that its few tiles cover a tail of any length.
+struct VarlenWork : FwdWork {
+  int q_offset, k_offset, len_q, len_k, row_stride;
+};
+
 // Tile order: heads fastest, then query tiles (longest first: under a causal mask the last
 // tiles see the most keys), then batch.
 // Args: any launch-argument struct with the fields read here.
@@ -100,7 +108,7 @@ __device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const A
     }
     // Claim the next tile now: the atomic's latency hides behind this tile's loads.
     const int next_tile = gridDim.x + atomicAdd(args.tile_counter, 1);
-    const FwdWork work = PlanTile<kBlockM, kBlockN>(tile, args);
+    const auto work = PlanTile<kBlockM, kBlockN>(tile, args);  // FwdWork or a varlen kernel's
     tile = next_tile;
     if (work.num_blocks == 0) {
       ptx::mbarrier_arrive(q_full);  // nothing to load: the consumers write O = 0

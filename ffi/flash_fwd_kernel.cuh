@@ -53,6 +53,70 @@ struct FwdArgs {
   int causal;
 };
 
+// Runtime arguments of a varlen launch: q [total_q, heads_q, D] and k, v [total_k, heads_kv, D]
+// packed, sequence s holding tokens cu_seqlens_q[s]..cu_seqlens_q[s + 1] of q (likewise of k, v).
+// The offsets live on the device and are read per tile; the host never reads them.
+struct VarlenFwdArgs {
+  void* out;          // [total_q, heads_q, D]
+  float* lse;         // [heads_q, total_q]
+  int* tile_counter;  // as in FwdArgs
+  int num_tiles;      // (num_seqs + 1) * m_tiles * heads_q: the last "sequence" is the tail
+  int m_tiles;        // ceil(max_seqlen_q / kBlockM)
+  int num_seqs;
+  int total_q;
+  int heads_q;
+  int heads_kv;
+  float scale_log2;
+  int causal;
+  const int* cu_seqlens_q;  // [num_seqs + 1]
+  const int* cu_seqlens_k;  // [num_seqs + 1]
+};
+
+template <typename Args>
+constexpr bool kIsVarlen = false;
+template <>
+constexpr bool kIsVarlen<VarlenFwdArgs> = true;
+
+// The varlen tile order is the dense one with sequences as the batch: heads fastest, then query
+// tiles from the last (of max_seqlen_q) to the first, then sequences. With unequal lengths the
+// first query tiles are no longer the longest ones (a short sequence's last tiles are empty, and
+// cost one empty round each); the order stays simple. Lengths are clamped at 0, so bad offsets
+// give empty tiles, never out-of-range work; the epilogue checks every token it writes.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& args) {
+  VarlenWork w;
+  w.head = tile % args.heads_q;
+  const int rest = tile / args.heads_q;
+  w.q_start = (args.m_tiles - 1 - rest % args.m_tiles) * kBlockM;
+  w.batch = rest / args.m_tiles;
+  w.kv_head = w.head / (args.heads_q / args.heads_kv);
+  if (w.batch < args.num_seqs) {
+    w.q_offset = args.cu_seqlens_q[w.batch];
+    w.len_q = max(args.cu_seqlens_q[w.batch + 1] - w.q_offset, 0);
+    w.k_offset = args.cu_seqlens_k[w.batch];
+    w.len_k = max(args.cu_seqlens_k[w.batch + 1] - w.k_offset, 0);
+    w.row_stride = 0;
+    w.diagonal = w.len_k - w.len_q;
+    const int q_last = min(w.q_start + kBlockM, w.len_q) - 1;
+    const int kv_end = w.q_start >= w.len_q ? 0
+                       : args.causal        ? min(w.len_k, q_last + w.diagonal + 1)
+                                            : w.len_k;
+    w.num_blocks = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
+  } else {
+    // The tail: the tokens of no sequence, past cu_seqlens_q[num_seqs] and then (wrapping around)
+    // before cu_seqlens_q[0]; no keys, so O = 0 and LSE = -inf.
+    // (Clamped to total_q tokens, whatever the offsets hold.)
+    w.q_offset = args.cu_seqlens_q[args.num_seqs];
+    w.len_q = min(max(args.total_q - w.q_offset, 0) + max(args.cu_seqlens_q[0], 0), args.total_q);
+    w.k_offset = 0;
+    w.len_k = 0;
+    w.row_stride = args.m_tiles * kBlockM;
+    w.diagonal = 0;
+    w.num_blocks = 0;
+  }
+  return w;
+}
+
 template <int kHeadDim>
 struct FwdTile {
   static constexpr int kConsumers = 2;
@@ -138,15 +202,18 @@ struct OnlineSoftmax {
   }
 };
 
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
-    FlashFwdKernel(const __grid_constant__ CUtensorMap tmap_q,
-                   const __grid_constant__ CUtensorMap tmap_k,
-                   const __grid_constant__ CUtensorMap tmap_v,
+// The kernel's body, for dense batches (FwdArgs) and packed variable-length ones (VarlenFwdArgs:
+// 4-D maps over [1, total, heads, D], per-sequence offsets, lengths and masks, and the register
+// epilogue only, since a TMA store box would spill into the next sequence).
+template <typename Element, int kHeadDim, typename Args>
+__device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
+                                              const CUtensorMap& tmap_v,
 #if JZYFA_EPILOGUE_TMA
-                   const __grid_constant__ CUtensorMap tmap_o,
+                                              const CUtensorMap& tmap_o,
 #endif
-                   const FwdArgs args) {
+                                              const Args& args) {
+  constexpr bool kVarlen = kIsVarlen<Args>;
+  static_assert(!(kVarlen && JZYFA_EPILOGUE_TMA), "varlen stores O from registers");
   using Tile = FwdTile<kHeadDim>;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kSlices = Tile::kSlices;
@@ -179,21 +246,29 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_v);
     // 64-column slices of the head dim: one 128-byte swizzle atom each.
-    auto load_q = [&](const FwdWork& work, uint32_t bar) {
+    // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Keys past the
+    // sequence's end are the next sequence's (finite) tokens, masked like TMA's zero fill.
+    auto load_q = [&](const auto& work, uint32_t bar) {
+      int row = work.q_start, batch = work.batch;
+      if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
         for (int s = 0; s < kSlices; ++s)
           ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, bar, s * 64,
-                           work.q_start + c * Tile::kRowsPerConsumer, work.head, work.batch);
+                           row + c * Tile::kRowsPerConsumer, work.head, batch);
     };
-    auto load_k = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+    auto load_k = [&](const auto& work, int block, int stage, uint32_t bar) {
+      int row = block * kBlockN, batch = work.batch;
+      if constexpr (kVarlen) row += work.k_offset, batch = 0;
       for (int s = 0; s < kSlices; ++s)
-        ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64,
-                         block * kBlockN, work.kv_head, work.batch);
+        ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64, row,
+                         work.kv_head, batch);
     };
-    auto load_v = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
+    auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
+      int row = block * kBlockN, batch = work.batch;
+      if constexpr (kVarlen) row += work.k_offset, batch = 0;
       for (int s = 0; s < kSlices; ++s)
-        ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64,
-                         block * kBlockN, work.kv_head, work.batch);
+        ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64, row,
+                         work.kv_head, batch);
     };
     ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKVBytes,
                                                    Tile::kKVBytes, load_q, load_k, load_v);
@@ -254,7 +329,13 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
     const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
-    const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+    const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+    int seqlen_k;  // this tile's keys
+    if constexpr (kVarlen) {
+      seqlen_k = work.len_k;
+    } else {
+      seqlen_k = args.seqlen_k;
+    }
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
 
@@ -271,9 +352,9 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                               float (&correction)[2], int block) {
         const int key_start = block * kBlockN;
         const bool needs_mask =
-            key_start + kBlockN > args.seqlen_k ||
+            key_start + kBlockN > seqlen_k ||
             (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-        softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, args.seqlen_k,
+        softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, seqlen_k,
                      args.causal, work.diagonal, args.scale_log2);
       };
       // Q is free once the tile's last S = Q K^T has landed.
@@ -374,33 +455,59 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
       const float total = QuadSum(softmax.row_sum[h]);
       const float inv = total > 0.f ? 1.f / total : 0.f;
       const int row = first_row + 8 * h;
+      if constexpr (kVarlen) {
+        // Rows < len_q at token q_offset + row (the tail's rows repeat every row_stride); every
+        // token is checked against total_q, so bad offsets never write out of range. The tile's
+        // offsets are read again here rather than held in registers through the key loop.
+        const auto rows = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+        for (int r = row; r < rows.len_q; r += rows.row_stride) {
+          int64_t token = static_cast<int64_t>(rows.q_offset) + r;
+          if (rows.row_stride != 0 && token >= args.total_q) token -= args.total_q;  // the tail
+          if (token >= 0 && token < args.total_q) {
+            const int64_t out_row = (token * args.heads_q + rows.head) * kHeadDim;
+#pragma unroll
+            for (int c = 0; c < kHeadDim / 8; ++c) {
+              *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+                  PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+            }
+            if (lane % 4 == 0) {
+              const float lse = total > 0.f ? (softmax.row_max[h] * args.scale_log2 +
+                                               __log2f(total)) * 0.69314718f
+                                            : -INFINITY;
+              args.lse[static_cast<int64_t>(rows.head) * args.total_q + token] = lse;
+            }
+          }
+          if (rows.row_stride == 0) break;
+        }
+      } else {
 #if JZYFA_EPILOGUE_TMA
-      const int tile_row = row - rows_start;
+        const int tile_row = row - rows_start;
 #pragma unroll
-      for (int c = 0; c < kHeadDim / 8; ++c) {
-        const int chunk = (c % 8) ^ (tile_row % 8);
-        *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
-                                     chunk * 16 + quad_col * 2) =
-            PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-      }
-      if (row >= args.seqlen_q) continue;
+        for (int c = 0; c < kHeadDim / 8; ++c) {
+          const int chunk = (c % 8) ^ (tile_row % 8);
+          *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
+                                       chunk * 16 + quad_col * 2) =
+              PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+        }
+        if (row >= args.seqlen_q) continue;
 #else
-      if (row >= args.seqlen_q) continue;
-      const int64_t out_row =
-          ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-          kHeadDim;
+        if (row >= args.seqlen_q) continue;
+        const int64_t out_row =
+            ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+            kHeadDim;
 #pragma unroll
-      for (int c = 0; c < kHeadDim / 8; ++c) {
-        *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
-            PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-      }
+        for (int c = 0; c < kHeadDim / 8; ++c) {
+          *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+              PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+        }
 #endif
-      if (lane % 4 == 0) {
-        const float lse =
-            total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
-                        : -INFINITY;
-        args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
-                 row] = lse;
+        if (lane % 4 == 0) {
+          const float lse =
+              total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
+                          : -INFINITY;
+          args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
+                   row] = lse;
+        }
       }
     }
 #if JZYFA_EPILOGUE_TMA
@@ -420,5 +527,32 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 #endif
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
+    FlashFwdKernel(const __grid_constant__ CUtensorMap tmap_q,
+                   const __grid_constant__ CUtensorMap tmap_k,
+                   const __grid_constant__ CUtensorMap tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                   const __grid_constant__ CUtensorMap tmap_o,
+#endif
+                   const FwdArgs args) {
+  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                                   tmap_o,
+#endif
+                                   args);
+}
+
+#if !JZYFA_EPILOGUE_TMA
+// Packed variable-length batches: the maps cover [1, total, heads, D] (ffi/flash_fwd_varlen.cu).
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
+    FlashFwdVarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
+                         const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_v, const VarlenFwdArgs args) {
+  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+}
+#endif
 
 }  // namespace jzyfa

@@ -9,6 +9,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jzyfa import _platform, _validation
 from jzyfa.fp8_primitive import flash_attention_fp8_kernel, fp8_kernel_config_problem
@@ -16,6 +17,7 @@ from jzyfa.primitive import flash_attention_fwd, kernel_config_problem
 from jzyfa.quantize import dequantize
 from jzyfa.reference import attention_reference
 from jzyfa.varlen import varlen_attention_reference
+from jzyfa.varlen_primitive import flash_attention_varlen_fwd, varlen_kernel_config_problem
 
 
 class Path(enum.Enum):
@@ -105,6 +107,85 @@ def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
     if problem or not FP8_KERNEL_VERIFIED or not _platform.kernel_available():
         return Path.REFERENCE
     return Path.PRIMITIVE
+
+
+# The 16-bit kernel's variable-length instantiation (ffi/flash_fwd_varlen.cu) is built and its SASS
+# checked in CI, but it has not yet run on a GPU. Until its GPU tests (tests/test_varlen_kernel_gpu.py)
+# pass and this is set True, implementation=None keeps varlen calls on the pure-JAX path and
+# implementation="kernel" runs it only with this variable set to 1.
+VARLEN_KERNEL_VERIFIED = False
+UNVERIFIED_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_VARLEN_KERNEL"
+
+
+def varlen_kernel_enabled() -> bool:
+    return VARLEN_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_VARLEN_KERNEL_ENV) == "1"
+
+
+def choose_varlen_path(
+    q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window, implementation
+) -> Path:
+    """Which path serves a validated varlen call (`window`: the effective mask); raises if the kernel is
+    demanded but cannot serve."""
+    if implementation == "xla":
+        return Path.REFERENCE
+    problem = varlen_kernel_config_problem(q, k, v, num_seqs, max_seqlen_q, softmax_scale, window)
+    if implementation == "kernel":
+        if not varlen_kernel_enabled():
+            raise ValueError(
+                "implementation='kernel' cannot serve flash_attention_varlen yet: the varlen kernel has not "
+                f"passed its GPU tests; set {UNVERIFIED_VARLEN_KERNEL_ENV}=1 to run it anyway, or use "
+                "implementation=None or 'xla' for the pure-JAX path"
+            )
+        if problem:
+            raise ValueError(f"implementation='kernel' cannot serve this varlen call: {problem}")
+        if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
+            raise ValueError(f"implementation='kernel' cannot run here: {reason}")
+        return Path.KERNEL_REQUIRED
+    if problem or not VARLEN_KERNEL_VERIFIED or not _platform.kernel_available():
+        return Path.REFERENCE
+    return Path.PRIMITIVE
+
+
+# The backward recomputes through the reference until a backward kernel exists.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _differentiable_varlen_kernel(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, kernel_required
+):
+    return flash_attention_varlen_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        kernel_required=kernel_required,
+    )
+
+
+def _differentiable_varlen_kernel_fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required):
+    out = _differentiable_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required)
+    return out, (q, k, v, cu_q, cu_k)
+
+
+def _differentiable_varlen_kernel_bwd(max_q, max_k, softmax_scale, causal, required, residuals, cotangents):
+    q, k, v, cu_q, cu_k = residuals
+    window = _validation.CAUSAL_WINDOW if causal else _validation.NO_WINDOW
+
+    def reference(q, k, v):
+        return varlen_attention_reference(
+            q, k, v, cu_q, cu_k, max_q, max_k, window=window, softmax_scale=softmax_scale
+        )
+
+    _, vjp = jax.vjp(reference, q, k, v)
+    # Integer offsets take float0 cotangents.
+    zero = [np.zeros(x.shape, jax.dtypes.float0) for x in (cu_q, cu_k)]
+    return (*vjp(cotangents), *zero)
+
+
+_differentiable_varlen_kernel.defvjp(_differentiable_varlen_kernel_fwd, _differentiable_varlen_kernel_bwd)
 
 
 # The backward recomputes through the reference until a backward kernel exists.
@@ -243,8 +324,11 @@ def flash_attention_varlen(
         with lengths (len_q, len_k) sits at position t + len_k - len_q (bottom-right alignment).
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
-      implementation: None or "xla" run the pure-JAX path (`jzyfa.varlen`); "kernel" raises, as
-        there is no varlen kernel yet.
+      implementation: "xla" runs the pure-JAX path (`jzyfa.varlen`). The 16-bit kernel's varlen
+        instantiation (bf16/f16, head_dim 64 or 128 for q, k and v, causal or no mask) is written but
+        has not run on a GPU yet: until `jzyfa.api.VARLEN_KERNEL_VERIFIED`, None runs the pure-JAX path
+        and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (then it raises a ValueError
+        naming what the kernel cannot serve, as in `flash_attention`).
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a
@@ -259,20 +343,34 @@ def flash_attention_varlen(
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
-    if implementation == "kernel":
-        raise ValueError(
-            "implementation='kernel' cannot serve flash_attention_varlen: variable-length batches "
-            "have no kernel yet; use implementation=None or 'xla' for the pure-JAX path"
-        )
-    out, lse = varlen_attention_reference(
-        q,
-        k,
-        v,
-        jnp.asarray(cu_seqlens_q),
-        jnp.asarray(cu_seqlens_k),
-        max_seqlen_q,
-        max_seqlen_k,
-        window=_validation.mask_window(causal, window),
-        softmax_scale=softmax_scale,
+    effective_window = _validation.mask_window(causal, window)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    path = choose_varlen_path(
+        q, k, v, num_seqs, max_seqlen_q, softmax_scale, effective_window, implementation
     )
+    if path is Path.REFERENCE:
+        out, lse = varlen_attention_reference(
+            q,
+            k,
+            v,
+            jnp.asarray(cu_seqlens_q),
+            jnp.asarray(cu_seqlens_k),
+            max_seqlen_q,
+            max_seqlen_k,
+            window=effective_window,
+            softmax_scale=softmax_scale,
+        )
+    else:
+        out, lse = _differentiable_varlen_kernel(
+            q,
+            k,
+            v,
+            jnp.asarray(cu_seqlens_q, jnp.int32),
+            jnp.asarray(cu_seqlens_k, jnp.int32),
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            effective_window == _validation.CAUSAL_WINDOW,
+            path is Path.KERNEL_REQUIRED,
+        )
     return (out, lse) if return_lse else out

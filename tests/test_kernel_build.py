@@ -22,9 +22,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 
 
-# The translation units that hold kernels: the 16-bit forward, the FP8 forward and the FP8 kernel's
-# V-operand layout.
-KERNEL_SOURCES = ("flash_fwd", "flash_fwd_fp8", "fp8_value_operand")
+# The translation units that hold kernels: the 16-bit forward, its variable-length instantiation, the
+# FP8 forward and the FP8 kernel's V-operand layout.
+KERNEL_SOURCES = ("flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8", "fp8_value_operand")
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,24 @@ def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
         assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
         assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+
+
+def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
+    """ffi/flash_fwd_varlen.cu: the 16-bit kernel over packed batches, as fast in its inner loop (the
+    same HGMMA batches, no local memory), with O stored from registers (no TMA store: a box would
+    spill into the next sequence) and the offsets read from global memory."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdVarlenKernel" in name}
+    assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
+    for name, text in found.items():
+        hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
+        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+        assert hgmma >= 16, name
+        assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
+        assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        assert "UTMASTG" not in text, name
+        assert len(re.findall(r"\bUTMALDG\.4D\b", text)) >= 3, name  # Q, K, V
 
 
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):

@@ -1,0 +1,139 @@
+// Launch planning for the 16-bit forward kernel over packed variable-length batches: validation,
+// tensor maps over the packed tensors, the persistent grid, and the instantiations (bf16/f16 x
+// head dim 64/128). The kernel is flash_fwd_kernel.cuh's, with VarlenFwdArgs.
+//
+// A TMA-store epilogue would write whole 64-row boxes, past a sequence's end into the next one,
+// so the varlen kernel always stores O from registers, whatever the build picks for dense calls.
+#undef JZYFA_EPILOGUE_TMA
+#define JZYFA_EPILOGUE_TMA 0
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+
+#include "flash_fwd.h"
+#include "flash_fwd_kernel.cuh"
+#include "launch_utils.h"
+
+namespace jzyfa {
+namespace {
+
+// A map over a packed [total, heads, head_dim] 16-bit tensor as a batch of one [1, total, heads,
+// head_dim] (dims innermost first), loading boxes of 64 head-dim columns x `box_rows` tokens of one
+// head. Tokens past `total` read as zeros.
+bool EncodePackedMap(CUtensorMap* map, const void* ptr, ElementType type, int64_t total,
+                     int64_t heads, int64_t head_dim, int box_rows, std::string* error) {
+  const uint64_t elem = 2;
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(total),
+                            static_cast<uint64_t>(heads), 1};
+  const uint64_t strides[3] = {static_cast<uint64_t>(heads * head_dim) * elem,
+                               static_cast<uint64_t>(head_dim) * elem,
+                               static_cast<uint64_t>(total * heads * head_dim) * elem};
+  const uint32_t box[4] = {64, static_cast<uint32_t>(box_rows), 1, 1};
+  const CUtensorMapDataType dtype = type == ElementType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
+}
+
+template <typename Element, int kHeadDim>
+std::string Launch(const FlashFwdVarlenParams& p, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDim>;
+  auto kernel = FlashFwdVarlenKernel<Element, kHeadDim>;
+  int device = 0;
+  std::string error = CurrentDevice(&device);
+  if (!error.empty()) return error;
+  const DeviceInfo& info = GetDeviceInfo(device);
+  if (!info.error.empty()) return info.error;
+  error = AllowLargeSharedMemory<FlashFwdVarlenKernel<Element, kHeadDim>>(device,
+                                                                         Tile::kDynamicSmemBytes);
+  if (!error.empty()) return error;
+
+  CUtensorMap tmap_q, tmap_k, tmap_v;
+  if (!EncodePackedMap(&tmap_q, p.q, p.element_type, p.total_q, p.heads_q, kHeadDim,
+                       Tile::kRowsPerConsumer, &error) ||
+      !EncodePackedMap(&tmap_k, p.k, p.element_type, p.total_k, p.heads_kv, kHeadDim,
+                       Tile::kBlockN, &error) ||
+      !EncodePackedMap(&tmap_v, p.v, p.element_type, p.total_k, p.heads_kv, kHeadDim,
+                       Tile::kBlockN, &error)) {
+    return error;
+  }
+  VarlenFwdArgs args;
+  args.out = p.out;
+  args.lse = p.lse;
+  args.tile_counter = p.tile_counter;
+  args.m_tiles = static_cast<int>((p.max_seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM);
+  // One more "sequence" than there are: the tail, tokens past cu_seqlens_q[num_seqs] or before
+  // cu_seqlens_q[0] (O = 0, LSE = -inf).
+  args.num_tiles = static_cast<int>((p.num_seqs + 1) * args.m_tiles * p.heads_q);
+  args.num_seqs = static_cast<int>(p.num_seqs);
+  args.total_q = static_cast<int>(p.total_q);
+  args.heads_q = static_cast<int>(p.heads_q);
+  args.heads_kv = static_cast<int>(p.heads_kv);
+  args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  args.causal = p.causal ? 1 : 0;
+  args.cu_seqlens_q = p.cu_seqlens_q;
+  args.cu_seqlens_k = p.cu_seqlens_k;
+
+  int grid = 0;
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  if (!error.empty()) return error;
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError("launching the jzyfa varlen forward kernel", err);
+  return "";
+}
+
+}  // namespace
+
+std::string ValidateFlashFwdVarlen(const FlashFwdVarlenParams& p) {
+  if (p.num_seqs < 1) {
+    return "cu_seqlens_q and cu_seqlens_k need at least 2 entries (num_seqs + 1), got " +
+           std::to_string(p.num_seqs + 1);
+  }
+  if (p.total_q < 1 || p.total_k < 1) {
+    return "q and k need at least one token (total_q = " + std::to_string(p.total_q) +
+           ", total_k = " + std::to_string(p.total_k) + ")";
+  }
+  if (p.heads_q < 1 || p.heads_kv < 1) return "q, k and v need at least one head";
+  if (p.max_seqlen_q < 1 || p.max_seqlen_k < 1) {
+    return "max_seqlen_q and max_seqlen_k must be at least 1";
+  }
+  if (p.head_dim != 64 && p.head_dim != 128) {
+    return "head_dim must be 64 or 128 for the jzyfa kernel, got " + std::to_string(p.head_dim);
+  }
+  if (p.heads_q % p.heads_kv != 0) {
+    return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
+           std::to_string(p.heads_kv) + ")";
+  }
+  // Token indices, TMA coordinates and tile indices are int32, with room to spare.
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  if (p.total_q > kLimit || p.total_k > kLimit || p.max_seqlen_q > kLimit ||
+      p.max_seqlen_k > kLimit || p.heads_q > kLimit) {
+    return "total_q, total_k, max_seqlen_q, max_seqlen_k and heads must be at most 2^30";
+  }
+  const int64_t tiles = (p.num_seqs + 1) * ((p.max_seqlen_q + 127) / 128) * p.heads_q;
+  if (tiles > kLimit) {
+    return "(num_seqs + 1) x ceil(max_seqlen_q / 128) x heads_q must be at most 2^30, got " +
+           std::to_string(tiles);
+  }
+  if (p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr) return "cu_seqlens are missing";
+  if (p.tile_counter == nullptr) return "the tile counter scratch buffer is missing";
+  if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
+    return "softmax_scale must be a positive finite number";
+  }
+  return "";
+}
+
+std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& p, cudaStream_t stream) {
+  std::string error = ValidateFlashFwdVarlen(p);
+  if (!error.empty()) return error;
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  if (p.head_dim == 64) {
+    return bf16 ? Launch<__nv_bfloat16, 64>(p, stream) : Launch<__half, 64>(p, stream);
+  }
+  return bf16 ? Launch<__nv_bfloat16, 128>(p, stream) : Launch<__half, 128>(p, stream);
+}
+
+}  // namespace jzyfa

@@ -1,0 +1,180 @@
+"""The `jzyfa_flash_attention_varlen_fwd` primitive: the 16-bit kernel over packed variable-length batches.
+
+Operands q [total_q, Hq, D], k and v [total_k, Hkv, D] (bf16/f16, D 64 or 128), cu_seqlens_q and
+cu_seqlens_k int32 [num_seqs + 1] (on the device, never read by the host); results out [total_q, Hq, D]
+in q's dtype and lse float32 [Hq, total_q]. CUDA lowers to the XLA FFI handler of that name (contract
+in docs/architecture.md); every other platform lowers to the pure-JAX reference (`jzyfa.varlen`), unless
+the caller demanded the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform
+is an error.
+
+No sharding rule: under a sharded jit XLA treats the custom call like any custom call without one and
+gathers its operands onto every device (each device then computes the whole batch). No vmap rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from jzyfa import _validation
+from jzyfa.primitive import KERNEL_DTYPES, KERNEL_HEAD_DIMS, TILE_COUNTER, _vary_alike
+from jzyfa.varlen import varlen_attention_reference
+
+FFI_TARGET_VARLEN = "jzyfa_flash_attention_varlen_fwd"
+
+flash_attention_varlen_p = Primitive(FFI_TARGET_VARLEN)
+flash_attention_varlen_p.multiple_results = True
+
+
+def flash_attention_varlen_fwd(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    kernel_required: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Binds the primitive: (out [total_q, Hq, D] in q's dtype, lse float32 [Hq, total_q])."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _vary_alike(
+        q, k, v, jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    )
+    out, lse = flash_attention_varlen_p.bind(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q=int(max_seqlen_q),
+        max_seqlen_k=int(max_seqlen_k),
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        kernel_required=bool(kernel_required),
+    )
+    return out, lse
+
+
+def _abstract_eval(q, k, v, cu_seqlens_q, cu_seqlens_k, **params):
+    del k, cu_seqlens_q, cu_seqlens_k, params
+    total_q, heads_q, _ = q.shape
+    out = q.update(shape=(total_q, heads_q, v.shape[2]), weak_type=False)
+    lse = q.update(shape=(heads_q, total_q), dtype=jnp.float32, weak_type=False)
+    return out, lse
+
+
+flash_attention_varlen_p.def_abstract_eval(_abstract_eval)
+
+
+# Eager calls compile the primitive alone, once per shape and parameters.
+@functools.partial(
+    jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "kernel_required")
+)
+def _impl(q, k, v, cu_seqlens_q, cu_seqlens_k, **params):
+    return flash_attention_varlen_p.bind(q, k, v, cu_seqlens_q, cu_seqlens_k, **params)
+
+
+flash_attention_varlen_p.def_impl(_impl)
+
+
+def _reference_fallback(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, kernel_required
+):
+    if kernel_required:
+        raise ValueError(
+            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
+            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
+        )
+    return varlen_attention_reference(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        window=_validation.CAUSAL_WINDOW if causal else _validation.NO_WINDOW,
+        softmax_scale=softmax_scale,
+    )
+
+
+_ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET_VARLEN)
+
+
+def _cuda_lowering(
+    ctx,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    kernel_required,
+):
+    del kernel_required  # Only decides what non-CUDA platforms do.
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])  # the tile queue, dropped below
+    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool, maxima i64.
+    out, lse, _ = _ffi_lowering(
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        softmax_scale=np.float32(softmax_scale),
+        causal=bool(causal),
+        max_seqlen_q=np.int64(max_seqlen_q),
+        max_seqlen_k=np.int64(max_seqlen_k),
+    )
+    return [out, lse]
+
+
+mlir.register_lowering(flash_attention_varlen_p, mlir.lower_fun(_reference_fallback, multiple_results=True))
+mlir.register_lowering(flash_attention_varlen_p, _cuda_lowering, platform="cuda")
+
+
+# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu).
+KERNEL_MAX_TOKENS = 1 << 30
+KERNEL_MAX_TILES = 1 << 30
+
+
+def varlen_kernel_config_problem(
+    q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window: _validation.Window
+) -> str | None:
+    """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
+    if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
+        return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
+    if v.shape[-1] != q.shape[-1]:
+        return (
+            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]} "
+            "(MLA-style shapes run on the pure-JAX path for now)"
+        )
+    if window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW):
+        return (
+            f"the kernel masks causally or not at all; the sliding window {window} (left, right) runs on "
+            "the pure-JAX path for now"
+        )
+    if softmax_scale <= 0:
+        return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"
+    if max(q.shape[0], k.shape[0]) > KERNEL_MAX_TOKENS:
+        return f"the kernel takes at most {KERNEL_MAX_TOKENS} tokens, got {max(q.shape[0], k.shape[0])}"
+    tiles = (num_seqs + 1) * -(-max_seqlen_q // 128) * q.shape[1]
+    if tiles > KERNEL_MAX_TILES:
+        return f"the kernel takes (num_seqs + 1) * ceil(max_seqlen_q / 128) * heads_q <= 2^30, got {tiles}"
+    return None
