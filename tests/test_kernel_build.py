@@ -177,7 +177,7 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == slices, name
 
 
-@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_fp8"])
+@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8"])
 def test_timeline_variant_builds(tmp_path, source):
     """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
