@@ -95,9 +95,52 @@ def attention_reference(
     mask as in `jzyfa.flash_attention` (bottom-right alignment; causal sets the window's right bound
     to 0). Rows that see no key give out = 0 and lse = -inf. softmax_scale defaults to 1/sqrt(D).
     """
-    seq_q, seq_k = q.shape[1], k.shape[1]
+    batch, seq_q, heads_q, _ = q.shape
+    seq_k = k.shape[1]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     window = mask_window(causal, window)
-    mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
-    return masked_attention(q, k, v, mask, softmax_scale)
+    rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
+    if rows >= seq_q:
+        mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
+        return masked_attention(q, k, v, mask, softmax_scale)
+    return _attention_by_query_chunks(q, k, v, window, softmax_scale, rows)
+
+
+# Score entries (float32) one step of the reference may hold: 2^28 = 1 GiB. Larger problems run over
+# chunks of query rows, each rematerialized in the backward pass, so neither direction ever holds the
+# whole B x H x Sq x Sk matrix (a 16-head 32K x 32K problem would need 64 GiB).
+CHUNK_SCORE_ENTRIES = 2**28
+
+
+def _rows_per_chunk(batch: int, heads_q: int, seq_q: int, seq_k: int) -> int:
+    per_row = max(1, batch * heads_q * seq_k)
+    return max(1, min(seq_q, CHUNK_SCORE_ENTRIES // per_row))
+
+
+def _attention_by_query_chunks(q, k, v, window: Window, softmax_scale: float, rows: int):
+    """attention_reference over chunks of `rows` query rows (lax.map; each chunk checkpointed).
+
+    Every row sees the same keys in the same order as in one call, so the chunks compute exactly
+    what masked_attention computes for those rows, up to float32 summation order inside XLA's dots.
+    """
+    batch, seq_q, heads_q, head_dim = q.shape
+    seq_k = k.shape[1]
+    count = -(-seq_q // rows)
+    padded = jnp.pad(q, ((0, 0), (0, count * rows - seq_q), (0, 0), (0, 0)))
+    chunks = jnp.moveaxis(padded.reshape(batch, count, rows, heads_q, head_dim), 1, 0)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        index, q_chunk = args
+        # Bottom-right alignment: query i sits at key position i + Sk - Sq (padded rows see garbage
+        # masks; they are cut off below).
+        query_pos = index * rows + jnp.arange(rows)[:, None] + (seq_k - seq_q)
+        mask = None if window == NO_WINDOW else window_visible(query_pos, jnp.arange(seq_k)[None, :], window)
+        return masked_attention(q_chunk, k, v, mask, softmax_scale)
+
+    out, lse = lax.map(one_chunk, (jnp.arange(count), chunks))
+    # out [count, B, rows, Hq, Dv] -> [B, Sq, Hq, Dv]; lse [count, B, Hq, rows] -> [B, Hq, Sq]
+    out = jnp.moveaxis(out, 0, 1).reshape(batch, count * rows, heads_q, -1)[:, :seq_q]
+    lse = jnp.moveaxis(lse, 0, 2).reshape(batch, heads_q, count * rows)[..., :seq_q]
+    return out, lse
