@@ -804,3 +804,10 @@ def test_replot_draws_a_saved_report_without_measuring(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| jzyfa |" in again.stdout and "| xla |" in again.stdout
     assert f"({len([r for r in saved['results'] if r['tflops'] is not None])} points)" in again.stderr
+
+
+def test_top_kernel_ms_is_the_longest_kernel():
+    result = {"kernel": {"kernels": [{"name": "a", "ms_per_call": 0.02}, {"name": "b", "ms_per_call": 0.14}]}}
+    assert bench.top_kernel_ms(result) == 0.14
+    assert bench.top_kernel_ms({"kernel": None}) is None  # no CUPTI (wall-clock or smoke runs)
+    assert bench.top_kernel_ms({}) is None
