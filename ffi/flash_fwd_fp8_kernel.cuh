@@ -335,8 +335,9 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal) are
     //   o + (promoted ? o_copy * copy_scale : 0),
     // o the wgmma accumulator (the key blocks since the last promotion), o_copy the float32 copy
-    // in shared memory, copy_scale a per-row power of two that takes the lazy rescales, so a
-    // rescale touches registers only. Accumulator value i belongs to row (i >> 1) & 1.
+    // (its first kRegChunks float4s in reg_copy, the rest in shared memory), copy_scale a per-row
+    // power of two that takes the lazy rescales, so a rescale touches registers only.
+    // Accumulator value i belongs to row (i >> 1) & 1.
     float o[Tile::kPvN / 2];
     bool promoted = false;
     int pending = 0;  // key blocks in the accumulator (warpgroup-uniform)
