@@ -19,6 +19,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_fwd_common.cuh"
 #include "kernel_timeline.cuh"
@@ -167,6 +168,13 @@ __device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& arg
   }
   return w;
 }
+
+// The timeline's interface, recording nothing (the windowed kernels in JZYFA_TIMELINE builds).
+struct NoTimeline {
+  __device__ explicit NoTimeline(int) {}
+  __device__ void Mark(TimelineEvent) {}
+  __device__ void Next() {}
+};
 
 template <int kHeadDim>
 struct FwdTile {
@@ -401,7 +409,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::wgmma_commit_group();
   };
 
-  TimelineRecorder timeline(consumer);  // no code unless built with JZYFA_TIMELINE (kernel_timeline.cuh)
+  // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels never
+  // record (at hd128 the stamps' registers would spill there).
+  std::conditional_t<kWindow, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -416,15 +426,6 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     }
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
-    // Windowed: keys counted from the tile's first block, so that the loop indexes blocks from 0
-    // as without a window and holds no more registers: key kk of the sequence is key
-    // kk - first_key here, and row i sits at i + window_diagonal (>= -seqlen_q) in that frame.
-    int window_diagonal = 0;
-    if constexpr (kWindow) {
-      const int first_key = work.first_block * kBlockN;
-      seqlen_k -= first_key;
-      window_diagonal = work.diagonal - first_key;
-    }
 
     // O accumulator, wgmma layout of an m64n{kHeadDim} result (see OnlineSoftmax).
     float o[kHeadDim / 2];
@@ -441,16 +442,17 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           // Blocks inside every row's window (and the keys) stay unmasked. A block needs the mask
           // if it ends past the seq_k tail or the first row's right edge, or starts before the
           // last row's left edge (this consumer's 64 rows).
-          const int key_start = block * kBlockN;
-          const int first_pos = rows_start + window_diagonal;
+          // Block `block` of the tile is block first_block + block of the keys (dense; varlen tiles
+          // count keys from their first block already, with first_block 0).
+          const int key_start = (work.first_block + block) * kBlockN;
+          const int first_pos = rows_start + work.diagonal;
           const int left = args.window_left, right = args.window_right;
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
               (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
           if (needs_mask) {
-            softmax.MaskWindow(s, key_start, first_row, lane, seqlen_k, window_diagonal, left,
-                               right);
+            softmax.MaskWindow(s, key_start, first_row, lane, seqlen_k, work.diagonal, left, right);
           }
           softmax.Step(s, p, correction, false, key_start, first_row, lane, seqlen_k, false,
                        0, args.scale_log2);

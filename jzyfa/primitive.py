@@ -111,7 +111,7 @@ def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
     ]
 
 
-def _abstract_eval(q, k, v, *, softmax_scale, causal, window, kernel_required):
+def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required, window=NO_WINDOW):
     batch, seq_q, heads_q, _ = q.shape
     # Results keep q's mesh sharding and the shard_map axes it varies over (update() carries both);
     # out's head dim is v's (MLA: it may differ from q's) and takes v's sharding of it; lse's
