@@ -65,9 +65,9 @@ def kernel_mask(
 
 def _window_gate_problem(window: _validation.Window) -> str:
     return (
-        f"the kernel's sliding windows have not passed their GPU tests yet (window {window} (left, right)); "
-        f"set {UNVERIFIED_WINDOW_KERNEL_ENV}=1 to run them anyway, or use implementation=None or 'xla' "
-        "for the pure-JAX path"
+        f"the kernel's sliding windows have not passed their GPU tests yet: the sliding window {window} "
+        f"(left, right) runs on it only with {UNVERIFIED_WINDOW_KERNEL_ENV}=1; or use implementation=None "
+        "or 'xla' for the pure-JAX path"
     )
 
 
