@@ -71,12 +71,19 @@ def _window_gate_problem(window: _validation.Window) -> str:
     )
 
 
+# The windowed kernels compute positions and bounds in int32 (ffi/flash_fwd.cu, flash_fwd_varlen.cu).
+WINDOW_KERNEL_MAX_TOKENS = 1 << 30
+
+
 def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
     """None when the kernel serves this validated non-FP8 call, else why not (windows need the gate on)."""
     if problem := kernel_config_problem(q, k, v, softmax_scale):
         return problem
-    if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None and not window_kernel_enabled():
-        return _window_gate_problem(_validation.mask_window(causal, window))
+    if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
+        if not window_kernel_enabled():
+            return _window_gate_problem(_validation.mask_window(causal, window))
+        if q.shape[1] + k.shape[1] > WINDOW_KERNEL_MAX_TOKENS:
+            return f"the kernel's sliding windows take seq_q + seq_k <= 2^30, got {q.shape[1] + k.shape[1]}"
     return None
 
 
@@ -161,6 +168,10 @@ def choose_varlen_path(
     sliding = window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW)
     if problem is None and sliding and not window_kernel_enabled():
         problem = _window_gate_problem(window)
+    if problem is None and sliding and q.shape[0] + k.shape[0] > WINDOW_KERNEL_MAX_TOKENS:
+        problem = (
+            f"the kernel's sliding windows take total_q + total_k <= 2^30, got {q.shape[0] + k.shape[0]}"
+        )
     if implementation == "kernel":
         if not varlen_kernel_enabled():
             raise ValueError(

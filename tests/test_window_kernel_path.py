@@ -299,3 +299,16 @@ def test_sequence_shards_lower_to_shifted_windows_for_cuda():
     assert sorted(window_attributes(c) for c in calls) == [(8, 0)] * 4
     assert sum("bf16[1,16,4,128]{3,2,1,0}" in c for c in calls) == 1
     assert sum("bf16[1,24,4,128]{3,2,1,0}" in c for c in calls) == 3
+
+
+def test_windows_past_the_kernels_int32_range_fall_back(monkeypatch):
+    """The windowed kernels need seq_q + seq_k <= 2^30 (total_q + total_k for varlen)."""
+    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+    q = jax.ShapeDtypeStruct((1, 8388480, 1, 64), jnp.bfloat16)  # the kernel's longest seq_q
+    kv = jax.ShapeDtypeStruct((1, (1 << 30) - 8388480 + 1, 1, 64), jnp.bfloat16)
+    assert "seq_q + seq_k <= 2^30" in api.kernel_problem(q, kv, kv, 0.125, False, (8, 0))
+    assert api.kernel_problem(q, kv, kv, 0.125, True, None) is None  # causal: the plain kernel
+    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
+    q, kv = (jax.ShapeDtypeStruct((n, 1, 64), jnp.bfloat16) for n in (1 << 29, (1 << 29) + 1))
+    with pytest.raises(ValueError, match=r"total_q \+ total_k <= 2\^30"):
+        api.choose_varlen_path(q, kv, kv, 1, 128, 0.125, (8, 0), "kernel")
