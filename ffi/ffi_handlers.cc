@@ -73,7 +73,8 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                  ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                                  ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                  ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-                                 float softmax_scale, bool causal) {
+                                 float softmax_scale, bool causal, int64_t window_left,
+                                 int64_t window_right) {
   handler_calls.fetch_add(1, std::memory_order_relaxed);
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -107,6 +108,8 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   FlashFwdParams p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.v = v.untyped_data();
+  p.window_left = window_left;
+  p.window_right = window_right;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
 
   std::string error = ValidateFlashFwd(p);
@@ -125,7 +128,8 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
                                        ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                        ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                                        float softmax_scale, bool causal, int64_t max_seqlen_q,
-                                       int64_t max_seqlen_k) {
+                                       int64_t max_seqlen_k, int64_t window_left,
+                                       int64_t window_right) {
   const std::string name = "jzyfa_flash_attention_varlen_fwd: ";
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -185,6 +189,8 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
   p.head_dim = qd[2];
   p.softmax_scale = softmax_scale;
   p.causal = causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
 
   std::string error = ValidateFlashFwdVarlen(p);
@@ -315,7 +321,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal"),
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")  // -1: unbounded
+                                  .Attr<int64_t>("window_right"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionVarlenFwd, FlashAttentionVarlenFwdImpl,
@@ -332,7 +340,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionVarlenFwd, FlashAttentionVarlenFwdIm
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_k"),
+                                  .Attr<int64_t>("max_seqlen_k")
+                                  .Attr<int64_t>("window_left")  // -1: unbounded
+                                  .Attr<int64_t>("window_right"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,

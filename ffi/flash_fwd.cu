@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "flash_fwd.h"
 #include "flash_fwd_kernel.cuh"
@@ -31,17 +32,26 @@ bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_
   return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
 }
 
-template <typename Element, int kHeadDim>
-std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
+// The plain kernel, or the sliding-window one.
+template <typename Element, int kHeadDim, bool kWindow>
+constexpr auto ForwardKernel() {
+  if constexpr (kWindow) {
+    return FlashFwdWindowKernel<Element, kHeadDim>;
+  } else {
+    return FlashFwdKernel<Element, kHeadDim>;
+  }
+}
+
+template <typename Element, int kHeadDim, bool kWindow>
+std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
-  auto kernel = FlashFwdKernel<Element, kHeadDim>;
+  constexpr auto kernel = ForwardKernel<Element, kHeadDim, kWindow>();
   int device = 0;
   std::string error = CurrentDevice(&device);
   if (!error.empty()) return error;
   const DeviceInfo& info = GetDeviceInfo(device);
   if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<FlashFwdKernel<Element, kHeadDim>>(device,
-                                                                   Tile::kDynamicSmemBytes);
+  error = AllowLargeSharedMemory<kernel>(device, Tile::kDynamicSmemBytes);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_v;
@@ -60,13 +70,17 @@ std::string Launch(const FlashFwdParams& p, cudaStream_t stream) {
     return error;
   }
 #endif
-  FwdArgs args;
+  std::conditional_t<kWindow, WindowedArgs<FwdArgs>, FwdArgs> args;
   args.out = p.out;
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
-  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.causal,
+  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
                   Tile::kBlockM);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  if constexpr (kWindow) {
+    args.window_left = mask.window_left;
+    args.window_right = mask.window_right;
+  }
 
   // Persistent: CTA i starts on tile i and claims the rest from the counter.
   int grid = 0;
@@ -112,6 +126,39 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
     return "softmax_scale must be a positive finite number";
   }
+  MaskPlan mask;
+  const std::string error =
+      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
+  if (!error.empty()) return error;
+  // The windowed kernel's positions, keys and bounds stay below 2^30 in magnitude (int32 masks).
+  if (mask.windowed && p.seqlen_q + p.seqlen_k > (int64_t{1} << 30)) {
+    return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
+           std::to_string(p.seqlen_q + p.seqlen_k);
+  }
+  return "";
+}
+
+std::string ResolveMask(bool causal, int64_t left, int64_t right, int64_t seqlen_q,
+                        int64_t seqlen_k, MaskPlan* plan) {
+  if (left < -1 || right < -1) {
+    return "window_left and window_right must be >= 0, or -1 for unbounded; got (" +
+           std::to_string(left) + ", " + std::to_string(right) + ")";
+  }
+  *plan = MaskPlan();
+  if (left == -1 && right == -1) {  // no window: the mask is `causal`'s
+    plan->causal = causal;
+    return "";
+  }
+  if (causal) right = 0;
+  if (left >= seqlen_k - 1) left = -1;
+  if (right >= seqlen_q - 1) right = -1;
+  if (left < 0 && right <= 0) {
+    plan->causal = right == 0;
+  } else {
+    plan->windowed = true;
+    plan->window_left = static_cast<int>(left);  // < seqlen_k <= 2^30
+    plan->window_right = static_cast<int>(right);
+  }
   return "";
 }
 
@@ -124,11 +171,24 @@ std::string CheckDeviceSupport() {
 std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
   std::string error = ValidateFlashFwd(p);
   if (!error.empty()) return error;
+  MaskPlan mask;
+  error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
+  if (!error.empty()) return error;
   const bool bf16 = p.element_type == ElementType::kBF16;
-  if (p.head_dim == 64) {
-    return bf16 ? Launch<__nv_bfloat16, 64>(p, stream) : Launch<__half, 64>(p, stream);
+  if (mask.windowed) {
+    if (p.head_dim == 64) {
+      return bf16 ? Launch<__nv_bfloat16, 64, true>(p, mask, stream)
+                  : Launch<__half, 64, true>(p, mask, stream);
+    }
+    return bf16 ? Launch<__nv_bfloat16, 128, true>(p, mask, stream)
+                : Launch<__half, 128, true>(p, mask, stream);
   }
-  return bf16 ? Launch<__nv_bfloat16, 128>(p, stream) : Launch<__half, 128>(p, stream);
+  if (p.head_dim == 64) {
+    return bf16 ? Launch<__nv_bfloat16, 64, false>(p, mask, stream)
+                : Launch<__half, 64, false>(p, mask, stream);
+  }
+  return bf16 ? Launch<__nv_bfloat16, 128, false>(p, mask, stream)
+              : Launch<__half, 128, false>(p, mask, stream);
 }
 
 std::string ReadFlashFwdTimeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

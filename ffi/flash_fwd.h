@@ -33,6 +33,11 @@ struct FlashFwdParams {
   int64_t head_dim = 0;
   float softmax_scale = 1.0f;
   bool causal = false;  // bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
+  // Sliding window (left, right): query i, at position i + seqlen_k - seqlen_q, sees key j iff
+  // pos - left <= j <= pos + right; -1 leaves a side unbounded; with `causal` the right bound is 0
+  // (ResolveMask). Windows that come down to causal or none run the plain kernels.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
   ElementType element_type = ElementType::kBF16;
 };
 
@@ -90,8 +95,26 @@ struct FlashFwdVarlenParams {
   int64_t head_dim = 0;
   float softmax_scale = 1.0f;
   bool causal = false;
+  int64_t window_left = -1;  // as in FlashFwdParams, per sequence
+  int64_t window_right = -1;
   ElementType element_type = ElementType::kBF16;
 };
+
+// The mask a 16-bit launch runs with: causal or not (the plain kernels), or a sliding window
+// (the windowed kernels, bounds in 0..2^30 or -1).
+struct MaskPlan {
+  bool causal = false;
+  bool windowed = false;
+  int window_left = -1;
+  int window_right = -1;
+};
+
+// The plan for `causal` and the window (left, right) over queries of at most seqlen_q and keys of
+// at most seqlen_k tokens: (-1, -1) leaves `causal` as it is; otherwise causal sets the right bound
+// to 0, bounds that exclude no key (left >= seqlen_k - 1, right >= seqlen_q - 1) become -1, and
+// what is left is none, causal (-1, 0) or a window. Returns an error for bounds below -1.
+std::string ResolveMask(bool causal, int64_t window_left, int64_t window_right, int64_t seqlen_q,
+                        int64_t seqlen_k, MaskPlan* plan);
 
 // Checks what the kernel can run; returns an empty string when it can, else a message
 // naming the offending argument.

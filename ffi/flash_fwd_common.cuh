@@ -41,6 +41,33 @@ struct VarlenWork : FwdWork {
   int q_offset, k_offset, len_q, len_k, row_stride;
 };
 
+// A sliding window's tile (the 16-bit kernel's windowed instantiations): the tile's keys are blocks
+// first_block .. first_block + num_blocks - 1, not 0 .. num_blocks - 1. The K/V ring counts blocks
+// as before (num_blocks per tile); only the keys a block holds move.
+template <typename Work>
+struct WindowWork : Work {
+  int first_block;
+};
+
+// The key blocks rows q_first..q_last (q_first <= q_last) need under the window (left, right) on
+// bottom-right positions (row i at i + diagonal sees keys pos - left .. pos + right; -1: that side
+// unbounded), clipped to seqlen_k keys: first_block and the count (0: no row sees a key). int32:
+// the launch keeps lengths and bounds below 2^30 (seqlen_q + seqlen_k <= 2^30).
+template <int kBlockN>
+__device__ __forceinline__ void WindowBlocks(int q_first, int q_last, int diagonal, int seqlen_k,
+                                             int left, int right, int& first_block,
+                                             int& num_blocks) {
+  const int kv_begin = left < 0 ? 0 : max(q_first + diagonal - left, 0);
+  const int kv_end = right < 0 ? seqlen_k : min(q_last + diagonal + right + 1, seqlen_k);
+  if (kv_end <= kv_begin) {
+    first_block = 0;
+    num_blocks = 0;
+    return;
+  }
+  first_block = kv_begin / kBlockN;
+  num_blocks = (kv_end + kBlockN - 1) / kBlockN - first_block;
+}
+
 // Tile order: heads fastest, then query tiles (longest first: under a causal mask the last
 // tiles see the most keys), then batch.
 // Args: any launch-argument struct with the fields read here.

@@ -19,6 +19,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_fwd_common.cuh"
 #include "kernel_timeline.cuh"
@@ -77,6 +78,24 @@ constexpr bool kIsVarlen = false;
 template <>
 constexpr bool kIsVarlen<VarlenFwdArgs> = true;
 
+// A sliding window's launch: the dense or varlen arguments plus the window (left, right) on
+// bottom-right positions (query row i at i + seqlen_k - seqlen_q sees keys pos - left ..
+// pos + right; -1: that side unbounded), each at most 2^30, with the base's causal flag 0. Its
+// instantiations are kernels of their own (FlashFwdWindowKernel, FlashFwdVarlenWindowKernel), so
+// the code of the others does not change.
+template <typename Base>
+struct WindowedArgs : Base {
+  int window_left;
+  int window_right;
+};
+
+template <typename Args>
+constexpr bool kHasWindow = false;
+template <typename Base>
+constexpr bool kHasWindow<WindowedArgs<Base>> = true;
+template <>
+constexpr bool kIsVarlen<WindowedArgs<VarlenFwdArgs>> = true;
+
 // The varlen tile order is the dense one with sequences as the batch: heads fastest, then query
 // tiles from the last (of max_seqlen_q) to the first, then sequences. With unequal lengths the
 // first query tiles are no longer the longest ones (a short sequence's last tiles are empty, and
@@ -116,6 +135,46 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
   }
   return w;
 }
+
+// A windowed tile: the base's tile (all keys of its sequence, or none) narrowed to the key blocks
+// its rows' windows reach. The tile order stays the base's, longest first for causal masks, which
+// for windows is only roughly longest first (every tile of a narrow window has about equal work).
+template <int kBlockM, int kBlockN, typename Base>
+__device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& args) {
+  using Work = decltype(PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args)));
+  WindowWork<Work> w;
+  static_cast<Work&>(w) = PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args));
+  w.first_block = 0;
+  if (w.num_blocks > 0) {  // some key, and the tile's first row is a real one
+    int seqlen_q, seqlen_k;
+    if constexpr (kIsVarlen<Base>) {
+      seqlen_q = w.len_q;
+      seqlen_k = w.len_k;
+    } else {
+      seqlen_q = args.seqlen_q;
+      seqlen_k = args.seqlen_k;
+    }
+    WindowBlocks<kBlockN>(w.q_start, min(w.q_start + kBlockM, seqlen_q) - 1, w.diagonal, seqlen_k,
+                          args.window_left, args.window_right, w.first_block, w.num_blocks);
+    if constexpr (kIsVarlen<Base>) {
+      // Varlen: the sequence's keys are taken to start at the tile's first block (k_offset, len_k
+      // and the diagonal in that frame): the producer holds no first_block.
+      const int first_key = w.first_block * kBlockN;
+      w.k_offset += first_key;
+      w.len_k -= first_key;
+      w.diagonal -= first_key;
+      w.first_block = 0;
+    }
+  }
+  return w;
+}
+
+// The timeline's interface, recording nothing (the windowed kernels in JZYFA_TIMELINE builds).
+struct NoTimeline {
+  __device__ explicit NoTimeline(int) {}
+  __device__ void Mark(TimelineEvent) {}
+  __device__ void Next() {}
+};
 
 template <int kHeadDim>
 struct FwdTile {
@@ -200,6 +259,26 @@ struct OnlineSoftmax {
       for (int r = 0; r < 4; ++r)
         p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
   }
+
+  // Sliding windows (before Step, which then masks nothing): row i, at i + diagonal, sees keys
+  // pos - left .. pos + right (-1: unbounded) below seqlen_k; the others get -inf. A row that sees
+  // no key of any block keeps max -inf and sum 0: O = 0, LSE = -inf. No overflow: positions, keys
+  // and bounds are below 2^30 in magnitude (the launch checks seqlen_q + seqlen_k).
+  __device__ __forceinline__ void MaskWindow(float (&s)[kBlockN / 2], int key_start, int first_row,
+                                             int lane, int seqlen_k, int diagonal, int left,
+                                             int right) {
+    const int quad_col = 2 * (lane % 4);
+#pragma unroll
+    for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_start + 8 * c + quad_col + (e & 1);
+        const int offset = key - (first_row + 8 * (e >> 1) + diagonal);  // key - position
+        const bool visible =
+            key < seqlen_k && (left < 0 || offset >= -left) && (right < 0 || offset <= right);
+        if (!visible) s[4 * c + e] = -INFINITY;
+      }
+  }
 };
 
 // The kernel's body, for dense batches (FwdArgs) and packed variable-length ones (VarlenFwdArgs:
@@ -213,6 +292,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 #endif
                                               const Args& args) {
   constexpr bool kVarlen = kIsVarlen<Args>;
+  constexpr bool kWindow = kHasWindow<Args>;  // the tile's blocks start at work.first_block
   static_assert(!(kVarlen && JZYFA_EPILOGUE_TMA), "varlen stores O from registers");
   using Tile = FwdTile<kHeadDim>;
   constexpr int kBlockN = Tile::kBlockN;
@@ -240,7 +320,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 
   // ---------------------------------------------------------------- producer
   if (warpgroup == 0) {
-    ptx::setmaxnreg_dec<Tile::kProducerRegs>();
+    // The windowed tile plan needs a few more registers in the producer: 48 of the 8 spare ones
+    // (48 * 128 + 232 * 256 = 65536).
+    constexpr int kProducerRegs = kWindow ? Tile::kProducerRegs + 8 : Tile::kProducerRegs;
+    static_assert(kProducerRegs * 128 + Tile::kConsumerRegs * 128 * Tile::kConsumers <= 65536);
+    ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
@@ -258,6 +342,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     };
     auto load_k = [&](const auto& work, int block, int stage, uint32_t bar) {
       int row = block * kBlockN, batch = work.batch;
+      if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
       for (int s = 0; s < kSlices; ++s)
         ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64, row,
@@ -265,6 +350,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     };
     auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
       int row = block * kBlockN, batch = work.batch;
+      if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
       for (int s = 0; s < kSlices; ++s)
         ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64, row,
@@ -323,7 +409,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::wgmma_commit_group();
   };
 
-  TimelineRecorder timeline(consumer);  // no code unless built with JZYFA_TIMELINE (kernel_timeline.cuh)
+  // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels never
+  // record (at hd128 the stamps' registers would spill there).
+  std::conditional_t<kWindow, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -350,12 +438,32 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
                               float (&correction)[2], int block) {
-        const int key_start = block * kBlockN;
-        const bool needs_mask =
-            key_start + kBlockN > seqlen_k ||
-            (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-        softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, seqlen_k,
-                     args.causal, work.diagonal, args.scale_log2);
+        if constexpr (kWindow) {
+          // Blocks inside every row's window (and the keys) stay unmasked. A block needs the mask
+          // if it ends past the seq_k tail or the first row's right edge, or starts before the
+          // last row's left edge (this consumer's 64 rows).
+          // Block `block` of the tile is block first_block + block of the keys (dense; varlen tiles
+          // count keys from their first block already, with first_block 0).
+          const int key_start = (work.first_block + block) * kBlockN;
+          const int first_pos = rows_start + work.diagonal;
+          const int left = args.window_left, right = args.window_right;
+          const bool needs_mask =
+              key_start + kBlockN > seqlen_k ||
+              (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
+              (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
+          if (needs_mask) {
+            softmax.MaskWindow(s, key_start, first_row, lane, seqlen_k, work.diagonal, left, right);
+          }
+          softmax.Step(s, p, correction, false, key_start, first_row, lane, seqlen_k, false,
+                       0, args.scale_log2);
+        } else {
+          const int key_start = block * kBlockN;
+          const bool needs_mask =
+              key_start + kBlockN > seqlen_k ||
+              (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
+          softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, seqlen_k,
+                       args.causal, work.diagonal, args.scale_log2);
+        }
       };
       // Q is free once the tile's last S = Q K^T has landed.
       auto after_qk = [&](int block, int stage) {
@@ -544,6 +652,23 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                                    args);
 }
 
+// Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
+    FlashFwdWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
+                         const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                         const __grid_constant__ CUtensorMap tmap_o,
+#endif
+                         const WindowedArgs<FwdArgs> args) {
+  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                                   tmap_o,
+#endif
+                                   args);
+}
+
 #if !JZYFA_EPILOGUE_TMA
 // Packed variable-length batches: the maps cover [1, total, heads, D] (ffi/flash_fwd_varlen.cu).
 template <typename Element, int kHeadDim>
@@ -551,6 +676,16 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdVarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v, const VarlenFwdArgs args) {
+  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+}
+
+// Packed variable-length batches under a sliding window, per sequence.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
+    FlashFwdVarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
+                               const __grid_constant__ CUtensorMap tmap_k,
+                               const __grid_constant__ CUtensorMap tmap_v,
+                               const WindowedArgs<VarlenFwdArgs> args) {
   FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
 }
 #endif

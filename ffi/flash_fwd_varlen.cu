@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "flash_fwd.h"
 #include "flash_fwd_kernel.cuh"
@@ -37,17 +38,26 @@ bool EncodePackedMap(CUtensorMap* map, const void* ptr, ElementType type, int64_
   return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
 }
 
-template <typename Element, int kHeadDim>
-std::string Launch(const FlashFwdVarlenParams& p, cudaStream_t stream) {
+// The plain varlen kernel, or the sliding-window one.
+template <typename Element, int kHeadDim, bool kWindow>
+constexpr auto VarlenKernel() {
+  if constexpr (kWindow) {
+    return FlashFwdVarlenWindowKernel<Element, kHeadDim>;
+  } else {
+    return FlashFwdVarlenKernel<Element, kHeadDim>;
+  }
+}
+
+template <typename Element, int kHeadDim, bool kWindow>
+std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
-  auto kernel = FlashFwdVarlenKernel<Element, kHeadDim>;
+  constexpr auto kernel = VarlenKernel<Element, kHeadDim, kWindow>();
   int device = 0;
   std::string error = CurrentDevice(&device);
   if (!error.empty()) return error;
   const DeviceInfo& info = GetDeviceInfo(device);
   if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<FlashFwdVarlenKernel<Element, kHeadDim>>(device,
-                                                                         Tile::kDynamicSmemBytes);
+  error = AllowLargeSharedMemory<kernel>(device, Tile::kDynamicSmemBytes);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_v;
@@ -59,7 +69,7 @@ std::string Launch(const FlashFwdVarlenParams& p, cudaStream_t stream) {
                        Tile::kBlockN, &error)) {
     return error;
   }
-  VarlenFwdArgs args;
+  std::conditional_t<kWindow, WindowedArgs<VarlenFwdArgs>, VarlenFwdArgs> args;
   args.out = p.out;
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
@@ -72,9 +82,13 @@ std::string Launch(const FlashFwdVarlenParams& p, cudaStream_t stream) {
   args.heads_q = static_cast<int>(p.heads_q);
   args.heads_kv = static_cast<int>(p.heads_kv);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  args.causal = p.causal ? 1 : 0;
+  args.causal = mask.causal ? 1 : 0;
   args.cu_seqlens_q = p.cu_seqlens_q;
   args.cu_seqlens_k = p.cu_seqlens_k;
+  if constexpr (kWindow) {
+    args.window_left = mask.window_left;
+    args.window_right = mask.window_right;
+  }
 
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
@@ -123,17 +137,42 @@ std::string ValidateFlashFwdVarlen(const FlashFwdVarlenParams& p) {
   if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
     return "softmax_scale must be a positive finite number";
   }
+  MaskPlan mask;
+  const std::string error = ResolveMask(p.causal, p.window_left, p.window_right, p.max_seqlen_q,
+                                        p.max_seqlen_k, &mask);
+  if (!error.empty()) return error;
+  // The windowed kernel's positions, keys and bounds stay below 2^30 in magnitude (int32 masks).
+  if (mask.windowed && p.total_q + p.total_k > (int64_t{1} << 30)) {
+    return "sliding windows need total_q + total_k <= 2^30, got " +
+           std::to_string(p.total_q + p.total_k);
+  }
   return "";
 }
 
 std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& p, cudaStream_t stream) {
   std::string error = ValidateFlashFwdVarlen(p);
   if (!error.empty()) return error;
+  // Bounds over the longest sequences: a bound that excludes no key of those excludes none of a
+  // shorter one either. (Sequences longer than the maxima break the contract; they stay in range.)
+  MaskPlan mask;
+  error = ResolveMask(p.causal, p.window_left, p.window_right, p.max_seqlen_q, p.max_seqlen_k,
+                      &mask);
+  if (!error.empty()) return error;
   const bool bf16 = p.element_type == ElementType::kBF16;
-  if (p.head_dim == 64) {
-    return bf16 ? Launch<__nv_bfloat16, 64>(p, stream) : Launch<__half, 64>(p, stream);
+  if (mask.windowed) {
+    if (p.head_dim == 64) {
+      return bf16 ? Launch<__nv_bfloat16, 64, true>(p, mask, stream)
+                  : Launch<__half, 64, true>(p, mask, stream);
+    }
+    return bf16 ? Launch<__nv_bfloat16, 128, true>(p, mask, stream)
+                : Launch<__half, 128, true>(p, mask, stream);
   }
-  return bf16 ? Launch<__nv_bfloat16, 128>(p, stream) : Launch<__half, 128>(p, stream);
+  if (p.head_dim == 64) {
+    return bf16 ? Launch<__nv_bfloat16, 64, false>(p, mask, stream)
+                : Launch<__half, 64, false>(p, mask, stream);
+  }
+  return bf16 ? Launch<__nv_bfloat16, 128, false>(p, mask, stream)
+              : Launch<__half, 128, false>(p, mask, stream);
 }
 
 }  // namespace jzyfa

@@ -40,16 +40,50 @@ def kernel_causal_flag(
     return {_validation.NO_WINDOW: False, _validation.CAUSAL_WINDOW: True}.get(left_right)
 
 
+# The 16-bit kernel's sliding-window instantiations (dense and varlen; ffi/flash_fwd_kernel.cuh) are built
+# and their SASS checked in CI, but they have not yet run on a GPU. Until their GPU tests
+# (tests/test_window_kernel_gpu.py) pass and this is set True, implementation=None runs windows other than
+# causal or none on the pure-JAX path and implementation="kernel" runs them only with this variable set to 1.
+WINDOW_KERNEL_VERIFIED = False
+UNVERIFIED_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_WINDOW_KERNEL"
+
+
+def window_kernel_enabled() -> bool:
+    return WINDOW_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_WINDOW_KERNEL_ENV) == "1"
+
+
+def kernel_mask(
+    causal: bool, window: _validation.Window | None, seq_q: int, seq_k: int
+) -> tuple[bool, _validation.Window]:
+    """The 16-bit kernel's (causal, window) for this mask: (flag, NO_WINDOW) when it is causal or none for
+    these lengths (the plain kernels), else (False, the window with bounds that exclude no key as -1)."""
+    flag = kernel_causal_flag(causal, window, seq_q, seq_k)
+    if flag is not None:
+        return flag, _validation.NO_WINDOW
+    return False, _validation.canonical_window(_validation.mask_window(causal, window), seq_q, seq_k)
+
+
+def _window_gate_problem(window: _validation.Window) -> str:
+    return (
+        f"the kernel's sliding windows have not passed their GPU tests yet: the sliding window {window} "
+        f"(left, right) runs on it only with {UNVERIFIED_WINDOW_KERNEL_ENV}=1; or use implementation=None "
+        "or 'xla' for the pure-JAX path"
+    )
+
+
+# The windowed kernels compute positions and bounds in int32 (ffi/flash_fwd.cu, flash_fwd_varlen.cu).
+WINDOW_KERNEL_MAX_TOKENS = 1 << 30
+
+
 def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
-    """None when the kernel serves this validated non-FP8 call, else why not."""
+    """None when the kernel serves this validated non-FP8 call, else why not (windows need the gate on)."""
     if problem := kernel_config_problem(q, k, v, softmax_scale):
         return problem
     if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
-        effective = _validation.mask_window(causal, window)
-        return (
-            f"the kernel masks causally or not at all; the sliding window {effective} (left, right) "
-            "runs on the pure-JAX path for now"
-        )
+        if not window_kernel_enabled():
+            return _window_gate_problem(_validation.mask_window(causal, window))
+        if q.shape[1] + k.shape[1] > WINDOW_KERNEL_MAX_TOKENS:
+            return f"the kernel's sliding windows take seq_q + seq_k <= 2^30, got {q.shape[1] + k.shape[1]}"
     return None
 
 
@@ -61,13 +95,15 @@ def choose_path(
         return Path.REFERENCE
     config_problem = kernel_problem(q, k, v, softmax_scale, causal, window)
     backend = _platform.default_backend()
+    sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
     if implementation == "kernel":
         if config_problem:
             raise ValueError(f"implementation='kernel' cannot serve this call: {config_problem}")
         if backend == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    if config_problem:
+    # implementation=None keeps sliding windows on the pure-JAX path until the kernel's are verified.
+    if config_problem or (sliding and not WINDOW_KERNEL_VERIFIED):
         return Path.REFERENCE
     if backend == "cpu" or _platform.kernel_available():
         return Path.PRIMITIVE
@@ -129,6 +165,13 @@ def choose_varlen_path(
     if implementation == "xla":
         return Path.REFERENCE
     problem = varlen_kernel_config_problem(q, k, v, num_seqs, max_seqlen_q, softmax_scale, window)
+    sliding = window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW)
+    if problem is None and sliding and not window_kernel_enabled():
+        problem = _window_gate_problem(window)
+    if problem is None and sliding and q.shape[0] + k.shape[0] > WINDOW_KERNEL_MAX_TOKENS:
+        problem = (
+            f"the kernel's sliding windows take total_q + total_k <= 2^30, got {q.shape[0] + k.shape[0]}"
+        )
     if implementation == "kernel":
         if not varlen_kernel_enabled():
             raise ValueError(
@@ -141,15 +184,27 @@ def choose_varlen_path(
         if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    if problem or not VARLEN_KERNEL_VERIFIED or not _platform.kernel_available():
+    if problem or not VARLEN_KERNEL_VERIFIED or (sliding and not WINDOW_KERNEL_VERIFIED):
+        return Path.REFERENCE
+    if not _platform.kernel_available():
         return Path.REFERENCE
     return Path.PRIMITIVE
 
 
 # The backward recomputes through the reference until a backward kernel exists.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
 def _differentiable_varlen_kernel(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, kernel_required
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    kernel_required,
+    window=_validation.NO_WINDOW,
 ):
     return flash_attention_varlen_fwd(
         q,
@@ -162,17 +217,24 @@ def _differentiable_varlen_kernel(
         softmax_scale=softmax_scale,
         causal=causal,
         kernel_required=kernel_required,
+        window=window,
     )
 
 
-def _differentiable_varlen_kernel_fwd(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required):
-    out = _differentiable_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required)
+def _differentiable_varlen_kernel_fwd(
+    q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required, window=_validation.NO_WINDOW
+):
+    out = _differentiable_varlen_kernel(
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, required, window
+    )
     return out, (q, k, v, cu_q, cu_k)
 
 
-def _differentiable_varlen_kernel_bwd(max_q, max_k, softmax_scale, causal, required, residuals, cotangents):
+def _differentiable_varlen_kernel_bwd(
+    max_q, max_k, softmax_scale, causal, required, window, residuals, cotangents
+):
     q, k, v, cu_q, cu_k = residuals
-    window = _validation.CAUSAL_WINDOW if causal else _validation.NO_WINDOW
+    window = _validation.mask_window(causal, window)
 
     def reference(q, k, v):
         return varlen_attention_reference(
@@ -189,19 +251,23 @@ _differentiable_varlen_kernel.defvjp(_differentiable_varlen_kernel_fwd, _differe
 
 
 # The backward recomputes through the reference until a backward kernel exists.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _differentiable_kernel(q, k, v, softmax_scale: float, causal: bool, kernel_required: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _differentiable_kernel(
+    q, k, v, softmax_scale: float, causal: bool, kernel_required: bool, window=_validation.NO_WINDOW
+):
     return flash_attention_fwd(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required, window=window
     )
 
 
-def _differentiable_kernel_fwd(q, k, v, softmax_scale, causal, kernel_required):
-    return _differentiable_kernel(q, k, v, softmax_scale, causal, kernel_required), (q, k, v)
+def _differentiable_kernel_fwd(q, k, v, softmax_scale, causal, kernel_required, window=_validation.NO_WINDOW):
+    return _differentiable_kernel(q, k, v, softmax_scale, causal, kernel_required, window), (q, k, v)
 
 
-def _differentiable_kernel_bwd(softmax_scale, causal, kernel_required, residuals, cotangents):
-    reference = functools.partial(attention_reference, causal=causal, softmax_scale=softmax_scale)
+def _differentiable_kernel_bwd(softmax_scale, causal, kernel_required, window, residuals, cotangents):
+    reference = functools.partial(
+        attention_reference, causal=causal, softmax_scale=softmax_scale, window=window
+    )
     _, vjp = jax.vjp(reference, *residuals)
     return vjp(cotangents)
 
@@ -249,7 +315,10 @@ def flash_attention(
       return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q], natural log.
       implementation: None uses the kernel where it can (Hopper GPU, bf16/f16, head_dim 64 or 128
         for q, k and v alike, no mask or causal) and the pure-JAX path elsewhere; "kernel" raises a
-        ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path.
+        ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path. Other
+        sliding windows have a kernel that has not run on a GPU yet: until
+        `jzyfa.api.WINDOW_KERNEL_VERIFIED`, None runs them on the pure-JAX path and "kernel" needs
+        JZYFA_UNVERIFIED_WINDOW_KERNEL=1.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -288,9 +357,9 @@ def flash_attention(
         if path is Path.REFERENCE:
             out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
         else:
-            kernel_causal = kernel_causal_flag(causal, window, q.shape[1], k.shape[1])
+            kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
             out, lse = _differentiable_kernel(
-                q, k, v, softmax_scale, kernel_causal, path is Path.KERNEL_REQUIRED
+                q, k, v, softmax_scale, kernel_causal, path is Path.KERNEL_REQUIRED, kernel_window
             )
     return (out, lse) if return_lse else out
 
@@ -325,10 +394,11 @@ def flash_attention_varlen(
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
       implementation: "xla" runs the pure-JAX path (`jzyfa.varlen`). The 16-bit kernel's varlen
-        instantiation (bf16/f16, head_dim 64 or 128 for q, k and v, causal or no mask) is written but
+        instantiation (bf16/f16, head_dim 64 or 128 for q, k and v, any mask) is written but
         has not run on a GPU yet: until `jzyfa.api.VARLEN_KERNEL_VERIFIED`, None runs the pure-JAX path
         and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (then it raises a ValueError
-        naming what the kernel cannot serve, as in `flash_attention`).
+        naming what the kernel cannot serve, as in `flash_attention`; sliding windows other than
+        causal also need JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a
@@ -344,10 +414,11 @@ def flash_attention_varlen(
     _validation.check_implementation(implementation)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
     effective_window = _validation.mask_window(causal, window)
+    # The kernel's mask: bounds that exclude no key of sequences up to the maxima as -1, so that windows
+    # that come down to causal or none run the plain kernel.
+    kernel_window = _validation.canonical_window(effective_window, max_seqlen_q, max_seqlen_k)
     num_seqs = cu_seqlens_q.shape[0] - 1
-    path = choose_varlen_path(
-        q, k, v, num_seqs, max_seqlen_q, softmax_scale, effective_window, implementation
-    )
+    path = choose_varlen_path(q, k, v, num_seqs, max_seqlen_q, softmax_scale, kernel_window, implementation)
     if path is Path.REFERENCE:
         out, lse = varlen_attention_reference(
             q,
@@ -361,6 +432,9 @@ def flash_attention_varlen(
             softmax_scale=softmax_scale,
         )
     else:
+        kernel_causal = kernel_window == _validation.CAUSAL_WINDOW
+        if kernel_window in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW):
+            kernel_window = _validation.NO_WINDOW  # the plain kernel, causal or not
         out, lse = _differentiable_varlen_kernel(
             q,
             k,
@@ -370,7 +444,8 @@ def flash_attention_varlen(
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
-            effective_window == _validation.CAUSAL_WINDOW,
+            kernel_causal,
             path is Path.KERNEL_REQUIRED,
+            kernel_window,
         )
     return (out, lse) if return_lse else out

@@ -24,6 +24,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec as P
 
 from jzyfa import sharding
+from jzyfa._validation import NO_WINDOW, Window
 from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
@@ -64,9 +65,20 @@ def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scal
 
 
 def flash_attention_fwd(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, softmax_scale: float, causal: bool, kernel_required: bool
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    kernel_required: bool,
+    window: Window = NO_WINDOW,
 ) -> tuple[jax.Array, jax.Array]:
-    """Binds the primitive: (out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq])."""
+    """Binds the primitive: (out [B, Sq, Hq, Dv] in q's dtype, lse float32 [B, Hq, Sq]).
+
+    The mask is `causal` and `window` combined as in `attention_reference` (causal sets the window's
+    right bound to 0); the kernel runs windows other than none and causal on its windowed instantiation.
+    """
     q, k, v = _vary_alike(q, k, v)
     out, lse = flash_attention_fwd_p.bind(
         q,
@@ -74,6 +86,7 @@ def flash_attention_fwd(
         v,
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
+        window=(int(window[0]), int(window[1])),
         kernel_required=bool(kernel_required),
     )
     return out, lse
@@ -98,7 +111,7 @@ def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
     ]
 
 
-def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required):
+def _abstract_eval(q, k, v, *, softmax_scale, causal, kernel_required, window=NO_WINDOW):
     batch, seq_q, heads_q, _ = q.shape
     # Results keep q's mesh sharding and the shard_map axes it varies over (update() carries both);
     # out's head dim is v's (MLA: it may differ from q's) and takes v's sharding of it; lse's
@@ -117,23 +130,23 @@ flash_attention_shard_p.def_abstract_eval(_abstract_eval)
 
 
 # Eager calls compile the primitive alone, once per shape and parameters.
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "kernel_required"))
-def _impl(q, k, v, *, softmax_scale, causal, kernel_required):
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "window", "kernel_required"))
+def _impl(q, k, v, *, softmax_scale, causal, window, kernel_required):
     return flash_attention_fwd_p.bind(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window=window, kernel_required=kernel_required
     )
 
 
 flash_attention_fwd_p.def_impl(_impl)
 
 
-def _reference_fallback(q, k, v, *, softmax_scale, causal, kernel_required):
+def _reference_fallback(q, k, v, *, softmax_scale, causal, window, kernel_required):
     if kernel_required:
         raise ValueError(
             "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
             "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
         )
-    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
@@ -145,12 +158,19 @@ _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
 TILE_COUNTER = jax.core.ShapedArray((1,), np.int32)
 
 
-def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, kernel_required):
+def _cuda_lowering(ctx, q, k, v, *, softmax_scale, causal, window, kernel_required):
     del kernel_required  # Only decides what non-CUDA platforms do.
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
-    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool.
+    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool, window bounds i64.
     out, lse, _ = _ffi_lowering(
-        ctx, q, k, v, softmax_scale=np.float32(softmax_scale), causal=bool(causal)
+        ctx,
+        q,
+        k,
+        v,
+        softmax_scale=np.float32(softmax_scale),
+        causal=bool(causal),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
     )
     return [out, lse]
 
@@ -159,10 +179,10 @@ mlir.register_lowering(flash_attention_shard_p, mlir.lower_fun(_reference_fallba
 mlir.register_lowering(flash_attention_shard_p, _cuda_lowering, platform="cuda")
 
 
-def flash_attention_shard(q, k, v, *, softmax_scale, causal, kernel_required):
+def flash_attention_shard(q, k, v, *, softmax_scale, causal, kernel_required, window=NO_WINDOW):
     """The call on one device's blocks: (out, lse)."""
     out, lse = flash_attention_shard_p.bind(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window=window, kernel_required=kernel_required
     )
     return out, lse
 
@@ -170,8 +190,8 @@ def flash_attention_shard(q, k, v, *, softmax_scale, causal, kernel_required):
 _partitioned_shard_call = sharding.partitioned(flash_attention_shard)
 
 
-def _partitioned(q, k, v, *, softmax_scale, causal, kernel_required):
-    return _partitioned_shard_call(q, k, v, softmax_scale, causal, kernel_required)
+def _partitioned(q, k, v, *, softmax_scale, causal, window, kernel_required):
+    return _partitioned_shard_call(q, k, v, softmax_scale, causal, kernel_required, window)
 
 
 mlir.register_lowering(flash_attention_fwd_p, mlir.lower_fun(_partitioned, multiple_results=True))
@@ -180,7 +200,7 @@ mlir.register_lowering(flash_attention_fwd_p, mlir.lower_fun(_partitioned, multi
 dispatch.prim_requires_devices_during_lowering.add(flash_attention_fwd_p)
 
 
-def _batch_rule(args, dims, *, softmax_scale, causal, kernel_required):
+def _batch_rule(args, dims, *, softmax_scale, causal, window, kernel_required):
     """vmap: folds the mapped axis into the batch axis, one kernel launch for all of it."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
 
@@ -193,6 +213,7 @@ def _batch_rule(args, dims, *, softmax_scale, causal, kernel_required):
         *(fold(x, d) for x, d in zip(args, dims)),
         softmax_scale=softmax_scale,
         causal=causal,
+        window=window,
         kernel_required=kernel_required,
     )
     unfold = lambda y: y.reshape((size, -1) + y.shape[1:])

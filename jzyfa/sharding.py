@@ -28,10 +28,11 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzyfa.query_chunks import attend_query_chunk
+from jzyfa._validation import NO_WINDOW, Window, mask_window
+from jzyfa.query_chunks import attend_query_chunk, attend_window_chunk
 
 Axes = tuple[str, ...]
-# shard_kernel(q, k, v, *, softmax_scale, causal, kernel_required) -> (out, lse) on local blocks.
+# shard_kernel(q, k, v, *, softmax_scale, causal, kernel_required, window) -> (out, lse) on local blocks.
 ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
 
 
@@ -113,18 +114,47 @@ def per_shard_attention(
     softmax_scale: float,
     causal: bool,
     kernel_required: bool,
+    window: Window = NO_WINDOW,
 ) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
     """The computation each device runs on its blocks (local q, the K/V heads it needs, all keys)."""
 
-    def attend(q, k, v, causal):
+    def attend(q, k, v, causal, window=NO_WINDOW):
         return shard_kernel(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            kernel_required=kernel_required,
+            window=window,
         )
 
     def run(q, k, v):
         if not plan.kv_heads_split:
             kv_head = local_kv_head(plan, mesh, heads_kv)
             k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
+        if window != NO_WINDOW:
+            if not plan.seq_q:
+                return attend(q, k, v, causal, window)
+            # A sliding window on a sequence shard: the keys the shard's rows reach, and the window
+            # shifted to match them (jzyfa.query_chunks.window_key_range), one static branch per shard.
+            chunk = q.shape[1]
+            shards = math.prod(mesh.shape[a] for a in plan.seq_q)
+
+            def attend_window(q, k, v, local):
+                return attend(q, k, v, False, local)
+
+            branches = [
+                functools.partial(
+                    attend_window_chunk,
+                    attend_window,
+                    chunk_start=s * chunk,
+                    seq_q=seq_q,
+                    window=mask_window(causal, window),
+                )
+                for s in range(shards)
+            ]
+            return lax.switch(lax.axis_index(plan.seq_q), branches, q, k, v)
         if not (causal and plan.seq_q):
             return attend(q, k, v, causal)
         # A sequence shard's causal offset depends on which shard it is: one static branch each.
@@ -153,13 +183,15 @@ def _result_shardings(mesh, plan: ShardPlan):
     return NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.lse_spec())
 
 
-def _infer_sharding_from_operands(softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape):
-    del softmax_scale, causal, kernel_required, result_shape
+def _infer_sharding_from_operands(
+    softmax_scale, causal, kernel_required, window, mesh, arg_shapes, result_shape
+):
+    del softmax_scale, causal, kernel_required, window, result_shape
     return _result_shardings(mesh, _plan_from_shapes(mesh, arg_shapes))
 
 
 def partition(
-    shard_kernel: ShardKernel, softmax_scale, causal, kernel_required, mesh, arg_shapes, result_shape
+    shard_kernel: ShardKernel, softmax_scale, causal, kernel_required, window, mesh, arg_shapes, result_shape
 ):
     """The partitioner's callback: the per-shard computation and the shardings it needs."""
     del result_shape  # Derived from q's sharding, which the rule ties it to.
@@ -174,20 +206,28 @@ def partition(
         softmax_scale=softmax_scale,
         causal=causal,
         kernel_required=kernel_required,
+        window=window,
     )
     q_sharding, kv_sharding = NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.kv_spec())
     return mesh, run, _result_shardings(mesh, plan), (q_sharding, kv_sharding, kv_sharding)
 
 
 def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
-    """shard_kernel wrapped for the partitioner; call it as f(q, k, v, softmax_scale, causal, kernel_required)."""
+    """shard_kernel wrapped for the partitioner; call it as
+    f(q, k, v, softmax_scale, causal, kernel_required, window)."""
 
-    def call(q, k, v, softmax_scale, causal, kernel_required):
+    def call(q, k, v, softmax_scale, causal, kernel_required, window):
         return shard_kernel(
-            q, k, v, softmax_scale=softmax_scale, causal=causal, kernel_required=kernel_required
+            q,
+            k,
+            v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            kernel_required=kernel_required,
+            window=window,
         )
 
-    fn = custom_partitioning(call, static_argnums=(3, 4, 5))
+    fn = custom_partitioning(call, static_argnums=(3, 4, 5, 6))
     fn.def_partition(
         partition=functools.partial(partition, shard_kernel),
         infer_sharding_from_operands=_infer_sharding_from_operands,

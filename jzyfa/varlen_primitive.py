@@ -43,8 +43,12 @@ def flash_attention_varlen_fwd(
     softmax_scale: float,
     causal: bool,
     kernel_required: bool,
+    window: _validation.Window = _validation.NO_WINDOW,
 ) -> tuple[jax.Array, jax.Array]:
-    """Binds the primitive: (out [total_q, Hq, D] in q's dtype, lse float32 [Hq, total_q])."""
+    """Binds the primitive: (out [total_q, Hq, D] in q's dtype, lse float32 [Hq, total_q]).
+
+    The mask is `causal` and `window` combined (`jzyfa._validation.mask_window`), per sequence.
+    """
     q, k, v, cu_seqlens_q, cu_seqlens_k = _vary_alike(
         q, k, v, jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
     )
@@ -58,6 +62,7 @@ def flash_attention_varlen_fwd(
         max_seqlen_k=int(max_seqlen_k),
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
+        window=(int(window[0]), int(window[1])),
         kernel_required=bool(kernel_required),
     )
     return out, lse
@@ -76,7 +81,8 @@ flash_attention_varlen_p.def_abstract_eval(_abstract_eval)
 
 # Eager calls compile the primitive alone, once per shape and parameters.
 @functools.partial(
-    jax.jit, static_argnames=("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "kernel_required")
+    jax.jit,
+    static_argnames=("max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal", "window", "kernel_required"),
 )
 def _impl(q, k, v, cu_seqlens_q, cu_seqlens_k, **params):
     return flash_attention_varlen_p.bind(q, k, v, cu_seqlens_q, cu_seqlens_k, **params)
@@ -86,7 +92,18 @@ flash_attention_varlen_p.def_impl(_impl)
 
 
 def _reference_fallback(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, softmax_scale, causal, kernel_required
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q,
+    max_seqlen_k,
+    softmax_scale,
+    causal,
+    window,
+    kernel_required,
 ):
     if kernel_required:
         raise ValueError(
@@ -101,7 +118,7 @@ def _reference_fallback(
         cu_seqlens_k,
         max_seqlen_q,
         max_seqlen_k,
-        window=_validation.CAUSAL_WINDOW if causal else _validation.NO_WINDOW,
+        window=_validation.mask_window(causal, window),
         softmax_scale=softmax_scale,
     )
 
@@ -121,11 +138,12 @@ def _cuda_lowering(
     max_seqlen_k,
     softmax_scale,
     causal,
+    window,
     kernel_required,
 ):
     del kernel_required  # Only decides what non-CUDA platforms do.
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])  # the tile queue, dropped below
-    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool, maxima i64.
+    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool, maxima and window i64.
     out, lse, _ = _ffi_lowering(
         ctx,
         q,
@@ -137,6 +155,8 @@ def _cuda_lowering(
         causal=bool(causal),
         max_seqlen_q=np.int64(max_seqlen_q),
         max_seqlen_k=np.int64(max_seqlen_k),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
     )
     return [out, lse]
 
@@ -162,11 +182,6 @@ def varlen_kernel_config_problem(
         return (
             f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]} "
             "(MLA-style shapes run on the pure-JAX path for now)"
-        )
-    if window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW):
-        return (
-            f"the kernel masks causally or not at all; the sliding window {window} (left, right) runs on "
-            "the pure-JAX path for now"
         )
     if softmax_scale <= 0:
         return f"the kernel needs softmax_scale > 0, got {softmax_scale}"

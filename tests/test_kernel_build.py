@@ -127,6 +127,27 @@ def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
         assert len(re.findall(r"\bUTMALDG\.4D\b", text)) >= 3, name  # Q, K, V
 
 
+def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
+    """The sliding-window instantiations (dense: ffi/flash_fwd.cu, varlen: ffi/flash_fwd_varlen.cu), kernels
+    of their own: the same HGMMA batches and no local memory; the producer keeps 48 registers (setmaxnreg)
+    instead of 40 for the windowed tile plan."""
+    _, sass = compiled
+    for kind in ("FlashFwdWindowKernel", "FlashFwdVarlenWindowKernel"):
+        found = {name: text for name, text in kernels(sass).items() if kind in name}
+        assert len(found) == 4, (kind, list(found))  # {bf16, f16} x {64, 128}
+        for name, text in found.items():
+            assert "WindowedArgs" in name, name
+            hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
+            fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+            assert hgmma >= 16, name
+            assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
+            assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
+            assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x30\b", text), f"{name}: producer not at 48"
+            assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+            if "Varlen" in name:
+                assert "UTMASTG" not in text, name
+
+
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Kernel" in name}
@@ -179,11 +200,15 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
 
 @pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8"])
 def test_timeline_variant_builds(tmp_path, source):
-    """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop."""
+    """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
+    sliding-window kernels are built too but record nothing (their stamps' registers would spill)."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     for name, text in kernels(sass).items():
+        if "WindowKernel" in name:
+            assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
+            continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name

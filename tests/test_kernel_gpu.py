@@ -193,4 +193,14 @@ def test_handler_rejects_unsupported_head_dim():
     )
     call = jax.ffi.ffi_call("jzyfa_flash_attention_fwd", results)
     with pytest.raises(Exception, match="head_dim must be 64 or 128"):
-        jax.block_until_ready(call(q, q, q, softmax_scale=np.float32(0.1), causal=True))
+        jax.block_until_ready(
+            call(
+                q,
+                q,
+                q,
+                softmax_scale=np.float32(0.1),
+                causal=True,
+                window_left=np.int64(-1),
+                window_right=np.int64(-1),
+            )
+        )

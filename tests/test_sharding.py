@@ -218,7 +218,7 @@ def test_per_shard_program_lowers_to_the_kernel_for_cuda(q_spec, kv_spec, local_
     q = jax.ShapeDtypeStruct((2, 64, 16, 128), jnp.bfloat16, sharding=NamedSharding(mesh, q_spec))
     kv = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, kv_spec))
     _, run, (out_sharding, lse_sharding), arg_shardings = sharding.partition(
-        primitive.flash_attention_shard, 0.125, True, False, mesh, (q, kv, kv), None
+        primitive.flash_attention_shard, 0.125, True, False, (-1, -1), mesh, (q, kv, kv), None
     )
     per_shard = jax.shard_map(
         run,

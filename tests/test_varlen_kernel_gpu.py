@@ -264,5 +264,7 @@ def test_handler_rejects_unsupported_head_dim():
                 causal=True,
                 max_seqlen_q=np.int64(8),
                 max_seqlen_k=np.int64(8),
+                window_left=np.int64(-1),
+                window_right=np.int64(-1),
             )
         )
