@@ -15,23 +15,6 @@
 namespace jzyfa {
 namespace {
 
-// A map over a [batch, seq, heads, head_dim] 16-bit tensor (dims innermost first), loading
-// boxes of 64 head-dim columns x `box_rows` sequence rows of one head.
-bool EncodeTensorMap(CUtensorMap* map, const void* ptr, ElementType type, int64_t batch,
-                     int64_t seq, int64_t heads, int64_t head_dim, int box_rows,
-                     std::string* error) {
-  const uint64_t elem = 2;
-  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seq),
-                            static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
-  const uint64_t strides[3] = {static_cast<uint64_t>(heads * head_dim) * elem,
-                               static_cast<uint64_t>(head_dim) * elem,
-                               static_cast<uint64_t>(seq * heads * head_dim) * elem};
-  const uint32_t box[4] = {64, static_cast<uint32_t>(box_rows), 1, 1};
-  const CUtensorMapDataType dtype = type == ElementType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
-}
-
 // The plain kernel, or the sliding-window one.
 template <typename Element, int kHeadDim, bool kWindow>
 constexpr auto ForwardKernel() {
@@ -46,27 +29,24 @@ template <typename Element, int kHeadDim, bool kWindow>
 std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   constexpr auto kernel = ForwardKernel<Element, kHeadDim, kWindow>();
-  int device = 0;
-  std::string error = CurrentDevice(&device);
-  if (!error.empty()) return error;
-  const DeviceInfo& info = GetDeviceInfo(device);
-  if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<kernel>(device, Tile::kDynamicSmemBytes);
+  const DeviceInfo* info = nullptr;
+  std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
+  const bool bf16 = p.element_type == ElementType::kBF16;
   CUtensorMap tmap_q, tmap_k, tmap_v;
-  if (!EncodeTensorMap(&tmap_q, p.q, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
-                       Tile::kRowsPerConsumer, &error) ||
-      !EncodeTensorMap(&tmap_k, p.k, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
-                       Tile::kBlockN, &error) ||
-      !EncodeTensorMap(&tmap_v, p.v, p.element_type, p.batch, p.seqlen_k, p.heads_kv, kHeadDim,
-                       Tile::kBlockN, &error)) {
+  if (!EncodeRowMap16(&tmap_q, p.q, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+                      Tile::kRowsPerConsumer, &error) ||
+      !EncodeRowMap16(&tmap_k, p.k, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+                      &error) ||
+      !EncodeRowMap16(&tmap_v, p.v, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+                      &error)) {
     return error;
   }
 #if JZYFA_EPILOGUE_TMA
   CUtensorMap tmap_o;  // O is stored in Q's boxes
-  if (!EncodeTensorMap(&tmap_o, p.out, p.element_type, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
-                       Tile::kRowsPerConsumer, &error)) {
+  if (!EncodeRowMap16(&tmap_o, p.out, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
+                      Tile::kRowsPerConsumer, &error)) {
     return error;
   }
 #endif
@@ -84,7 +64,7 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
 
   // Persistent: CTA i starts on tile i and claims the rest from the counter.
   int grid = 0;
-  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
   kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
 #if JZYFA_EPILOGUE_TMA

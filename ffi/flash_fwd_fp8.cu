@@ -11,27 +11,11 @@
 namespace jzyfa {
 namespace {
 
-// [batch, seq, heads, 128] e4m3, boxes of the whole head dim (128 bytes) x `box_rows` rows.
-bool EncodeRowMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t seq, int64_t heads,
-                  int box_rows, std::string* error) {
-  const uint64_t d = Fp8Tile::kHeadDim;
-  const uint64_t dims[4] = {d, static_cast<uint64_t>(seq), static_cast<uint64_t>(heads),
-                            static_cast<uint64_t>(batch)};
-  const uint64_t strides[3] = {static_cast<uint64_t>(heads) * d, d,
-                               static_cast<uint64_t>(seq * heads) * d};
-  const uint32_t box[4] = {static_cast<uint32_t>(d), static_cast<uint32_t>(box_rows), 1, 1};
-  return EncodeTensorMap4d(map, ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, box, error);
-}
-
 template <bool kLeanP>
 std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
   using Tile = Fp8Tile;
-  int device = 0;
-  std::string error = CurrentDevice(&device);
-  if (!error.empty()) return error;
-  const DeviceInfo& info = GetDeviceInfo(device);
-  if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<FlashFwdFp8Kernel<kLeanP>>(device, Tile::kDynamicSmemBytes);
+  const DeviceInfo* info = nullptr;
+  std::string error = PrepareLaunch<FlashFwdFp8Kernel<kLeanP>>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_vt;
@@ -41,10 +25,14 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
                                static_cast<uint64_t>(p.batch)};
   const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
   const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
-  if (!EncodeRowMap(&tmap_q, p.q, p.batch, p.seqlen_q, p.heads_q, Tile::kRowsPerConsumer, &error) ||
-      !EncodeRowMap(&tmap_k, p.k, p.batch, p.seqlen_k, p.heads_kv, Tile::kBlockN, &error) ||
-      !EncodeTensorMap4d(&tmap_vt, p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, vt_dims, vt_strides, vt_box,
-                         &error)) {
+  // Q and K as bytes, boxes of the whole head dim (128 bytes) x the rows.
+  constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  constexpr int kD = Tile::kHeadDim;
+  if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, p.batch, p.seqlen_q, p.heads_q, kD, kD,
+                    Tile::kRowsPerConsumer, &error) ||
+      !EncodeRowMap(&tmap_k, p.k, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, kD, kD,
+                    Tile::kBlockN, &error) ||
+      !EncodeTensorMap4d(&tmap_vt, p.vt, kBytes, vt_dims, vt_strides, vt_box, &error)) {
     return error;
   }
   Fp8Args args;
@@ -61,7 +49,7 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
   args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
 
   int grid = 0;
-  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
   FlashFwdFp8Kernel<kLeanP><<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(
       tmap_q, tmap_k, tmap_vt, args);

@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  TimelineRecorder timeline(consumer);  // no code unless built with JZYFA_TIMELINE (kernel_timeline.cuh)
+  TimelineRecorder timeline(consumer);  // no code without JZYFA_TIMELINE (kernel_timeline.cuh)
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);

@@ -21,23 +21,6 @@
 namespace jzyfa {
 namespace {
 
-// A map over a packed [total, heads, head_dim] 16-bit tensor as a batch of one [1, total, heads,
-// head_dim] (dims innermost first), loading boxes of 64 head-dim columns x `box_rows` tokens of one
-// head. Tokens past `total` read as zeros.
-bool EncodePackedMap(CUtensorMap* map, const void* ptr, ElementType type, int64_t total,
-                     int64_t heads, int64_t head_dim, int box_rows, std::string* error) {
-  const uint64_t elem = 2;
-  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(total),
-                            static_cast<uint64_t>(heads), 1};
-  const uint64_t strides[3] = {static_cast<uint64_t>(heads * head_dim) * elem,
-                               static_cast<uint64_t>(head_dim) * elem,
-                               static_cast<uint64_t>(total * heads * head_dim) * elem};
-  const uint32_t box[4] = {64, static_cast<uint32_t>(box_rows), 1, 1};
-  const CUtensorMapDataType dtype = type == ElementType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  return EncodeTensorMap4d(map, ptr, dtype, dims, strides, box, error);
-}
-
 // The plain varlen kernel, or the sliding-window one.
 template <typename Element, int kHeadDim, bool kWindow>
 constexpr auto VarlenKernel() {
@@ -52,21 +35,19 @@ template <typename Element, int kHeadDim, bool kWindow>
 std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDim>;
   constexpr auto kernel = VarlenKernel<Element, kHeadDim, kWindow>();
-  int device = 0;
-  std::string error = CurrentDevice(&device);
-  if (!error.empty()) return error;
-  const DeviceInfo& info = GetDeviceInfo(device);
-  if (!info.error.empty()) return info.error;
-  error = AllowLargeSharedMemory<kernel>(device, Tile::kDynamicSmemBytes);
+  const DeviceInfo* info = nullptr;
+  std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_v;
-  if (!EncodePackedMap(&tmap_q, p.q, p.element_type, p.total_q, p.heads_q, kHeadDim,
-                       Tile::kRowsPerConsumer, &error) ||
-      !EncodePackedMap(&tmap_k, p.k, p.element_type, p.total_k, p.heads_kv, kHeadDim,
-                       Tile::kBlockN, &error) ||
-      !EncodePackedMap(&tmap_v, p.v, p.element_type, p.total_k, p.heads_kv, kHeadDim,
-                       Tile::kBlockN, &error)) {
+  // Packed [total, heads, head_dim] tensors as batches of one; tokens past the end read as zeros.
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  if (!EncodeRowMap16(&tmap_q, p.q, bf16, 1, p.total_q, p.heads_q, kHeadDim,
+                      Tile::kRowsPerConsumer, &error) ||
+      !EncodeRowMap16(&tmap_k, p.k, bf16, 1, p.total_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+                      &error) ||
+      !EncodeRowMap16(&tmap_v, p.v, bf16, 1, p.total_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+                      &error)) {
     return error;
   }
   std::conditional_t<kWindow, WindowedArgs<VarlenFwdArgs>, VarlenFwdArgs> args;
@@ -91,7 +72,7 @@ std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStre
   }
 
   int grid = 0;
-  error = StartTileQueue(p.tile_counter, args.num_tiles, info.sm_count, stream, &grid);
+  error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
   kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
   const cudaError_t err = cudaGetLastError();

@@ -60,6 +60,19 @@ bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType ty
   return true;
 }
 
+bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,
+                  int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, int box_cols,
+                  int box_rows, std::string* error) {
+  const uint64_t elem = static_cast<uint64_t>(elem_bytes);
+  const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seq),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(heads * head_dim) * elem,
+                               static_cast<uint64_t>(head_dim) * elem,
+                               static_cast<uint64_t>(seq * heads * head_dim) * elem};
+  const uint32_t box[4] = {static_cast<uint32_t>(box_cols), static_cast<uint32_t>(box_rows), 1, 1};
+  return EncodeTensorMap4d(map, ptr, type, dims, strides, box, error);
+}
+
 const DeviceInfo& GetDeviceInfo(int device) {
   static DeviceInfo infos[kMaxDevices];
   static std::once_flag once[kMaxDevices];

@@ -19,6 +19,21 @@ bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType ty
                        const uint64_t (&dims)[4], const uint64_t (&strides)[3],
                        const uint32_t (&box)[4], std::string* error);
 
+// A row-major [batch, seq, heads, head_dim] tensor of `elem_bytes`-byte elements as a 4-D map
+// (dims innermost first), boxes of `box_cols` head-dim columns x `box_rows` rows of one head. A
+// packed varlen tensor [total, heads, head_dim] is a batch of one.
+bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,
+                  int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, int box_cols,
+                  int box_rows, std::string* error);
+
+// The same for bf16 / f16 tensors: boxes of 64 head-dim columns (one 128-byte swizzle row).
+inline bool EncodeRowMap16(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch, int64_t seq,
+                           int64_t heads, int64_t head_dim, int box_rows, std::string* error) {
+  const CUtensorMapDataType type =
+      bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  return EncodeRowMap(map, ptr, type, 2, batch, seq, heads, head_dim, 64, box_rows, error);
+}
+
 // What the launches need to know of a device, read once per device.
 struct DeviceInfo {
   std::string error;  // empty when the device can run the kernels
@@ -44,6 +59,18 @@ std::string AllowLargeSharedMemory(int device, int bytes) {
 
 // The current device's ordinal, or why it cannot be used.
 std::string CurrentDevice(int* device);
+
+// Before a launch of `kernel`: the current device's facts in *info, and the kernel's opt-in to
+// `dynamic_smem_bytes` of shared memory; or why it cannot launch.
+template <auto kernel>
+std::string PrepareLaunch(int dynamic_smem_bytes, const DeviceInfo** info) {
+  int device = 0;
+  std::string error = CurrentDevice(&device);
+  if (!error.empty()) return error;
+  *info = &GetDeviceInfo(device);
+  if (!(*info)->error.empty()) return (*info)->error;
+  return AllowLargeSharedMemory<kernel>(device, dynamic_smem_bytes);
+}
 
 // The persistent grid's tile geometry in a kernel's launch arguments (any struct with these
 // fields): tiles of block_m query rows per (batch, head).
