@@ -42,8 +42,8 @@ KERNEL_MAX_BATCH = 65535
 KERNEL_MAX_SEQ_Q = 65535 * 128
 
 
-def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
-    """None when the kernel serves a validated call with these q, k, v (mask aside), else why not."""
+def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
+    """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
     if q.shape[-1] not in KERNEL_HEAD_DIMS:
@@ -55,6 +55,13 @@ def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scal
         )
     if softmax_scale <= 0:
         return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
+    return None
+
+
+def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
+    """None when the kernel serves a validated call with these q, k, v (mask aside), else why not."""
+    if problem := element_problem(q, v, softmax_scale):
+        return problem
     if q.shape[0] > KERNEL_MAX_BATCH:
         return f"the kernel takes batch <= {KERNEL_MAX_BATCH}, got {q.shape[0]}"
     if q.shape[1] > KERNEL_MAX_SEQ_Q:

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jzyfa import _validation
-from jzyfa.primitive import KERNEL_DTYPES, KERNEL_HEAD_DIMS, TILE_COUNTER, _vary_alike
+from jzyfa.primitive import TILE_COUNTER, _vary_alike, element_problem
 from jzyfa.varlen import varlen_attention_reference
 
 FFI_TARGET_VARLEN = "jzyfa_flash_attention_varlen_fwd"
@@ -174,17 +174,8 @@ def varlen_kernel_config_problem(
     q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window: _validation.Window
 ) -> str | None:
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
-    if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
-        return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
-    if q.shape[-1] not in KERNEL_HEAD_DIMS:
-        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
-    if v.shape[-1] != q.shape[-1]:
-        return (
-            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]} "
-            "(MLA-style shapes run on the pure-JAX path for now)"
-        )
-    if softmax_scale <= 0:
-        return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
+    if problem := element_problem(q, v, softmax_scale):
+        return problem
     if q.shape[0] == 0 or k.shape[0] == 0:
         return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"
     if max(q.shape[0], k.shape[0]) > KERNEL_MAX_TOKENS:
