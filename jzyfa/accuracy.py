@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from jzyfa import peers, realistic_inputs
+from jzyfa._errors import short_error
 
 _ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
 
@@ -424,11 +425,6 @@ def jzyfa_bf16_path(head_dim: int) -> str:
 # Error report
 
 
-def _short_error(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-
-
 def evaluate_variant(variant: Variant, q, k, v, setting: Setting, ref: Reference) -> dict[str, Any]:
     """Runs one variant on the full inputs and compares it with the reference pairs. Never raises."""
     result: dict[str, Any] = {"variant": variant.name, "status": None, "message": None}
@@ -440,7 +436,7 @@ def evaluate_variant(variant: Variant, q, k, v, setting: Setting, ref: Reference
         result.update(status="unsupported", message=str(e))
         return result
     except Exception as e:  # noqa: BLE001 - reported, and the run goes on
-        result.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=6))
+        result.update(status="error", message=short_error(e), traceback=traceback.format_exc(limit=6))
         return result
     got = take_pairs(out.astype(jnp.float32), ref.batches, ref.heads)
     got_lse = None if lse is None else take_lse_pairs(lse, ref.batches, ref.heads)
@@ -624,7 +620,7 @@ def run_kl(cfg: ModelConfig, variant_names: Sequence[str], setting_base: dict, s
         except peers.Unsupported as e:
             row.update(status="unsupported", message=str(e))
         except Exception as e:  # noqa: BLE001
-            row.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=6))
+            row.update(status="error", message=short_error(e), traceback=traceback.format_exc(limit=6))
         rows.append(row)
         if row["status"] == "ok":
             log(f"KL {name}: mean {row['kl_mean']:.3e}, top-1 agreement {row['top1_agreement']:.4f}")

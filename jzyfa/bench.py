@@ -45,6 +45,7 @@ import numpy as np
 from absl import app, flags
 
 from jzyfa import _timing, peers, realistic_inputs
+from jzyfa._errors import short_error
 from jzyfa.accuracy import attention_float64, take_pairs
 from jzyfa.peers import Problem, Unsupported, attention_flops, parse_shapes, visible_pairs
 
@@ -409,12 +410,6 @@ class Options:
     peer_options: peers.Options = dataclasses.field(default_factory=peers.Options)
 
 
-def _short_error(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(e).__name__}: {first}"[:300]
-
-
 def _torch_sync(_out=None) -> None:
     import torch
 
@@ -486,7 +481,7 @@ def measure_peer(
         result.update(status="unsupported", message=str(e))
         return result
     except Exception as e:  # noqa: BLE001 - reported, and the run goes on
-        result.update(status="error", message=_short_error(e), traceback=traceback.format_exc(limit=8))
+        result.update(status="error", message=short_error(e), traceback=traceback.format_exc(limit=8))
         return result
     err = relative_error(out, ref)
     del out
@@ -516,13 +511,13 @@ def measure_peer(
                 )
                 result["kernel"] = kernel.summary()
             except Exception as e:  # noqa: BLE001 - wall time still serves
-                result["kernel_unavailable"] = _short_error(e)
+                result["kernel_unavailable"] = short_error(e)
         calls = max(opts.iters, math.ceil(opts.min_time_s / max(per_call_s, 1e-9)))
         wall = _timing.wall_clock(fn, args, calls=calls, rounds=opts.wall_rounds, monitor=monitor, sync=sync)
         result["wall"] = wall.summary()
     except Exception as e:  # noqa: BLE001
         result.update(
-            status="error", message="timing: " + _short_error(e), traceback=traceback.format_exc(limit=8)
+            status="error", message="timing: " + short_error(e), traceback=traceback.format_exc(limit=8)
         )
         return result
 

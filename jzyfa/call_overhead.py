@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 import jzyfa
 from jzyfa import _platform, _timing
+from jzyfa._errors import short_error
 
 # compiler_options per mode. A repeated enum field is a comma-separated list of names that replaces
 # XLA's default list; "" turns command buffers off. min_graph_size 1 records even a single command.
@@ -201,12 +202,6 @@ def kernel_us_per_call(fn: Callable, args: tuple) -> float:
     return timing.median_ms * 1e3
 
 
-def short_error(e: BaseException, limit: int = 240) -> str:
-    lines = str(e).strip().splitlines()
-    text = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def attach_floor(rows: list[Row]) -> None:
     """Sets every row's floor_us to the trivial op's wall time in the same command-buffer mode."""
     floors = {r.command_buffers: r.wall_us for r in rows if r.impl == FLOOR}
@@ -236,7 +231,7 @@ def measure(args: argparse.Namespace, implementations: Sequence[Implementation] 
                 row.wall_us = wall_us_per_call(compiled, inputs, calls=args.calls, rounds=args.rounds)
                 _progress(f"{impl.name}, command buffers {mode}: {row.wall_us:.1f} us per call (wall)")
             except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
-                row.error = short_error(e)
+                row.error = short_error(e, 240)
                 _progress(f"{impl.name}, command buffers {mode}: failed: {row.error}")
             impl_rows.append(row)
         if kernel_reason is None and any(r.error is None for r in impl_rows):
@@ -247,7 +242,7 @@ def measure(args: argparse.Namespace, implementations: Sequence[Implementation] 
                     r.kernel_us = kernel_us if r.error is None else None
             except Exception as e:  # noqa: BLE001 - wall time still serves
                 for r in impl_rows:
-                    r.note = f"no kernel time: {short_error(e)}"
+                    r.note = f"no kernel time: {short_error(e, 240)}"
         rows += impl_rows
     attach_floor(rows)
     device = jax.devices()[0]

@@ -148,9 +148,14 @@ def test_command_buffer_options_are_valid_compile_options():
 
 
 def test_short_error_keeps_the_first_line():
+    """The reports' one-line errors (jzyfa._errors, shared by bench, accuracy and call_overhead)."""
+    from jzyfa._errors import short_error
+
     error = RuntimeError("INVALID_ARGUMENT: no cuDNN here\n" + "traceback line\n" * 50)
-    assert call_overhead.short_error(error) == "RuntimeError: INVALID_ARGUMENT: no cuDNN here"
-    assert len(call_overhead.short_error(RuntimeError("x" * 1000))) == 240
+    assert short_error(error) == "RuntimeError: INVALID_ARGUMENT: no cuDNN here"
+    assert len(short_error(RuntimeError("x" * 1000), 240)) == 240
+    assert short_error(RuntimeError("x" * 1000), 240).endswith("...")
+    assert short_error(ValueError()) == "ValueError"
 
 
 # ---- Without a GPU
