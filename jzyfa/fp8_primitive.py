@@ -26,7 +26,7 @@ from jax.interpreters import batching, mlir
 from jzyfa import sharding
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
-from jzyfa.primitive import KERNEL_MAX_BATCH, KERNEL_MAX_SEQ_Q, TILE_COUNTER
+from jzyfa.primitive import KERNEL_MAX_BATCH, KERNEL_MAX_SEQ_Q, TILE_COUNTER, refuse_required_kernel
 from jzyfa.primitive import _abstract_eval as _attention_abstract_eval
 
 FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
@@ -78,11 +78,7 @@ def _emulation_fallback(
     q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, lean_p, kernel_required
 ):
     """Off CUDA: the kernel's algorithm in pure JAX (integer reference exponents, as the kernel)."""
-    if kernel_required:
-        raise ValueError(
-            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
-            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
-        )
+    refuse_required_kernel(kernel_required)
     batch, heads_kv = k8.shape[0], k8.shape[2]
     v8 = value_from_operand(vt8, k8.shape[1])
     return attention_fp8_emulated(

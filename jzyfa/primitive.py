@@ -42,6 +42,15 @@ KERNEL_MAX_BATCH = 65535
 KERNEL_MAX_SEQ_Q = 65535 * 128
 
 
+def refuse_required_kernel(kernel_required: bool) -> None:
+    """The non-CUDA lowerings' one refusal: implementation="kernel" cannot be served there."""
+    if kernel_required:
+        raise ValueError(
+            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
+            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
+        )
+
+
 def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
     """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
@@ -148,11 +157,7 @@ flash_attention_fwd_p.def_impl(_impl)
 
 
 def _reference_fallback(q, k, v, *, softmax_scale, causal, window, kernel_required):
-    if kernel_required:
-        raise ValueError(
-            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
-            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
-        )
+    refuse_required_kernel(kernel_required)
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
 
 

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jzyfa import _validation
-from jzyfa.primitive import TILE_COUNTER, _vary_alike, element_problem
+from jzyfa.primitive import TILE_COUNTER, _vary_alike, element_problem, refuse_required_kernel
 from jzyfa.varlen import varlen_attention_reference
 
 FFI_TARGET_VARLEN = "jzyfa_flash_attention_varlen_fwd"
@@ -105,11 +105,7 @@ def _reference_fallback(
     window,
     kernel_required,
 ):
-    if kernel_required:
-        raise ValueError(
-            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
-            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
-        )
+    refuse_required_kernel(kernel_required)
     return varlen_attention_reference(
         q,
         k,
