@@ -8,6 +8,12 @@
 
 namespace jzyfa {
 
+// The registers a CTA of `threads` threads owns on Hopper with one CTA per SM (__launch_bounds__(
+// threads, 1)): ptxas gives each thread at most 65536 / threads, in multiples of 8, and setmaxnreg
+// only moves registers inside this pool. Producer and consumer budgets must fit in it, or a
+// consumer's setmaxnreg.inc waits forever (384 threads: 168 each, 64512, not 65536).
+constexpr int CtaRegisterPool(int threads) { return (65536 / threads) / 8 * 8 * threads; }
+
 template <int kStages>
 struct FwdBarriers {
   // q_full: this tile's index is in `tile` and its Q has landed. q_empty: both consumers

@@ -96,7 +96,7 @@ struct Fp8Tile {
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
@@ -107,7 +107,14 @@ struct Fp8Softmax {
   static constexpr float kMaxBlockExponent = 32.f;  // r stays within 2^32 of the running max's
   static constexpr float kCodeSlope = 8.f;         // e4m3 codes per doubling
   static constexpr float kCodeOfOne = 56.f;        // 0x38
-  static constexpr float kRoundingMagic = 12582912.f;  // 1.5 * 2^23: the FFMA rounds to an integer
+  // Lean P in two FFMAs, both on the FMA pipe (the ALU pipe, at half the issue rate, held the clamp
+  // and the byte packing before): y = saturate((8 s' + 56 - 8 r) / 128) clamps codes below 0 to 0,
+  // then y * 128 + magic rounds to the code (an integer in [2^23, 2^24)). The packing adds the
+  // four words with integer multiply-adds, so their magics must cancel: the third code of each
+  // register takes 2^23 + 0xB500, the others 2^23 (0x4B000000 + 0x4B00B500 * 2^16 = 0 mod 2^32).
+  static constexpr float kCodeScale = 1.f / 128.f;
+  static constexpr float kPackMagic = 8388608.f;       // 2^23, bits 0x4B000000
+  static constexpr float kPackMagicThird = 8434944.f;  // 2^23 + 0xB500, bits 0x4B00B500
 };
 
 // r after a block whose largest score (log2 units) is block_max; integers only, so exact.
@@ -126,11 +133,13 @@ __device__ __forceinline__ float Exp2Integer(float d) {
   return d < -126.f ? 0.f : __int_as_float((static_cast<int>(d) + 127) << 23);
 }
 
-// The low bytes of four 32-bit words, `a` lowest: four lean-P codes in one A register.
-__device__ __forceinline__ uint32_t PackLowBytes(float a, float b, float c, float d) {
-  const uint32_t ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
-  const uint32_t cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
-  return __byte_perm(ab, cd, 0x5410);
+// Four lean-P codes in one A register, `a` lowest: a + 2^8 b + 2^16 c + 2^24 d over the words'
+// bits (mod 2^32), three integer multiply-adds on the FMA pipe. The magics cancel (Fp8Softmax):
+// a, b, d carry 0x4B000000, c carries 0x4B00B500, and every code is below 2^8, so nothing carries.
+__device__ __forceinline__ uint32_t PackCodes(float a, float b, float c, float d) {
+  const uint32_t low = __float_as_uint(b) * 256u + __float_as_uint(a);
+  const uint32_t high = __float_as_uint(d) * 256u + __float_as_uint(c);
+  return high * 65536u + low;
 }
 
 // The online softmax of one consumer warpgroup over one 128-key block (accumulator layout as in
@@ -162,32 +171,44 @@ struct Fp8OnlineSoftmax {
     float c1 = 0.f, c0[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float block_max = -INFINITY;
+      // A tree, not a chain: 5 dependent FMNMX instead of 32.
+      float m[kChunks];
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-      block_max = QuadMax(block_max) * row_scale;  // max commutes with the positive scale
+      for (int c = 0; c < kChunks; ++c) m[c] = fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]);
+      static_assert(kChunks == 16);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) m[c] = fmaxf(m[c], m[c + 8]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) m[c] = fmaxf(m[c], m[c + 4]);
+      m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
+      const float block_max = QuadMax(m[0]) * row_scale;  // max commutes with the positive scale
       running_max[h] = fmaxf(running_max[h], block_max);
       const float new_r = NextReference(r[h], running_max[h], block_max);
       alpha[h] = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
       r[h] = new_r;
       // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
       const float finite_r = new_r == -INFINITY ? 0.f : new_r;
-      if (kLeanP) {
-        c1 = C::kCodeSlope * row_scale;
-        c0[h] = C::kCodeOfOne - C::kCodeSlope * finite_r + C::kRoundingMagic;
+      if (kLeanP) {  // scaled by 2^-7: exact
+        c1 = (C::kCodeSlope * C::kCodeScale) * row_scale;
+        c0[h] = (C::kCodeOfOne - C::kCodeSlope * finite_r) * C::kCodeScale;
       } else {
         c1 = row_scale;
         c0[h] = -finite_r;
       }
     }
-    // P~ per element: lean, the code RNE(s c1 + c0) in the float's low byte (max with the magic
-    // clamps codes below 0 to 0; tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
-    // 2^(s scale - r) rounded to e4m3.
+    // P~ per element: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
+    // below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
+    // 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
+    // differs from one rounding only within 2^-17 of a half-integer code.
 #pragma unroll
     for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
       const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
-      s[i] = kLeanP ? fmaxf(x, C::kRoundingMagic) : ptx::ex2_approx(x);
+      if (kLeanP) {
+        const float magic = (i % 8 == 4 || i % 8 == 6) ? C::kPackMagicThird : C::kPackMagic;
+        s[i] = fmaf(__saturatef(x), 128.f, magic);
+      } else {
+        s[i] = ptx::ex2_approx(x);
+      }
     }
     // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
     // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
@@ -198,8 +219,8 @@ struct Fp8OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const float* u = t + 8 * half;
         if (kLeanP) {
-          p[j][2 * half + 0] = PackLowBytes(u[0], u[1], u[4], u[5]);
-          p[j][2 * half + 1] = PackLowBytes(u[2], u[3], u[6], u[7]);
+          p[j][2 * half + 0] = PackCodes(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = PackCodes(u[2], u[3], u[6], u[7]);
         } else {
           p[j][2 * half + 0] = ptx::pack4_e4m3(u[0], u[1], u[4], u[5]);
           p[j][2 * half + 1] = ptx::pack4_e4m3(u[2], u[3], u[6], u[7]);

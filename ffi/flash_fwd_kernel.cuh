@@ -142,8 +142,13 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
 template <int kBlockM, int kBlockN, typename Base>
 __device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& args) {
   using Work = decltype(PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args)));
+  // The divisors pass through an opaque move, so ptxas recomputes the divisions' reciprocals per
+  // tile instead of keeping them across the producer's loop: the windowed producer then fits in
+  // its 40 registers (CtaRegisterPool leaves none to spare).
+  Base base = args;
+  asm volatile("" : "+r"(base.heads_q), "+r"(base.heads_kv), "+r"(base.m_tiles));
   WindowWork<Work> w;
-  static_cast<Work&>(w) = PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args));
+  static_cast<Work&>(w) = PlanTile<kBlockM, kBlockN>(tile, base);
   w.first_block = 0;
   if (w.num_blocks > 0) {  // some key, and the tile's first row is a real one
     int seqlen_q, seqlen_k;
@@ -200,7 +205,7 @@ struct FwdTile {
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 
 // Online softmax of one consumer warpgroup over one key block. Accumulator layout of a
@@ -315,15 +320,18 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 
   const int warpgroup = threadIdx.x / 128;
 
+  // The windowed tile plan needs a few more registers in the producer (48), taken from the
+  // consumers (224): the CTA's pool is full at 40 / 232 (CtaRegisterPool).
+  constexpr int kProducerRegs = Tile::kProducerRegs;
+  constexpr int kConsumerRegs = Tile::kConsumerRegs;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * Tile::kConsumers <=
+                CtaRegisterPool(Tile::kThreads));
+
   InitBarriers<kStages, Tile::kConsumers>(bars);
   __syncthreads();
 
   // ---------------------------------------------------------------- producer
   if (warpgroup == 0) {
-    // The windowed tile plan needs a few more registers in the producer: 48 of the 8 spare ones
-    // (48 * 128 + 232 * 256 = 65536).
-    constexpr int kProducerRegs = kWindow ? Tile::kProducerRegs + 8 : Tile::kProducerRegs;
-    static_assert(kProducerRegs * 128 + Tile::kConsumerRegs * 128 * Tile::kConsumers <= 65536);
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&tmap_q);
@@ -362,7 +370,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   }
 
   // ---------------------------------------------------------------- consumers
-  ptx::setmaxnreg_inc<Tile::kConsumerRegs>();
+  ptx::setmaxnreg_inc<kConsumerRegs>();
   const int consumer = warpgroup - 1;
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;

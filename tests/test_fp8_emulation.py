@@ -160,6 +160,38 @@ def test_magic_constant_trick():
     np.testing.assert_array_equal(clamped, np.asarray(e4m3_codes.code_of_exponent(y)))
 
 
+def test_kernel_lean_arithmetic_saturates_and_packs(rng):
+    # What the kernel does (ffi/flash_fwd_fp8_kernel.cuh, Fp8Softmax and PackCodes): y =
+    # saturate(fl32((s c1 + c0) / 128)), code word = fl32(y * 128 + magic), then four words packed as
+    # a + 2^8 b + 2^16 c + 2^24 d in uint32 arithmetic, the third word's magic cancelling the others'.
+    pack_magic, pack_magic_third = np.float32(2.0**23), np.float32(2.0**23 + 0xB500)
+    assert pack_magic.view(np.uint32) == 0x4B000000 and pack_magic_third.view(np.uint32) == 0x4B00B500
+    n = 200000
+    c1 = np.float32(8) * rng.uniform(0.02, 0.5, n).astype(np.float32)
+    r = rng.integers(-20, 20, n).astype(np.float32)
+    c0 = np.float32(56) - np.float32(8) * r
+    s = ((rng.uniform(-40, 12, n) - c0) / c1.astype(np.float64)).astype(np.float32)
+    s[:100] = -np.inf  # masked scores saturate to code 0
+    product = s.astype(np.float64) * c1  # exact
+    y = np.clip(np.where(np.isinf(s), -np.inf, product + c0).astype(np.float32) / np.float32(128), 0, 1)
+    words = (y * np.float32(128) + pack_magic).astype(np.float32)
+    kernel_codes = words.view(np.uint32) - np.uint32(0x4B000000)
+    emulated = np.asarray(e4m3_codes.lean_codes(jnp.asarray(s), jnp.asarray(c1), jnp.asarray(c0)))
+    # One rounding (the emulation) and two (to float32, then to an integer) differ only within
+    # 2^-17 of a half-integer code: by one code, rarely.
+    differ = kernel_codes != emulated
+    assert np.all(np.abs(kernel_codes.astype(np.int64) - emulated) <= 1) and differ.mean() < 1e-3
+    assert np.all(kernel_codes[:100] == 0) and kernel_codes.max() <= 0x7E
+    # Packing: every quadruple of codes 0..126 comes out as its bytes, with no carries.
+    codes = rng.integers(0, 127, (n, 4)).astype(np.uint32)
+    codes[:3] = [[0, 0, 0, 0], [126, 126, 126, 126], [0, 126, 0, 126]]
+    bits = codes + np.array([0x4B000000, 0x4B000000, 0x4B00B500, 0x4B000000], np.uint32)
+    low = bits[:, 1] * np.uint32(256) + bits[:, 0]
+    high = bits[:, 3] * np.uint32(256) + bits[:, 2]
+    packed = high * np.uint32(65536) + low
+    np.testing.assert_array_equal(packed, codes[:, 0] | codes[:, 1] << 8 | codes[:, 2] << 16 | codes[:, 3] << 24)
+
+
 def test_fused_rounding_is_exact(rng):
     n = 400000
     round_fused = jax.jit(e4m3_codes.fused_round_to_integer)

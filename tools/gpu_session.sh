@@ -82,6 +82,27 @@ if [ -n "${JZYFA_TIMELINE_RUNS:-}" ]; then
   done
 fi
 
+if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
+  # Nsight Compute on one attention call each (warp stall reasons, per-instruction samples), e.g.
+  # JZYFA_NCU_RUNS="--dtype fp8 --seq 16384;--dtype bf16 --seq 16384". One tarball of reports.
+  IFS=';' read -ra ncu_runs <<< "${JZYFA_NCU_RUNS}"
+  mkdir -p /tmp/ncu
+  for i in "${!ncu_runs[@]}"; do
+    step "ncu: ${ncu_runs[$i]}"
+    # shellcheck disable=SC2086
+    timeout 300 ncu --clock-control none -k regex:FlashFwd --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      --section SourceCounters --import-source no -f -o "/tmp/ncu/run$i" \
+      python3 "$REPO/tools/profile_call.py" ${ncu_runs[$i]} 2>&1 | tail -5 | tee -a "$OUT_DIR/ncu.log"
+    ncu --import "/tmp/ncu/run$i.ncu-rep" --print-details all > "/tmp/ncu/run$i.details.txt" 2>&1
+    ncu --import "/tmp/ncu/run$i.ncu-rep" --page raw --csv > "/tmp/ncu/run$i.raw.csv" 2>&1
+    ncu --import "/tmp/ncu/run$i.ncu-rep" --page source --csv --print-source sass > "/tmp/ncu/run$i.sass.csv" 2>&1
+    grep -iE "stall|issue|ipc|warp cycles|eligible|throughput" "/tmp/ncu/run$i.details.txt" | head -80 \
+      | tee -a "$OUT_DIR/ncu.log"
+  done
+  tar czf "$OUT_DIR/ncu.tar.gz" -C /tmp ncu
+fi
+
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" \
