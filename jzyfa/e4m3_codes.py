@@ -6,7 +6,9 @@ mantissa bits interpolate 2^frac linearly. The kernel gets the code of each prob
 raw score s with one FFMA, code = RNE(s * c1 + c0), c1 = 8 * scale_log2, c0 = 56 - 8 r for an integer
 reference exponent r; adding the magic constant 1.5 * 2^23 inside the FFMA makes the float32 result
 an integer whose low byte is the code. This module computes those codes bit for bit as the FFMA
-does (one rounding of the exact product plus c0), and decodes codes and rounds values to e4m3.
+did in its first form (one rounding of the exact product plus c0; the kernel now rounds to float32
+first, differing by one code within 2^-17 of a half-integer: docs/fp8.md 10.7), and decodes codes
+and rounds values to e4m3.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ rounded probabilities. The switches turn each ingredient off for ablations; with
 rounded sums off it is the FA3-style scheme (a fixed 2^8 offset from the running maximum, sum of the
 unrounded probabilities).
 
-What is bit-exact: the integer reference exponents and, given the float32 scores, every lean-P code.
+What is bit-exact: the integer reference exponents and, given the float32 scores, every lean-P code
+(the kernel's two-FFMA form differs by one code within 2^-17 of a half-integer: docs/fp8.md 10.7).
 What is not: the float32 scores themselves (the tensor cores sum q k products in another order), the
 exact path's exp2, and the order of the float32 sums in O and l.
 """
