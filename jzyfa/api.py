@@ -40,11 +40,12 @@ def kernel_causal_flag(
     return {_validation.NO_WINDOW: False, _validation.CAUSAL_WINDOW: True}.get(left_right)
 
 
-# The 16-bit kernel's sliding-window instantiations (dense and varlen; ffi/flash_fwd_kernel.cuh) are built
-# and their SASS checked in CI, but they have not yet run on a GPU. Until their GPU tests
-# (tests/test_window_kernel_gpu.py) pass and this is set True, implementation=None runs windows other than
-# causal or none on the pure-JAX path and implementation="kernel" runs them only with this variable set to 1.
-WINDOW_KERNEL_VERIFIED = False
+# The 16-bit kernel's sliding-window instantiations (dense and varlen; ffi/flash_fwd_kernel.cuh) passed
+# their GPU tests on an H200 on 2026-11-30 (tests/test_window_kernel_gpu.py, 127 passed: against float64
+# and the pure-JAX path, poisoned outputs, rows with no key, bitwise reruns). Set False to send windows
+# other than causal or none back to the pure-JAX path (implementation="kernel" then needs the variable
+# below).
+WINDOW_KERNEL_VERIFIED = True
 UNVERIFIED_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_WINDOW_KERNEL"
 
 
@@ -65,9 +66,9 @@ def kernel_mask(
 
 def _window_gate_problem(window: _validation.Window) -> str:
     return (
-        f"the kernel's sliding windows have not passed their GPU tests yet: the sliding window {window} "
-        f"(left, right) runs on it only with {UNVERIFIED_WINDOW_KERNEL_ENV}=1; or use implementation=None "
-        "or 'xla' for the pure-JAX path"
+        "the kernel's sliding windows are switched off (jzyfa.api.WINDOW_KERNEL_VERIFIED is False): "
+        f"the sliding window {window} (left, right) runs on it only with {UNVERIFIED_WINDOW_KERNEL_ENV}=1; "
+        "or use implementation=None or 'xla' for the pure-JAX path"
     )
 
 
@@ -102,7 +103,8 @@ def choose_path(
         if backend == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    # implementation=None keeps sliding windows on the pure-JAX path until the kernel's are verified.
+    # implementation=None keeps sliding windows on the pure-JAX path while the windowed kernels are switched
+    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says.
     if config_problem or (sliding and not WINDOW_KERNEL_VERIFIED):
         return Path.REFERENCE
     if backend == "cpu" or _platform.kernel_available():
@@ -145,11 +147,11 @@ def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
     return Path.PRIMITIVE
 
 
-# The 16-bit kernel's variable-length instantiation (ffi/flash_fwd_varlen.cu) is built and its SASS
-# checked in CI, but it has not yet run on a GPU. Until its GPU tests (tests/test_varlen_kernel_gpu.py)
-# pass and this is set True, implementation=None keeps varlen calls on the pure-JAX path and
-# implementation="kernel" runs it only with this variable set to 1.
-VARLEN_KERNEL_VERIFIED = False
+# The 16-bit kernel's variable-length instantiation (ffi/flash_fwd_varlen.cu) passed its GPU tests on an
+# H200 on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64 passed: against float64 per sequence and the
+# pure-JAX path, poisoned outputs, empty sequences, bitwise reruns). Set False to send varlen calls back to
+# the pure-JAX path (implementation="kernel" then needs the variable below).
+VARLEN_KERNEL_VERIFIED = True
 UNVERIFIED_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_VARLEN_KERNEL"
 
 
@@ -175,9 +177,10 @@ def choose_varlen_path(
     if implementation == "kernel":
         if not varlen_kernel_enabled():
             raise ValueError(
-                "implementation='kernel' cannot serve flash_attention_varlen yet: the varlen kernel has not "
-                f"passed its GPU tests; set {UNVERIFIED_VARLEN_KERNEL_ENV}=1 to run it anyway, or use "
-                "implementation=None or 'xla' for the pure-JAX path"
+                "implementation='kernel' cannot serve flash_attention_varlen: the varlen kernel is "
+                "switched off (jzyfa.api.VARLEN_KERNEL_VERIFIED is False); set "
+                f"{UNVERIFIED_VARLEN_KERNEL_ENV}=1 to run it anyway, or use implementation=None or 'xla' for "
+                "the pure-JAX path"
             )
         if problem:
             raise ValueError(f"implementation='kernel' cannot serve this varlen call: {problem}")
@@ -314,11 +317,12 @@ def flash_attention(
       softmax_scale: static float; default 1 / sqrt(head_dim) (q's and k's head dim).
       return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q], natural log.
       implementation: None uses the kernel where it can (Hopper GPU, bf16/f16, head_dim 64 or 128
-        for q, k and v alike, no mask or causal) and the pure-JAX path elsewhere; "kernel" raises a
-        ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path. Other
-        sliding windows have a kernel that has not run on a GPU yet: until
-        `jzyfa.api.WINDOW_KERNEL_VERIFIED`, None runs them on the pure-JAX path and "kernel" needs
-        JZYFA_UNVERIFIED_WINDOW_KERNEL=1.
+        for q, k and v alike, any mask: none, causal or a sliding window) and the pure-JAX path
+        elsewhere; "kernel" raises a ValueError naming what the kernel cannot serve; "xla" always uses
+        the pure-JAX path. Sliding windows other than causal or none run on the kernel's windowed
+        instantiation, verified on an H200 on 2026-11-30 (tests/test_window_kernel_gpu.py, 127
+        passed); `jzyfa.api.WINDOW_KERNEL_VERIFIED = False` is its kill switch: None then runs them on
+        the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -393,12 +397,15 @@ def flash_attention_varlen(
         with lengths (len_q, len_k) sits at position t + len_k - len_q (bottom-right alignment).
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
-      implementation: "xla" runs the pure-JAX path (`jzyfa.varlen`). The 16-bit kernel's varlen
-        instantiation (bf16/f16, head_dim 64 or 128 for q, k and v, any mask) is written but
-        has not run on a GPU yet: until `jzyfa.api.VARLEN_KERNEL_VERIFIED`, None runs the pure-JAX path
-        and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (then it raises a ValueError
-        naming what the kernel cannot serve, as in `flash_attention`; sliding windows other than
-        causal also need JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
+      implementation: as in `flash_attention`: None uses the 16-bit kernel's varlen instantiation
+        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask) and the
+        pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel" raises a ValueError naming what the kernel
+        cannot serve; "xla" always uses the pure-JAX path. The varlen kernel was verified on an H200
+        on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64 passed; its sliding windows in
+        tests/test_window_kernel_gpu.py, 127 passed). `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is
+        its kill switch: None then runs the pure-JAX path and "kernel" raises unless
+        JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (with `WINDOW_KERNEL_VERIFIED = False`, sliding windows
+        other than causal likewise need JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a

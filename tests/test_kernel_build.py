@@ -129,8 +129,9 @@ def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
 
 def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
     """The sliding-window instantiations (dense: ffi/flash_fwd.cu, varlen: ffi/flash_fwd_varlen.cu), kernels
-    of their own: the same HGMMA batches and no local memory; the producer keeps 48 registers (setmaxnreg)
-    instead of 40 for the windowed tile plan."""
+    of their own: the same HGMMA batches and no local memory; the producer gives back down to 40 registers
+    (setmaxnreg), as in the other kernels: at 48, with the consumers at 232, producer and consumers would
+    need more than the CTA's register pool and a consumer's setmaxnreg.inc would wait forever."""
     _, sass = compiled
     for kind in ("FlashFwdWindowKernel", "FlashFwdVarlenWindowKernel"):
         found = {name: text for name, text in kernels(sass).items() if kind in name}
@@ -142,7 +143,7 @@ def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
             assert hgmma >= 16, name
             assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
             assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
-            assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x30\b", text), f"{name}: producer not at 48"
+            assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
             assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
             if "Varlen" in name:
                 assert "UTMASTG" not in text, name

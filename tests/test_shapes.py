@@ -104,42 +104,54 @@ def test_rows_with_empty_windows_give_zero_and_minus_inf(rng, seq_q, seq_k, wind
 
 
 @pytest.mark.parametrize(
-    "causal,window,seq_q,seq_k,kernel_causal",
+    "causal,window,seq_q,seq_k,kernel_causal,kernel_window",
     [
-        # (options, lengths, the kernel's causal attribute, or None where the pure-JAX path serves)
-        (False, None, 8, 16, False),
-        (True, None, 8, 16, True),
-        (False, (-1, -1), 8, 16, False),
-        (False, (-1, 0), 8, 16, True),
-        (True, (-1, 5), 8, 16, True),  # causal sets right to 0
-        (False, (100, 0), 8, 16, True),  # a left bound past every key is no bound
-        (False, (15, 0), 8, 16, True),
-        (False, (-1, 7), 8, 16, False),  # a right bound past every key is no bound
-        (False, (14, 0), 8, 16, None),
-        (False, (4, 0), 8, 16, None),
-        (False, (-1, 3), 8, 16, None),
-        (True, (4, 4), 8, 16, None),
+        # (options, lengths, the kernel's causal attribute and window: (-1, -1) for the plain kernels)
+        (False, None, 8, 16, False, (-1, -1)),
+        (True, None, 8, 16, True, (-1, -1)),
+        (False, (-1, -1), 8, 16, False, (-1, -1)),
+        (False, (-1, 0), 8, 16, True, (-1, -1)),
+        (True, (-1, 5), 8, 16, True, (-1, -1)),  # causal sets right to 0
+        (False, (100, 0), 8, 16, True, (-1, -1)),  # a left bound past every key is no bound
+        (False, (15, 0), 8, 16, True, (-1, -1)),
+        (False, (-1, 7), 8, 16, False, (-1, -1)),  # a right bound past every key is no bound
+        # Other windows: the kernel's windowed instantiation.
+        (False, (14, 0), 8, 16, False, (14, 0)),
+        (False, (4, 0), 8, 16, False, (4, 0)),
+        (False, (-1, 3), 8, 16, False, (-1, 3)),
+        (True, (4, 4), 8, 16, False, (4, 0)),
     ],
 )
-def test_windows_the_kernel_serves(cpu_backend, causal, window, seq_q, seq_k, kernel_causal):
+def test_windows_the_kernel_serves(
+    cpu_backend, monkeypatch, causal, window, seq_q, seq_k, kernel_causal, kernel_window
+):
     q = jax.ShapeDtypeStruct((1, seq_q, 2, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, seq_k, 2, 64), jnp.bfloat16)
     fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window)
+    (call,) = cuda_custom_calls(fn, q, kv, kv)
+    assert f"causal = {str(kernel_causal).lower()}" in call
+    assert f"window_left = {kernel_window[0]} : i64" in call
+    assert f"window_right = {kernel_window[1]} : i64" in call
+    # With the windowed kernels switched off (tests/test_window_kernel_path.py), the plain kernels still
+    # serve what comes down to them, and other windows take the pure-JAX path.
+    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
+    fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window)  # a new function: a new trace
     calls = cuda_custom_calls(fn, q, kv, kv)
-    if kernel_causal is None:
+    if kernel_window != (-1, -1):
         assert calls == []
-        # Other windows: the kernel's windowed instantiation, gated until it runs on a GPU
-        # (tests/test_window_kernel_path.py).
         with pytest.raises(
-            ValueError, match=r"cannot serve this call: the kernel's sliding windows have not passed"
+            ValueError, match=r"cannot serve this call: the kernel's sliding windows are switched"
         ):
             jax.eval_shape(functools.partial(fn, implementation="kernel"), q, kv, kv)
     else:
-        (call,) = calls
-        assert f"causal = {str(kernel_causal).lower()}" in call
+        assert calls == [call]
 
 
-def test_kernel_refusal_names_the_window(rng):
+def test_kernel_refusal_names_the_window(rng, monkeypatch):
+    # Only with the windowed kernels switched off: by default they serve every window.
+    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
     q, k, v = random_qkv(rng, seq_q=16)
     with pytest.raises(ValueError, match=r"implementation='kernel' cannot serve .* window \(4, 0\)"):
         jzyfa.flash_attention(q, k, v, causal=True, window=(4, 9), implementation="kernel")

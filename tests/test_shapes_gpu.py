@@ -1,5 +1,6 @@
 """Every shape a prefill brings, on the Hopper kernel: length regressions, GQA ratios and MQA, more
-queries than keys, 64-bit offsets, fused-QKV slices, and what falls back to the pure-JAX path.
+queries than keys, 64-bit offsets, fused-QKV slices, sliding windows and varlen on the default path,
+and what falls back to the pure-JAX path.
 Skips without a Hopper GPU and the built extension.
 
 Kernel outputs are checked against float64 attention in NaN-poisoned buffers, with the helpers of
@@ -29,6 +30,7 @@ from test_kernel_gpu import (
 
 import jzyfa
 from jzyfa.primitive import FFI_TARGET
+from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -150,7 +152,8 @@ def test_fused_qkv_slices_reach_the_kernel():
     assert relative_l2(np.asarray(lse), want_lse) < LSE_TOLERANCE
 
 
-# --- configurations the kernel does not serve yet: the pure-JAX path on the GPU -----------------
+# --- the default path (implementation=None): the kernel where it serves (sliding windows too, since
+# tests/test_window_kernel_gpu.py passed), the pure-JAX path on the GPU where it does not ------------
 
 
 def binds_kernel(fn, *args) -> bool:
@@ -160,9 +163,9 @@ def binds_kernel(fn, *args) -> bool:
 @pytest.mark.parametrize(
     "options,shapes,kernel",
     [
-        (dict(window=(8, 0)), dict(head_dim=128), False),
+        (dict(window=(8, 0)), dict(head_dim=128), True),  # the windowed kernel
         (dict(window=(4096, 0)), dict(head_dim=128), True),  # wider than the keys: causal
-        (dict(causal=True, window=(16, 16)), dict(head_dim=64), False),
+        (dict(causal=True, window=(16, 16)), dict(head_dim=64), True),  # the windowed kernel, (16, 0)
         (dict(causal=True), dict(head_dim=192, head_dim_v=128), False),  # MLA
         (dict(causal=True), dict(head_dim=256), False),
     ],
@@ -200,7 +203,10 @@ def test_varlen_on_the_gpu():
     k = jnp.asarray(rng.standard_normal((cu_k[-1], 2, 128)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((cu_k[-1], 2, 128)), jnp.bfloat16)
     fn = jax.jit(lambda *a: jzyfa.flash_attention_varlen(*a, 257, 300, causal=True, return_lse=True))
-    out, lse = fn(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    args = (q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
+    # The default path is the varlen kernel (tests/test_varlen_kernel_gpu.py passed).
+    assert custom_call_lines(fn.lower(*args).compile().as_text(), FFI_TARGET_VARLEN)
+    out, lse = fn(*args)
     want_out, want_lse = naive_varlen_f64(
         *(np.asarray(x, np.float32) for x in (q, k, v)), cu_q, cu_k, causal=True
     )

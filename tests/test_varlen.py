@@ -10,6 +10,7 @@ import pytest
 from attention_oracle import naive_varlen_f64
 
 import jzyfa
+from jzyfa import api
 
 
 def offsets(lengths) -> np.ndarray:
@@ -138,15 +139,20 @@ def test_gradients_equal_per_sequence_gradients(rng):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_kernel_is_refused_until_verified(rng, monkeypatch):
-    # The varlen kernel's gate: tests/test_varlen_kernel_path.py.
-    monkeypatch.delenv("JZYFA_UNVERIFIED_VARLEN_KERNEL", raising=False)
+def test_kernel_is_refused_when_switched_off(rng, monkeypatch):
+    # The varlen kernel's kill switch (on by default: the kernel passed its GPU tests):
+    # tests/test_varlen_kernel_path.py.
+    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", False)
     q, k, v = packed_qkv(rng, [4], [4], dtype=jnp.bfloat16)
     cu = offsets([4])
-    with pytest.raises(ValueError, match="implementation='kernel' cannot serve flash_attention_varlen yet"):
+    with pytest.raises(
+        ValueError, match="implementation='kernel' cannot serve flash_attention_varlen: the varlen"
+    ):
         jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation="kernel")
-    out = jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation="xla")
-    assert out.shape == q.shape
+    for implementation in (None, "xla"):
+        out = jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation=implementation)
+        assert out.shape == q.shape
 
 
 # --- argument errors, raised while tracing -----------------------------------------------------

@@ -1,6 +1,6 @@
 """The varlen kernel's JAX side on the CPU: the primitive's reference lowering, its CUDA custom call, the
-gate and the choice of path. (The kernel itself: tests/test_varlen_kernel_gpu.py and
-tests/test_kernel_build.py.)"""
+choice of path (the kernel by default since it passed its GPU tests) and its kill switch. (The kernel
+itself: tests/test_varlen_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
 import re
@@ -96,8 +96,8 @@ def test_cuda_lowering_is_the_varlen_custom_call(causal):
     assert re.search(r"softmax_scale = 2.50*e-01 : f32", call)
 
 
-def test_api_lowers_to_the_custom_call_when_enabled(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
+def varlen_custom_calls(implementation, window=(-1, 0)) -> list[str]:
+    """The custom calls of flash_attention_varlen lowered for CUDA (on this CPU host)."""
     q = jax.ShapeDtypeStruct((100, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((90, 4, 64), jnp.bfloat16)
     cu = jax.ShapeDtypeStruct((3,), jnp.int32)
@@ -105,37 +105,74 @@ def test_api_lowers_to_the_custom_call_when_enabled(monkeypatch):
         jzyfa.flash_attention_varlen,
         max_seqlen_q=64,
         max_seqlen_k=64,
-        window=(-1, 0),  # the causal window is served too
-        implementation="kernel",
+        window=window,
+        implementation=implementation,
         return_lse=True,
     )
     hlo = jax.jit(fn).trace(q, kv, kv, cu, cu).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
-    (call,) = [line for line in hlo.splitlines() if "custom-call(" in line]
-    assert FFI_TARGET_VARLEN in call and "causal = true" in call
+    return [line for line in hlo.splitlines() if "custom-call(" in line]
 
 
-def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
+@pytest.mark.parametrize("window", [(-1, 0), (8, 0)])  # the causal window, and a sliding one
+def test_api_lowers_to_the_custom_call_by_default(monkeypatch, window):
+    """Verified, the kernel needs no variable: implementation="kernel" always lowers to it, and
+    implementation=None does where the kernel is available (faked here: this host has no GPU)."""
+    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
+    assert api.VARLEN_KERNEL_VERIFIED and api.WINDOW_KERNEL_VERIFIED
+    causal = "true" if window == (-1, 0) else "false"
+    (call,) = varlen_custom_calls("kernel", window)
+    assert FFI_TARGET_VARLEN in call and f"causal = {causal}" in call
+    # implementation=None: the pure-JAX path where the kernel cannot run (this CPU host), the kernel
+    # where it can.
+    assert varlen_custom_calls(None, window) == []
+    monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
+    (call,) = varlen_custom_calls(None, window)
+    assert FFI_TARGET_VARLEN in call and f"causal = {causal}" in call
+
+
+def test_kernel_path_is_the_default(rng, monkeypatch):
+    lengths = [7, 0, 12]
+    cu = offsets(lengths)
+    q, k, v = packed(rng, 19, 19)
+    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
+    assert api.VARLEN_KERNEL_VERIFIED
+    available = [False]
+    monkeypatch.setattr(api._platform, "kernel_available", lambda: available[0])
+    for window in ((-1, 0), (-1, -1), (4, 0)):
+        assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, window, "kernel") is api.Path.KERNEL_REQUIRED
+        # implementation=None: the pure-JAX path where the kernel cannot run, the primitive where it can.
+        available[0] = False
+        assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, window, None) is api.Path.REFERENCE
+        available[0] = True
+        assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, window, None) is api.Path.PRIMITIVE
+    # Lowered for the CPU, a required kernel is an error, as for dense calls: the platform refuses it,
+    # not the kill switch.
+    with pytest.raises(ValueError, match="non-CUDA platform"):
+        jzyfa.flash_attention_varlen(q, k, v, cu, cu, 12, 12, causal=True, implementation="kernel")
+
+
+def test_kill_switch(rng, monkeypatch):
+    """VARLEN_KERNEL_VERIFIED (on since the kernel passed its GPU tests) is a kill switch: off, varlen
+    calls stay on the pure-JAX path and implementation="kernel" needs the variable."""
     lengths = [7, 0, 12]
     cu = offsets(lengths)
     q, k, v = packed(rng, 19, 19)
     call = functools.partial(jzyfa.flash_attention_varlen, causal=True)
     monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
-    assert not api.VARLEN_KERNEL_VERIFIED
-    with pytest.raises(ValueError, match="has not passed its GPU tests"):
+    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", False)
+    monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
+    with pytest.raises(ValueError, match=r"varlen kernel is switched off .*JZYFA_UNVERIFIED_VARLEN_KERNEL=1"):
         call(q, k, v, cu, cu, 12, 12, implementation="kernel")
-    # implementation=None stays on the pure-JAX path while the kernel is unverified, env or not.
+    # implementation=None stays on the pure-JAX path while switched off, env or not, kernel or not.
     assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, (-1, 0), None) is api.Path.REFERENCE
     monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
     assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, (-1, 0), None) is api.Path.REFERENCE
     assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, (-1, 0), "kernel") is api.Path.KERNEL_REQUIRED
-    # Lowered for the CPU, a required kernel is an error, as for dense calls.
+    # The variable lifts the switch: on the CPU a required kernel is then the platform's error.
     with pytest.raises(ValueError, match="non-CUDA platform"):
         call(q, k, v, cu, cu, 12, 12, implementation="kernel")
-    # Once verified, implementation=None takes the primitive where the kernel is available.
-    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", True)
-    monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
-    assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, (-1, 0), None) is api.Path.PRIMITIVE
-    assert api.choose_varlen_path(q, k, v, 3, 12, 0.125, (4, 0), None) is api.Path.REFERENCE
 
 
 @pytest.mark.parametrize(
@@ -144,12 +181,12 @@ def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
         (jnp.float32, 64, 64, {}, "bf16 or f16"),
         (jnp.bfloat16, 96, 96, {}, "head_dim in"),
         (jnp.bfloat16, 128, 64, {}, "v's head_dim"),
-        (jnp.bfloat16, 64, 64, {"window": (4, 0)}, "sliding window"),
-        (jnp.float16, 64, 64, {"causal": False, "window": (-1, 2)}, "sliding window"),
+        (jnp.bfloat16, 96, 96, {"window": (4, 0)}, "head_dim in"),
     ],
 )
 def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, dtype, head_dim, head_dim_v, kwargs, message):
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
+    # Sliding windows are served (their kill switch: tests/test_window_kernel_path.py).
+    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
     q = jnp.asarray(rng.standard_normal((10, 2, head_dim)), dtype)
     k = jnp.asarray(rng.standard_normal((10, 2, head_dim)), dtype)
     v = jnp.asarray(rng.standard_normal((10, 2, head_dim_v)), dtype)

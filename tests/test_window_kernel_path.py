@@ -1,5 +1,6 @@
 """The sliding-window kernel's JAX side on the CPU: the window attributes of the CUDA custom calls (dense
-and varlen), the gate, the primitive's reference lowering, and sequence sharding with windows. (The
+and varlen), the choice of path (the windowed kernels by default since they passed their GPU tests) and
+their kill switch, the primitive's reference lowering, and sequence sharding with windows. (The
 kernel itself: tests/test_window_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
@@ -29,9 +30,11 @@ Q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
 KV = jax.ShapeDtypeStruct((2, 500, 2, 128), jnp.bfloat16)
 
 
-@pytest.fixture
-def gate_on(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+@pytest.fixture(autouse=True)
+def no_gate_variables(monkeypatch):
+    """Every test here sees the defaults: the kill switches' variables unset."""
+    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
 
 
 def custom_call(fn, *args) -> str:
@@ -63,8 +66,10 @@ def window_attributes(call: str) -> tuple[int, int]:
         (False, (497, 298), "false", (497, 298)),
     ],
 )
-def test_cuda_lowering_carries_the_window(gate_on, causal, window, want_causal, want_window):
-    fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window, implementation="kernel")
+@pytest.mark.parametrize("implementation", [None, "kernel"])
+def test_cuda_lowering_carries_the_window(implementation, causal, window, want_causal, want_window):
+    """The default path and implementation="kernel" alike, with no variable set."""
+    fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window, implementation=implementation)
     call = custom_call(fn, Q, KV, KV)
     assert f'custom_call_target="{FFI_TARGET}"' in call
     assert f"causal = {want_causal}" in call
@@ -78,31 +83,46 @@ def test_default_calls_carry_no_window():
         assert window_attributes(call) == (-1, -1) and f"causal = {str(causal).lower()}" in call
 
 
-def test_kernel_path_is_gated_until_verified(rng, monkeypatch):
+def test_kernel_path_is_the_default(rng):
     q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16)
-    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
-    assert not api.WINDOW_KERNEL_VERIFIED
-    with pytest.raises(ValueError, match="sliding windows have not passed their GPU tests"):
-        jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
-    # Causal and none, and windows that come down to them, are not gated.
-    for causal, window in ((True, None), (False, None), (False, (200, 0)), (True, (-1, 3))):
-        path = api.choose_path(q, k, v, 0.125, causal, window, "kernel")
-        assert path is api.Path.KERNEL_REQUIRED
-    # implementation=None keeps windows on the pure-JAX path while unverified, env or not.
-    assert api.choose_path(q, k, v, 0.125, False, (8, 0), None) is api.Path.REFERENCE
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
-    assert api.choose_path(q, k, v, 0.125, False, (8, 0), None) is api.Path.REFERENCE
-    assert api.choose_path(q, k, v, 0.125, False, (8, 0), "kernel") is api.Path.KERNEL_REQUIRED
-    # Lowered for the CPU, a required kernel is an error, as without a window.
+    assert api.WINDOW_KERNEL_VERIFIED
+    for window in ((8, 0), (0, 0), (-1, 5), (3, 9)):
+        assert api.choose_path(q, k, v, 0.125, False, window, "kernel") is api.Path.KERNEL_REQUIRED
+        # implementation=None takes the primitive (its reference lowering on the CPU).
+        assert api.choose_path(q, k, v, 0.125, False, window, None) is api.Path.PRIMITIVE
+    # Lowered for the CPU, a required kernel is an error: the platform refuses it, not the kill switch.
     with pytest.raises(ValueError, match="non-CUDA platform"):
         jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
-    # Once verified, implementation=None takes the primitive (its reference lowering on the CPU).
-    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV)
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", True)
-    assert api.choose_path(q, k, v, 0.125, False, (8, 0), None) is api.Path.PRIMITIVE
     # FP8 calls with windows stay on the pure-JAX path (the FP8 kernel has no windows yet).
     q8 = q.astype(jnp.float8_e4m3fn)
     assert api.choose_fp8_path(q8, q8, q8, False, (8, 0), None) is api.Path.REFERENCE
+
+
+def test_kill_switch(rng, monkeypatch):
+    """WINDOW_KERNEL_VERIFIED (on since the windowed kernels passed their GPU tests) is a kill switch: off,
+    sliding windows stay on the pure-JAX path and implementation="kernel" needs the variable."""
+    q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16)
+    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
+    with pytest.raises(
+        ValueError,
+        match=r"sliding windows are switched off .*window \(8, 0\).*JZYFA_UNVERIFIED_WINDOW_KERNEL=1",
+    ):
+        jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
+    # Causal and none, and windows that come down to them, are not switched off.
+    for causal, window in ((True, None), (False, None), (False, (200, 0)), (True, (-1, 3))):
+        assert api.choose_path(q, k, v, 0.125, causal, window, "kernel") is api.Path.KERNEL_REQUIRED
+        assert api.choose_path(q, k, v, 0.125, causal, window, None) is api.Path.PRIMITIVE
+    # implementation=None keeps windows on the pure-JAX path while switched off, env or not.
+    assert api.choose_path(q, k, v, 0.125, False, (8, 0), None) is api.Path.REFERENCE
+    fn = jax.jit(functools.partial(jzyfa.flash_attention, window=(16, 4)))
+    hlo = fn.trace(Q, KV, KV).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    assert custom_call_lines(hlo, FFI_TARGET) == []  # lowered for CUDA: no custom call
+    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+    assert api.choose_path(q, k, v, 0.125, False, (8, 0), None) is api.Path.REFERENCE
+    assert api.choose_path(q, k, v, 0.125, False, (8, 0), "kernel") is api.Path.KERNEL_REQUIRED
+    # The variable lifts the switch: on the CPU a required kernel is then the platform's error.
+    with pytest.raises(ValueError, match="non-CUDA platform"):
+        jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
 
 
 WINDOWS = [(0, 0), (1, 0), (5, 3), (-1, 5), (30, -1), (0, -1), (3, 0)]
@@ -126,8 +146,7 @@ def test_primitive_off_cuda_is_the_reference(rng, window, seq_q, seq_k):
         assert np.isneginf(lse).any()  # rows left of every key: O = 0, LSE = -inf
 
 
-def test_api_with_the_gate_on_runs_the_primitive_and_matches_float64(rng, monkeypatch):
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", True)
+def test_api_runs_the_primitive_by_default_and_matches_float64(rng):
     q, k, v = random_qkv(rng, seq_q=33, seq_k=65, heads_q=4, heads_kv=1, head_dim=64, dtype=jnp.float16)
     fn = jax.jit(functools.partial(jzyfa.flash_attention, window=(6, 2), return_lse=True))
     assert FFI_TARGET in str(jax.make_jaxpr(fn)(q, k, v))  # the primitive, not the pure-JAX path
@@ -141,8 +160,7 @@ def test_api_with_the_gate_on_runs_the_primitive_and_matches_float64(rng, monkey
     np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(want, np.float32), atol=1e-2)
 
 
-def test_vmap_keeps_the_window(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+def test_vmap_keeps_the_window():
     fn = functools.partial(jzyfa.flash_attention, window=(16, 4), implementation="kernel")
     q = jax.ShapeDtypeStruct((3,) + Q.shape, Q.dtype)
     kv = jax.ShapeDtypeStruct((3,) + KV.shape, KV.dtype)
@@ -193,9 +211,13 @@ def test_varlen_primitive_off_cuda_is_the_reference(rng, window):
         (False, (-1, 7), "false", (-1, 7)),
     ],
 )
-def test_varlen_cuda_lowering_carries_the_window(monkeypatch, causal, window, want_causal, want_window):
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+@pytest.mark.parametrize("implementation", [None, "kernel"])
+def test_varlen_cuda_lowering_carries_the_window(
+    monkeypatch, implementation, causal, window, want_causal, want_window
+):
+    """The default path (where the kernel is available: faked) and implementation="kernel" alike, with no
+    variable set."""
+    monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
     q = jax.ShapeDtypeStruct((300, 8, 128), jnp.float16)
     kv = jax.ShapeDtypeStruct((500, 2, 128), jnp.float16)
     cu = jax.ShapeDtypeStruct((5,), jnp.int32)
@@ -205,7 +227,7 @@ def test_varlen_cuda_lowering_carries_the_window(monkeypatch, causal, window, wa
         max_seqlen_k=260,
         causal=causal,
         window=window,
-        implementation="kernel",
+        implementation=implementation,
     )
     call = custom_call(fn, q, kv, kv, cu, cu)
     assert f'custom_call_target="{FFI_TARGET_VARLEN}"' in call
@@ -213,21 +235,37 @@ def test_varlen_cuda_lowering_carries_the_window(monkeypatch, causal, window, wa
     assert window_attributes(call) == want_window
 
 
-def test_varlen_window_is_gated(rng, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype, causal, window", [(jnp.bfloat16, True, (2, 0)), (jnp.float16, False, (-1, 2))]
+)
+def test_varlen_window_kill_switch(rng, monkeypatch, dtype, causal, window):
     cu = offsets([4, 6])
-    q, k, v = (jnp.asarray(rng.standard_normal((10, 2, 64)), jnp.bfloat16) for _ in range(3))
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
-    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
-    with pytest.raises(ValueError, match="sliding windows have not passed their GPU tests"):
-        jzyfa.flash_attention_varlen(q, k, v, cu, cu, 6, 6, window=(2, 0), implementation="kernel")
-    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, (2, 0), None) is api.Path.REFERENCE
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
-    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, (2, 0), "kernel") is api.Path.KERNEL_REQUIRED
-    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", True)
+    q, k, v = (jnp.asarray(rng.standard_normal((10, 2, 64)), dtype) for _ in range(3))
     monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
-    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, (2, 0), None) is api.Path.REFERENCE
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", True)
-    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, (2, 0), None) is api.Path.PRIMITIVE
+    # By default: the kernel, for implementation=None too, with no variable set.
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, "kernel") is api.Path.KERNEL_REQUIRED
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, None) is api.Path.PRIMITIVE
+    # Windows switched off: refused for implementation="kernel", the pure-JAX path for None.
+    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
+    with pytest.raises(
+        ValueError, match="cannot serve this varlen call: the kernel's sliding windows are switched off"
+    ):
+        jzyfa.flash_attention_varlen(
+            q, k, v, cu, cu, 6, 6, causal=causal, window=window, implementation="kernel"
+        )
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, None) is api.Path.REFERENCE
+    # Causal is not a sliding window: still the kernel.
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, (-1, 0), None) is api.Path.PRIMITIVE
+    # The variable lifts it for implementation="kernel" only.
+    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, "kernel") is api.Path.KERNEL_REQUIRED
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, None) is api.Path.REFERENCE
+    # The varlen kernel switched off too: the varlen variable is needed as well.
+    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", False)
+    with pytest.raises(ValueError, match="the varlen kernel is switched off"):
+        api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, "kernel")
+    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
+    assert api.choose_varlen_path(q, k, v, 2, 6, 0.125, window, "kernel") is api.Path.KERNEL_REQUIRED
 
 
 # ---- sequence sharding
@@ -260,8 +298,7 @@ def test_window_key_range_matches_the_whole_sequence():
     "causal, window", [(False, (5, 3)), (True, (9, 0)), (False, (-1, 4)), (False, (0, -1))]
 )
 @pytest.mark.parametrize("seq_q, seq_k", [(32, 32), (32, 48), (32, 20)])
-def test_sequence_sharded_windows_match_the_reference(rng, monkeypatch, causal, window, seq_q, seq_k):
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", True)
+def test_sequence_sharded_windows_match_the_reference(rng, causal, window, seq_q, seq_k):
     mesh = cpu_mesh((2, 4), ("data", "seq"))
     q, k, v = random_qkv(rng, batch=2, seq_q=seq_q, seq_k=seq_k, heads_q=2, heads_kv=1, dtype=jnp.float16)
     fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window, return_lse=True)
@@ -301,14 +338,13 @@ def test_sequence_shards_lower_to_shifted_windows_for_cuda():
     assert sum("bf16[1,24,4,128]{3,2,1,0}" in c for c in calls) == 3
 
 
-def test_windows_past_the_kernels_int32_range_fall_back(monkeypatch):
+def test_windows_past_the_kernels_int32_range_fall_back():
     """The windowed kernels need seq_q + seq_k <= 2^30 (total_q + total_k for varlen)."""
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
     q = jax.ShapeDtypeStruct((1, 8388480, 1, 64), jnp.bfloat16)  # the kernel's longest seq_q
     kv = jax.ShapeDtypeStruct((1, (1 << 30) - 8388480 + 1, 1, 64), jnp.bfloat16)
     assert "seq_q + seq_k <= 2^30" in api.kernel_problem(q, kv, kv, 0.125, False, (8, 0))
     assert api.kernel_problem(q, kv, kv, 0.125, True, None) is None  # causal: the plain kernel
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
+    assert api.choose_path(q, kv, kv, 0.125, False, (8, 0), None) is api.Path.REFERENCE
     q, kv = (jax.ShapeDtypeStruct((n, 1, 64), jnp.bfloat16) for n in (1 << 29, (1 << 29) + 1))
     with pytest.raises(ValueError, match=r"total_q \+ total_k <= 2\^30"):
         api.choose_varlen_path(q, kv, kv, 1, 128, 0.125, (8, 0), "kernel")
