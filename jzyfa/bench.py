@@ -20,6 +20,12 @@ command runs in smoke mode (small shapes, few iterations); `--smoke` forces it o
 
 FLOPs: 4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the FA3 / cuDNN convention);
 for causal with Sq != Sk the count uses the (query, key) pairs the bottom-right mask leaves visible.
+With --window L,R (a sliding window, jzyfa's convention: query i at position p = i + Sk - Sq sees
+keys p - L .. p + R, -1 unbounded on that side; --causal, the default, sets R to 0 as
+`jzyfa.flash_attention(causal=True, window=...)` does): 4 * D * B * Hq * the visible (query, key)
+pairs, sum over rows of max(0, min(p + R, Sk - 1) - max(p - L, 0) + 1) (`visible_pairs`), whatever
+the window; no halving convention, so --window -1,0 counts the S(S+1)/2 pairs of causal exactly.
+Windowed runs check against a windowed float64 reference; peers that have no such window say so.
 """
 
 from __future__ import annotations
@@ -44,12 +50,29 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jzyfa import _timing, peers, realistic_inputs
+from jzyfa import _timing, _validation, peers, realistic_inputs
 from jzyfa._errors import short_error
 from jzyfa.accuracy import attention_float64, take_pairs
-from jzyfa.peers import Problem, Unsupported, attention_flops, parse_shapes, visible_pairs
+from jzyfa.peers import (
+    Problem,
+    Unsupported,
+    attention_flops,
+    parse_shapes,
+    parse_window,
+    visible_pairs,
+    window_text,
+)
 
-__all__ = ["Problem", "Unsupported", "attention_float64", "attention_flops", "parse_shapes", "visible_pairs"]
+__all__ = [
+    "Problem",
+    "Unsupported",
+    "attention_float64",
+    "attention_float64_window",
+    "attention_flops",
+    "parse_shapes",
+    "parse_window",
+    "visible_pairs",
+]
 
 STANDARD_SHAPES = "16x1024,8x2048,4x4096,2x8192,1x16384"
 SMOKE_SHAPES = "2x128,1x256"
@@ -60,6 +83,13 @@ flags.DEFINE_integer("heads", 16, "Query heads (Hq).")
 flags.DEFINE_integer("kv_heads", None, "Key/value heads (Hkv, GQA/MQA); default: --heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension D.")
 flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned); --nocausal for none.")
+flags.DEFINE_string(
+    "window",
+    None,
+    "Sliding window L,R (jzyfa.flash_attention's window=(L, R)): query i at position i + Sk - Sq sees "
+    "keys pos-L .. pos+R; -1: unbounded on that side. --causal (the default) sets R to 0, as "
+    "flash_attention(causal=True, window=...) does; --nocausal for a right bound. Default: no window.",
+)
 flags.DEFINE_enum(
     "dtype",
     "bf16",
@@ -149,6 +179,7 @@ _SMOKE_OVERRIDES = {
 }
 
 _REF_FLOP_BUDGET = 2e11  # float64 reference FLOPs per shape when --ref_pairs=-1
+_REF_ROWS_BUDGET = 2**22  # float64 score entries per block of query rows of the windowed reference
 # BAD above this relative L2 error of O, by what the implementation computes in.
 DEFAULT_MAX_REL_ERR = {"bf16": 2e-2, "f16": 5e-3, "fp8": 0.15}
 # JAX preallocates 75% of GPU memory; with PyTorch peers in the run it gets this share instead.
@@ -195,10 +226,50 @@ def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
     elif requested > 0:
         n = min(requested, total)
     else:
-        per_pair = 4.0 * problem.head_dim * visible_pairs(problem.seq_q, problem.seq_k, problem.causal)
+        per_pair = (
+            4.0
+            * problem.head_dim
+            * visible_pairs(problem.seq_q, problem.seq_k, problem.causal, problem.window)
+        )
         n = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
     flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
     return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
+
+
+def attention_float64_window(q, k, v, scale: float, window: _validation.Window) -> np.ndarray:
+    """`attention_float64` (one head: q [Sq, D], k and v [Sk, D] -> out [Sq, D]) under a window.
+
+    window: the (left, right) mask with causal folded in (`jzyfa._validation.mask_window`): query i,
+    at position p = i + Sk - Sq, sees key j iff p - left <= j <= p + right (-1: unbounded). Runs over
+    blocks of query rows, each multiplying only the key range its rows can see; rows that see no key
+    give out 0.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    seq_q, seq_k = q.shape[0], k.shape[0]
+    left, right = window
+    offset = seq_k - seq_q
+    out = np.zeros((seq_q, v.shape[1]), np.float64)
+    rows_per_block = max(1, min(seq_q, _REF_ROWS_BUDGET // max(seq_k, 1)))
+    for start in range(0, seq_q, rows_per_block):
+        stop = min(seq_q, start + rows_per_block)
+        pos = np.arange(start, stop)[:, None] + offset
+        first = max(0, start + offset - left) if left >= 0 else 0
+        end = min(seq_k, stop + offset + right) if right >= 0 else seq_k  # exclusive
+        if end <= first:
+            continue
+        keys = np.arange(first, end)[None, :]
+        visible = np.ones((stop - start, end - first), bool)
+        if left >= 0:
+            visible &= keys >= pos - left
+        if right >= 0:
+            visible &= keys <= pos + right
+        scores = np.where(visible, (q[start:stop] @ k[first:end].T) * scale, -np.inf)
+        row_max = scores.max(axis=1, keepdims=True)
+        seen = np.isfinite(row_max)
+        probs = np.exp(scores - np.where(seen, row_max, 0.0))
+        row_sum = probs.sum(axis=1, keepdims=True)
+        out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
+    return out
 
 
 @dataclasses.dataclass
@@ -218,12 +289,17 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
     qs = take_pairs(q, batches, heads)
     ks = take_pairs(k, batches, heads // group)
     vs = take_pairs(v, batches, heads // group)
-    out = np.stack(
-        [
+    if problem.window is None:
+        outs = [
             attention_float64(qs[i], ks[i], vs[i], problem.softmax_scale, problem.causal)
             for i in range(len(pairs))
         ]
-    )
+    else:
+        outs = [
+            attention_float64_window(qs[i], ks[i], vs[i], problem.softmax_scale, problem.mask)
+            for i in range(len(pairs))
+        ]
+    out = np.stack(outs)
     return Reference(batches, heads, out, time.perf_counter() - start)
 
 
@@ -441,6 +517,8 @@ def measure_peer(
         "heads_kv": problem.heads_kv,
         "head_dim": problem.head_dim,
         "causal": problem.causal,
+        # The (left, right) window of the mask, causal folded in (right 0 under --causal); None: no --window.
+        "window": None if problem.window is None else list(problem.mask),
         "dtype": problem.dtype,
         "compute_dtype": compute_dtype,
         "flops": problem.flops,
@@ -556,7 +634,10 @@ def _fmt_tflops(value: float | None) -> str:
 def _shape_cells(r: dict[str, Any]) -> list[str]:
     seq = str(r["seq_q"]) if r["seq_q"] == r["seq_k"] else f"{r['seq_q']}/{r['seq_k']}"
     heads = str(r["heads_q"]) if r["heads_q"] == r["heads_kv"] else f"{r['heads_q']}/{r['heads_kv']}"
-    return [str(r["batch"]), seq, heads, str(r["head_dim"]), "yes" if r["causal"] else "no"]
+    mask = "yes" if r["causal"] else "no"
+    if r.get("window") is not None:  # the window with causal folded in, one word: "win(1024,0)"
+        mask = f"win({r['window'][0]},{r['window'][1]})"
+    return [str(r["batch"]), seq, heads, str(r["head_dim"]), mask]
 
 
 TABLE_COLUMNS = [
@@ -639,9 +720,9 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
     lines = [
         (
             f"{env.get('date', '')} {header_line(env)}; {config['dtype']}, head dim {config['head_dim']}, "
-            f"{_heads_text(config)}, {'causal' if config['causal'] else 'non-causal'}; "
+            f"{_heads_text(config)}, {_mask_text(config)}; "
             f"median {' / '.join(_TIMING_TEXT.get(s, s) for s in source) or 'n/a'}, "
-            f"causal FLOPs counted half; inputs: {', '.join(kinds)}."
+            f"{_flops_text(config)}; inputs: {', '.join(kinds)}."
         ),
     ]
     for kind in kinds:
@@ -691,6 +772,29 @@ def _label(r: dict[str, Any]) -> str:
     return f"{r['batch']}x{seq}"
 
 
+def _config_window(config: dict[str, Any]) -> _validation.Window | None:
+    """The run's --window as given (a pair, or the flag's text in a hand-made config), or None."""
+    window = config.get("window")
+    if isinstance(window, str) or window is None:
+        return parse_window(window)
+    return int(window[0]), int(window[1])
+
+
+def _mask_text(config: dict[str, Any]) -> str:
+    """'causal', 'non-causal', or with --window the mask's window: 'causal, window (1024, 0)'."""
+    text = "causal" if config["causal"] else "non-causal"
+    window = _config_window(config)
+    if window is None:
+        return text
+    return f"{text}, {window_text(_validation.mask_window(config['causal'], window))} (left, right)"
+
+
+def _flops_text(config: dict[str, Any]) -> str:
+    if _config_window(config) is not None:
+        return "FLOPs 4 * D per visible (query, key) pair"
+    return "causal FLOPs counted half"
+
+
 def _heads_text(config: dict[str, Any]) -> str:
     kv = config.get("kv_heads") or config["heads"]
     return f"{config['heads']} heads" + ("" if kv == config["heads"] else f" ({kv} kv heads)")
@@ -701,6 +805,7 @@ def progress_line(r: dict[str, Any]) -> str:
         f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
         f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
         f"{' causal' if r['causal'] else ''}"
+        f"{'' if r.get('window') is None else ' ' + window_text(r['window'])}"
     )
     if r["status"] in ("unsupported", "error"):
         return f"{head}: {r['status']}: {r['message']}"
@@ -761,10 +866,13 @@ def write_plot(
         ax.grid(True, which="both", alpha=0.3)
         if subset:
             ax.legend(fontsize="small")
-    axes[0][0].set_ylabel("TFLOP/s (causal FLOPs counted half)" if config["causal"] else "TFLOP/s")
+    ylabel = "TFLOP/s (causal FLOPs counted half)" if config["causal"] else "TFLOP/s"
+    if _config_window(config) is not None:
+        ylabel = "TFLOP/s (FLOPs of the visible pairs)"
+    axes[0][0].set_ylabel(ylabel)
     fig.suptitle(
         f"{env.get('device', '')}: attention forward, {config['dtype']}, head dim {config['head_dim']}, "
-        f"{_heads_text(config)}, {'causal' if config['causal'] else 'non-causal'} ({env.get('date', '')[:10]})",
+        f"{_heads_text(config)}, {_mask_text(config)} ({env.get('date', '')[:10]})",
         fontsize="medium",
     )
     fig.tight_layout()
@@ -796,6 +904,7 @@ def resolve_config() -> dict[str, Any]:
         "kv_heads",
         "head_dim",
         "causal",
+        "window",
         "dtype",
         "inputs",
         "impls",
@@ -815,6 +924,8 @@ def resolve_config() -> dict[str, Any]:
         "plot",
     ]
     config = {name: FLAGS[name].value for name in names}
+    window = parse_window(config["window"])  # ValueError naming --window, before any work
+    config["window"] = None if window is None else list(window)
     if smoke:
         for name, value in _SMOKE_OVERRIDES.items():
             if not FLAGS[name].present:
@@ -844,6 +955,7 @@ def resolve_inputs(text: str) -> list[str]:
 def run(config: dict[str, Any]) -> dict[str, Any]:
     """Runs the benchmark described by config (see resolve_config) and returns the report."""
     shapes = parse_shapes(config["shapes"])
+    window = _config_window(config)
     impl_names = resolve_impls(config["impls"], config["dtype"])
     kinds = resolve_inputs(config["inputs"])
     heads_q = config["heads"]
@@ -855,6 +967,14 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     _log(header_line(env))
     if config["smoke"]:
         _log("smoke mode: small shapes, few iterations (no GPU, or --smoke)")
+    if window is not None:
+        mask = _validation.mask_window(config["causal"], window)
+        _log(f"sliding {window_text(mask)} (left, right); FLOPs count its visible (query, key) pairs")
+        if mask != window:
+            _log(
+                f"--causal sets the window's right bound to 0 (jzyfa's convention): --window "
+                f"{window[0]},{window[1]} masks as ({mask[0]}, {mask[1]}); --nocausal keeps {window[1]}"
+            )
     opts = Options(
         iters=config["iters"],
         min_time_s=config["min_time_s"],
@@ -886,6 +1006,7 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
                     config["head_dim"],
                     config["causal"],
                     config["dtype"],
+                    window,
                 )
                 n_sets = rotation_sets(problem, config["rotate_mb"])
                 try:
@@ -930,7 +1051,8 @@ def _print_tables(results, env, config, markdown: bool) -> None:
     if markdown:
         print(format_markdown(results, env, config))
     else:
-        print(header_line(env))
+        window = _config_window(config)
+        print(header_line(env) + ("" if window is None else f"; {_mask_text(config)}"))
         print(format_plain(results))
 
 
@@ -960,8 +1082,8 @@ def main(argv: Sequence[str]) -> int:
     if FLAGS.replot:
         return replot(FLAGS.replot, FLAGS.plot, FLAGS.markdown)
     _reserve_gpu_memory_for_torch()
-    config = resolve_config()
     try:
+        config = resolve_config()
         report = run(config)
     except ValueError as e:
         raise app.UsageError(str(e)) from e

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzyfa import api
+from jzyfa import _validation, api
 
 PRECISIONS = ("16-bit", "fp8")
 # jax.nn's XLA attention materialises the [B, Hq, Sq, Sk] scores; beyond this it is not attempted.
@@ -45,28 +45,68 @@ class Unsupported(Exception):
 # The problem, and its FLOPs
 
 
-def visible_pairs(seq_q: int, seq_k: int, causal: bool) -> int:
-    """(query, key) pairs the mask leaves visible; causal is bottom-right aligned."""
-    if not causal:
+def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: _validation.Window | None = None) -> int:
+    """(query, key) pairs the mask leaves visible; causal and windows are bottom-right aligned.
+
+    The mask is jzyfa's (`jzyfa.flash_attention`): query i, at position p = i + seq_k - seq_q, sees
+    key j iff p - left <= j <= p + right (-1: that side unbounded), with causal=True the window
+    (-1, 0) or, with a window, its right bound set to 0. One clamped range per row: O(Sq).
+    """
+    if window is None and not causal:
         return seq_q * seq_k
-    # Query i sees keys j <= i + seq_k - seq_q: clamp(i + seq_k - seq_q + 1, 0, seq_k) of them.
-    per_row = np.clip(np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q + 1), 0, seq_k)
-    return int(per_row.sum())
+    left, right = _validation.mask_window(causal, window)
+    pos = np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q)
+    first = np.maximum(pos - left, 0) if left >= 0 else np.zeros_like(pos)
+    last = np.minimum(pos + right, seq_k - 1) if right >= 0 else np.full_like(pos, seq_k - 1)
+    return int(np.maximum(last - first + 1, 0).sum())
 
 
-def attention_flops(batch: int, seq_q: int, seq_k: int, heads_q: int, head_dim: int, causal: bool) -> float:
+def attention_flops(
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    heads_q: int,
+    head_dim: int,
+    causal: bool,
+    window: _validation.Window | None = None,
+) -> float:
     """Forward FLOPs of attention: two matmuls of 2 * D FLOPs per (query, key) pair.
 
     4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the convention of FA3, cuDNN and
     Pallas, slightly under the S(S+1)/2 pairs really computed); for causal with Sq != Sk, the
-    visible pairs of the bottom-right aligned mask are counted.
+    visible pairs of the bottom-right aligned mask are counted. With a window (even one equal to
+    causal or no mask), 4 * B * Hq * D * the visible pairs of the mask (`visible_pairs`).
     """
+    if window is not None:
+        return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, causal, window)
     full = 4.0 * batch * heads_q * seq_q * seq_k * head_dim
     if not causal:
         return full
     if seq_q == seq_k:
         return full / 2
     return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, True)
+
+
+def parse_window(text: str | None) -> _validation.Window | None:
+    """'1024,0' -> (1024, 0): --window's (left, right), each >= 0 or -1 (unbounded); None or '' -> None."""
+    if text is None or not text.strip():
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        bounds = [int(p) for p in parts]
+    except ValueError:
+        bounds = []
+    if len(bounds) != 2 or min(bounds) < -1:
+        raise ValueError(
+            f"--window: {text!r} is not L,R with two integers >= -1 (the left and right bounds of the "
+            "sliding window; -1: unbounded on that side), e.g. --window 1024,0"
+        )
+    return bounds[0], bounds[1]
+
+
+def window_text(window) -> str:
+    """'window (1024, 0)' for a (left, right) window, '' for none."""
+    return "" if window is None else f"window ({window[0]}, {window[1]})"
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -98,6 +138,31 @@ class Problem:
     head_dim: int
     causal: bool
     dtype: str  # the run's precision: "bf16" | "f16" | "fp8" (FP8 runs quantize bf16 inputs)
+    # --window: a (left, right) sliding window, combined with causal as jzyfa.flash_attention does
+    # (causal sets the right bound to 0); None: none (the mask is causal's or no mask).
+    window: _validation.Window | None = None
+
+    @property
+    def mask(self) -> _validation.Window:
+        """The (left, right) window the mask is, causal folded in: (-1, 0) causal, (-1, -1) none."""
+        return _validation.mask_window(self.causal, self.window)
+
+    @property
+    def sliding_window(self) -> _validation.Window | None:
+        """The mask when it is a sliding window for these lengths (neither causal nor no mask, bounds
+        that exclude no key as -1), else None; e.g. (8192, 0) over 4K keys is causal."""
+        if self.window is None:
+            return None
+        window = _validation.canonical_window(self.mask, self.seq_q, self.seq_k)
+        return None if window in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW) else window
+
+    @property
+    def mask_causal(self) -> bool:
+        """The causal flag of a call without a window that masks as this problem does (when
+        sliding_window is None): --causal, or with a window whether it is causal for these lengths."""
+        if self.window is None:
+            return self.causal
+        return _validation.canonical_window(self.mask, self.seq_q, self.seq_k) == _validation.CAUSAL_WINDOW
 
     @property
     def jnp_dtype(self):
@@ -126,7 +191,9 @@ class Problem:
 
     @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim, self.causal)
+        return attention_flops(
+            self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim, self.causal, self.window
+        )
 
     @property
     def label(self) -> str:
@@ -212,10 +279,18 @@ def _gpu_reason() -> str | None:
 
 
 def _rectangular_causal_reason(problem: Problem, who: str) -> str | None:
-    if problem.causal and problem.seq_q != problem.seq_k:
+    if problem.mask_causal and problem.seq_q != problem.seq_k:
         return (
             f"{who} aligns the causal mask top-left; jzyfa's is bottom-right, so Sq != Sk is not comparable"
         )
+    return None
+
+
+def _no_window_reason(problem: Problem, who: str) -> str | None:
+    """Why a peer without sliding windows cannot run this problem's mask, or None (no window, or one
+    that is causal or no mask for these lengths: it then runs with problem.mask_causal)."""
+    if (window := problem.sliding_window) is not None:
+        return f"no sliding window: {who} has none, and this run's mask is the window {window} (left, right)"
     return None
 
 
@@ -320,6 +395,8 @@ class Jzyfa(Peer):
             "softmax_scale": problem.softmax_scale,
             "implementation": implementation,
         }
+        if problem.window is not None:
+            kwargs["window"] = problem.window
         if self.precision == "fp8":
             lean_p = self.lean_p
 
@@ -371,6 +448,37 @@ class Jzyfa(Peer):
 # ---- jax.nn.dot_product_attention (cuDNN, XLA)
 
 
+def jax_nn_mask(problem: Problem, implementation: str) -> tuple[bool, tuple[int, int] | None] | str:
+    """(is_causal, local_window_size) for jax.nn.dot_product_attention that mask exactly as the problem
+    does, or why it cannot.
+
+    jax.nn's window (left, right) lets query i see keys i - left <= j <= i + right (top-left: its
+    position is i), so only Sq == Sk matches jzyfa's bottom-right windows; an unbounded side (-1 in
+    jzyfa, which jax.nn does not take) becomes seq_k, beyond every key. Through cuDNN, jax.nn sets
+    cuDNN's sliding_window_length to left + 1 (keys pos - left .. pos) with the causal mask and takes
+    no other window, so cuDNN runs only windows (left, 0), with is_causal=True.
+    """
+    window = problem.sliding_window
+    if window is None:  # no window, or one that is causal or no mask for these lengths
+        return problem.mask_causal, None
+    if problem.seq_q != problem.seq_k:
+        return (
+            "jax.nn.dot_product_attention aligns its window top-left; jzyfa's is bottom-right, so Sq != Sk "
+            "is not comparable"
+        )
+    left, right = window
+    if implementation == "cudnn":
+        if right != 0:
+            return (
+                f"cuDNN through jax.nn.dot_product_attention takes only sliding windows (left, 0) (its "
+                f"sliding_window_length with the causal mask); this run's mask is the window {window} "
+                "(left, right)"
+            )
+        return True, (left, 0)
+    unbounded = problem.seq_k
+    return False, (left if left >= 0 else unbounded, right if right >= 0 else unbounded)
+
+
 class JaxNn(Peer):
     def __init__(self, name: str, implementation: str):
         self.name = name
@@ -378,6 +486,8 @@ class JaxNn(Peer):
         self.description = f'jax.nn.dot_product_attention(implementation="{implementation}")'
 
     def supports(self, problem: Problem) -> str | None:
+        if isinstance(mask := jax_nn_mask(problem, self.implementation), str):
+            return mask
         if self.implementation == "cudnn" and (reason := _gpu_reason()):
             return reason
         if self.implementation == "xla":
@@ -387,14 +497,21 @@ class JaxNn(Peer):
         return _rectangular_causal_reason(problem, "jax.nn.dot_product_attention")
 
     def build(self, problem: Problem, options: Options) -> Built:
+        mask = jax_nn_mask(problem, self.implementation)
+        if isinstance(mask, str):
+            raise Unsupported(mask)
+        is_causal, local_window_size = mask
+        window_kwargs = {} if local_window_size is None else {"local_window_size": local_window_size}
+
         def fn(q, k, v):
             out = jax.nn.dot_product_attention(
                 q,
                 k,
                 v,
                 scale=problem.softmax_scale,
-                is_causal=problem.causal,
+                is_causal=is_causal,
                 implementation=self.implementation,
+                **window_kwargs,
             )
             return out
 
@@ -448,6 +565,8 @@ class CudnnFp8(Peer):
     notes = "e4m3 q/k/v, per-tensor descales; e4m3 output (scale_o = 1/descale_v), so its error includes the output rounding; no LSE"
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_window_reason(problem, "JAX's cuDNN FP8 attention"):
+            return reason
         if reason := _gpu_reason():
             return reason
         try:
@@ -465,7 +584,7 @@ class CudnnFp8(Peer):
     def build(self, problem: Problem, options: Options) -> Built:
         def fn(q8, k8, v8, params):
             return cudnn_fp8_attention(
-                q8, k8, v8, params, causal=problem.causal, softmax_scale=problem.softmax_scale
+                q8, k8, v8, params, causal=problem.mask_causal, softmax_scale=problem.softmax_scale
             )
 
         return Built(fn)
@@ -488,6 +607,8 @@ class Pallas(Peer):
     block_q, block_kv = 64, 128
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_window_reason(problem, "Pallas attention_mgpu"):
+            return reason
         if reason := _gpu_reason():
             return reason
         if problem.head_dim % 64:
@@ -509,7 +630,7 @@ class Pallas(Peer):
         from jax.experimental.pallas.ops.gpu import attention_mgpu
 
         config = attention_mgpu.TuningConfig(
-            block_q=self.block_q, block_kv=self.block_kv, max_concurrent_steps=2, causal=problem.causal
+            block_q=self.block_q, block_kv=self.block_kv, max_concurrent_steps=2, causal=problem.mask_causal
         )
         return Built(lambda q, k, v: attention_mgpu.attention(q, k, v, config))
 
@@ -555,6 +676,8 @@ class TorchSdpa(Peer):
         self.notes = "layout [B, H, S, D] made contiguous outside the timed call"
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_window_reason(problem, "PyTorch SDPA (without an explicit mask)"):
+            return reason
         if reason := _torch_reason():
             return reason
         return _rectangular_causal_reason(problem, "PyTorch SDPA")
@@ -572,7 +695,7 @@ class TorchSdpa(Peer):
         def fn(q, k, v):
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=problem.causal, scale=problem.softmax_scale, enable_gqa=gqa
+                    q, k, v, is_causal=problem.mask_causal, scale=problem.softmax_scale, enable_gqa=gqa
                 )
 
         return Built(fn)
@@ -595,6 +718,9 @@ class FlashAttn(Peer):
             self.notes = "e4m3 q/k/v with [B, Hkv] descales (the per-tensor ones broadcast); bf16 output"
 
     def supports(self, problem: Problem) -> str | None:
+        # flash_attn_func has a window_size, not passed here yet (not measured): a sliding window is refused.
+        if reason := _no_window_reason(problem, f"the {self.name} peer"):
+            return reason
         if reason := _torch_reason():
             return reason
         try:
@@ -618,7 +744,7 @@ class FlashAttn(Peer):
 
     def build(self, problem: Problem, options: Options) -> Built:
         flash_attn_func = importlib.import_module(self.module).flash_attn_func
-        scale, causal = problem.softmax_scale, problem.causal
+        scale, causal = problem.softmax_scale, problem.mask_causal
 
         if self.precision == "fp8":
 
