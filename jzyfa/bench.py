@@ -26,6 +26,16 @@ keys p - L .. p + R, -1 unbounded on that side; --causal, the default, sets R to
 pairs, sum over rows of max(0, min(p + R, Sk - 1) - max(p - L, 0) + 1) (`visible_pairs`), whatever
 the window; no halving convention, so --window -1,0 counts the S(S+1)/2 pairs of causal exactly.
 Windowed runs check against a windowed float64 reference; peers that have no such window say so.
+
+Variable-length (packed) batches: --varlen 8192,4096,...,64 (Sq = Sk per sequence, or Lq:Lk items)
+replaces --shapes with ONE packed batch: q [total_q, Hq, D], k and v [total_k, Hkv, D] with
+cu_seqlens, each sequence's inputs generated on their own (positions restart per sequence). jzyfa and
+jzyfa_xla call `jzyfa.flash_attention_varlen`; the other peers say why not ("no varlen: ..."). The
+mask (causal, --window) applies per sequence, bottom-right aligned; FLOPs are the sum over sequences
+of each one's dense count above (`attention_flops(1, Lq, Lk, ...)`). The float64 reference covers
+every sequence on a few query heads. The rows hold the lengths ("varlen": [[Lq, Lk], ...]; batch is
+the number of sequences, seq_q/seq_k the longest); --plot draws nothing for such a run (one batch, no
+sequence-length sweep) and says so.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ from jzyfa.peers import (
     Unsupported,
     attention_flops,
     parse_shapes,
+    parse_varlen,
     parse_window,
     visible_pairs,
     window_text,
@@ -70,6 +81,7 @@ __all__ = [
     "attention_float64_window",
     "attention_flops",
     "parse_shapes",
+    "parse_varlen",
     "parse_window",
     "visible_pairs",
 ]
@@ -79,6 +91,13 @@ SMOKE_SHAPES = "2x128,1x256"
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("shapes", STANDARD_SHAPES, "Comma-separated BxS (Sq = Sk = S) or BxSqxSk problem sizes.")
+flags.DEFINE_string(
+    "varlen",
+    None,
+    "Comma-separated sequence lengths of ONE variable-length (packed) batch, timed through "
+    "jzyfa.flash_attention_varlen: L (Sq = Sk = L) or Lq:Lk per sequence, e.g. "
+    "8192,4096,2048,1024,512,256,128,64. Replaces --shapes (give one of them). Default: dense --shapes.",
+)
 flags.DEFINE_integer("heads", 16, "Query heads (Hq).")
 flags.DEFINE_integer("kv_heads", None, "Key/value heads (Hkv, GQA/MQA); default: --heads.")
 flags.DEFINE_integer("head_dim", 128, "Head dimension D.")
@@ -197,6 +216,8 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     every rotation count (and the Gaussian sets match the earlier benchmark runs).
     """
     keys = jax.random.split(jax.random.key(seed), n_sets)
+    if problem.varlen:
+        return [_packed_input_set(problem, kind, key) for key in keys]
     shape = {
         "batch": problem.batch,
         "seq_q": problem.seq_q,
@@ -213,24 +234,51 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     return sets
 
 
+def _packed_input_set(problem: Problem, kind: str, key) -> peers.InputSet:
+    """One packed set: each sequence's q, k, v made on their own (key folded with its index, positions
+    from 0, so activation-like inputs restart RoPE and the sink per sequence), then concatenated."""
+    parts = []
+    for s, (seq_q, seq_k) in enumerate(problem.seqlens):
+        q, k, v = realistic_inputs.make_qkv(
+            kind,
+            jax.random.fold_in(key, s),
+            batch=1,
+            seq_q=seq_q,
+            seq_k=seq_k,
+            heads_q=problem.heads_q,
+            heads_kv=problem.heads_kv,
+            head_dim=problem.head_dim,
+            dtype=problem.jnp_dtype,
+        )
+        parts.append((q[0], k[0], v[0]))
+    packed = [jax.numpy.concatenate([p[i] for p in parts]) for i in range(3)]
+    return peers.InputSet(*jax.block_until_ready(packed))
+
+
 def rotation_sets(problem: Problem, rotate_mb: int) -> int:
     """How many input sets to rotate over: at least 2, spanning rotate_mb MB."""
     return max(2, math.ceil(rotate_mb * 2**20 / problem.set_bytes))
 
 
+def _visible_pairs_per_head(problem: Problem) -> int:
+    """Visible (query, key) pairs of one (batch, head) pair, or of one head over every packed sequence."""
+    if problem.varlen:
+        return sum(visible_pairs(q, k, problem.causal, problem.window) for q, k in problem.seqlens)
+    return visible_pairs(problem.seq_q, problem.seq_k, problem.causal, problem.window)
+
+
 def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
-    """(batch, query head) pairs to check, spread evenly over the flattened batch*heads index."""
-    total = problem.batch * problem.heads_q
+    """(batch, query head) pairs to check, spread evenly over the flattened batch*heads index.
+
+    Varlen problems: (0, head) pairs, each head over every sequence of the packed batch (the budget
+    counts all of them), spread over the query heads."""
+    total = problem.heads_q if problem.varlen else problem.batch * problem.heads_q
     if requested == 0:
         n = total
     elif requested > 0:
         n = min(requested, total)
     else:
-        per_pair = (
-            4.0
-            * problem.head_dim
-            * visible_pairs(problem.seq_q, problem.seq_k, problem.causal, problem.window)
-        )
+        per_pair = 4.0 * problem.head_dim * max(1, _visible_pairs_per_head(problem))
         n = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
     flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
     return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
@@ -280,7 +328,35 @@ class Reference:
     seconds: float
 
 
+def _attention_float64_masked(problem: Problem, q, k, v) -> np.ndarray:
+    """One head in float64 (q [Sq, D], k and v [Sk, D]) under the problem's mask."""
+    if problem.window is None:
+        return attention_float64(q, k, v, problem.softmax_scale, problem.causal)
+    return attention_float64_window(q, k, v, problem.softmax_scale, problem.mask)
+
+
+def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) -> Reference:
+    """float64 attention of a packed batch (q [total_q, Hq, D], k and v [total_k, Hkv, D]) on a few
+    query heads (`reference_pairs`), every sequence on its own with the mask bottom-right per sequence;
+    out [heads, total_q, D], compared with the output seen as [1, total_q, Hq, D]."""
+    start = time.perf_counter()
+    heads = np.array([h for _, h in reference_pairs(problem, requested_pairs)])
+    group = problem.heads_q // problem.heads_kv
+    qs = take_pairs(q[None], np.zeros_like(heads), heads)  # [P, total_q, D]
+    ks = take_pairs(k[None], np.zeros_like(heads), heads // group)
+    vs = take_pairs(v[None], np.zeros_like(heads), heads // group)
+    cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
+    out = np.zeros(qs.shape, np.float64)
+    for s in range(problem.batch):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        for i in range(len(heads)):
+            out[i, rows] = _attention_float64_masked(problem, qs[i, rows], ks[i, keys], vs[i, keys])
+    return Reference(np.zeros_like(heads), heads, out, time.perf_counter() - start)
+
+
 def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Reference:
+    if problem.varlen:
+        return compute_varlen_reference(problem, q, k, v, requested_pairs)
     start = time.perf_counter()
     pairs = reference_pairs(problem, requested_pairs)
     batches = np.array([b for b, _ in pairs])
@@ -304,7 +380,10 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
 
 
 def relative_error(out, ref: Reference) -> dict[str, float]:
-    """Relative L2 error and max abs error of out (JAX or NumPy [B, Sq, Hq, D]) on the checked pairs."""
+    """Relative L2 error and max abs error of out (JAX or NumPy [B, Sq, Hq, D], or packed
+    [total_q, Hq, D], seen as one batch row) on the checked pairs."""
+    if out.ndim == 3:
+        out = out[None]
     got = take_pairs(out, ref.batches, ref.heads)
     diff = got - ref.out
     ref_norm = float(np.linalg.norm(ref.out))
@@ -519,6 +598,8 @@ def measure_peer(
         "causal": problem.causal,
         # The (left, right) window of the mask, causal folded in (right 0 under --causal); None: no --window.
         "window": None if problem.window is None else list(problem.mask),
+        # --varlen: [[len_q, len_k], ...] per packed sequence (batch: their number; seq_q/k: the longest).
+        "varlen": None if problem.seqlens is None else [list(p) for p in problem.seqlens],
         "dtype": problem.dtype,
         "compute_dtype": compute_dtype,
         "flops": problem.flops,
@@ -631,8 +712,15 @@ def _fmt_tflops(value: float | None) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _varlen_totals(r: dict[str, Any]) -> tuple[int, int]:
+    return sum(q for q, _ in r["varlen"]), sum(k for _, k in r["varlen"])
+
+
 def _shape_cells(r: dict[str, Any]) -> list[str]:
     seq = str(r["seq_q"]) if r["seq_q"] == r["seq_k"] else f"{r['seq_q']}/{r['seq_k']}"
+    if r.get("varlen"):  # B: the sequences; S: the packed tokens
+        total_q, total_k = _varlen_totals(r)
+        seq = f"varlen {total_q}" if total_q == total_k else f"varlen {total_q}/{total_k}"
     heads = str(r["heads_q"]) if r["heads_q"] == r["heads_kv"] else f"{r['heads_q']}/{r['heads_kv']}"
     mask = "yes" if r["causal"] else "no"
     if r.get("window") is not None:  # the window with causal folded in, one word: "win(1024,0)"
@@ -722,7 +810,7 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
             f"{env.get('date', '')} {header_line(env)}; {config['dtype']}, head dim {config['head_dim']}, "
             f"{_heads_text(config)}, {_mask_text(config)}; "
             f"median {' / '.join(_TIMING_TEXT.get(s, s) for s in source) or 'n/a'}, "
-            f"{_flops_text(config)}; inputs: {', '.join(kinds)}."
+            f"{_flops_text(config)}; inputs: {', '.join(kinds)}{_varlen_text(config)}."
         ),
     ]
     for kind in kinds:
@@ -768,6 +856,8 @@ def _clock_text(r: dict[str, Any]) -> str:
 
 
 def _label(r: dict[str, Any]) -> str:
+    if r.get("varlen"):
+        return peers.varlen_label(r["varlen"])
     seq = str(r["seq_q"]) if r["seq_q"] == r["seq_k"] else f"{r['seq_q']}x{r['seq_k']}"
     return f"{r['batch']}x{seq}"
 
@@ -789,6 +879,15 @@ def _mask_text(config: dict[str, Any]) -> str:
     return f"{text}, {window_text(_validation.mask_window(config['causal'], window))} (left, right)"
 
 
+def _varlen_text(config: dict[str, Any]) -> str:
+    """'; varlen (packed, ...) lengths 8192,4096,512:1024' for --varlen runs, else ''."""
+    seqlens = config.get("varlen")
+    if not seqlens:
+        return ""
+    items = ",".join(str(q) if q == k else f"{q}:{k}" for q, k in seqlens)
+    return f"; varlen (packed, mask per sequence; FLOPs summed per sequence) lengths {items}"
+
+
 def _flops_text(config: dict[str, Any]) -> str:
     if _config_window(config) is not None:
         return "FLOPs 4 * D per visible (query, key) pair"
@@ -801,8 +900,11 @@ def _heads_text(config: dict[str, Any]) -> str:
 
 
 def progress_line(r: dict[str, Any]) -> str:
+    shape = f"B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']}"
+    if r.get("varlen"):
+        shape = f"{peers.varlen_label(r['varlen'])} (max Sq={r['seq_q']} Sk={r['seq_k']})"
     head = (
-        f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']} "
+        f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} {shape} "
         f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
         f"{' causal' if r['causal'] else ''}"
         f"{'' if r.get('window') is None else ' ' + window_text(r['window'])}"
@@ -900,6 +1002,7 @@ def resolve_config() -> dict[str, Any]:
         smoke = jax.default_backend() != "gpu"
     names = [
         "shapes",
+        "varlen",
         "heads",
         "kv_heads",
         "head_dim",
@@ -926,11 +1029,20 @@ def resolve_config() -> dict[str, Any]:
     config = {name: FLAGS[name].value for name in names}
     window = parse_window(config["window"])  # ValueError naming --window, before any work
     config["window"] = None if window is None else list(window)
+    if FLAGS["varlen"].present and FLAGS["shapes"].present:
+        raise ValueError(
+            "--varlen and --shapes were both given: --varlen replaces --shapes (one packed batch of "
+            "those sequence lengths); give one of them"
+        )
+    seqlens = parse_varlen(config["varlen"])  # ValueError naming --varlen, before any work
+    config["varlen"] = None if seqlens is None else [list(p) for p in seqlens]
     if smoke:
         for name, value in _SMOKE_OVERRIDES.items():
             if not FLAGS[name].present:
                 config[name] = value
     config["smoke"] = smoke
+    if config["varlen"] is not None:
+        config["shapes"] = None  # replaced by the packed batch
     return config
 
 
@@ -954,7 +1066,6 @@ def resolve_inputs(text: str) -> list[str]:
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
     """Runs the benchmark described by config (see resolve_config) and returns the report."""
-    shapes = parse_shapes(config["shapes"])
     window = _config_window(config)
     impl_names = resolve_impls(config["impls"], config["dtype"])
     kinds = resolve_inputs(config["inputs"])
@@ -962,6 +1073,13 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     heads_kv = config["kv_heads"] or heads_q
     if heads_q % heads_kv:
         raise ValueError(f"--heads ({heads_q}) must be a multiple of --kv_heads ({heads_kv})")
+    dims = (heads_q, heads_kv, config["head_dim"], config["causal"], config["dtype"], window)
+    if config.get("varlen"):
+        problems = [Problem.packed(config["varlen"], *dims)]
+    else:
+        problems = [
+            Problem(batch, seq_q, seq_k, *dims) for batch, seq_q, seq_k in parse_shapes(config["shapes"])
+        ]
 
     env = collect_env()
     _log(header_line(env))
@@ -992,34 +1110,28 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    total = len(kinds) * len(shapes) * len(impl_names)
+    total = len(kinds) * len(problems) * len(impl_names)
     done = 0
     try:
         for kind in kinds:
-            for batch, seq_q, seq_k in shapes:
-                problem = Problem(
-                    batch,
-                    seq_q,
-                    seq_k,
-                    heads_q,
-                    heads_kv,
-                    config["head_dim"],
-                    config["causal"],
-                    config["dtype"],
-                    window,
-                )
+            for problem in problems:
                 n_sets = rotation_sets(problem, config["rotate_mb"])
                 try:
                     sets = make_input_sets(problem, kind, n_sets, config["seed"])
                 except realistic_inputs.ModelInputsUnavailable as e:
                     skipped[kind] = str(e)
                     _log(f"{kind} inputs skipped: {e}")
-                    done += len(shapes) * len(impl_names)
+                    done += len(problems) * len(impl_names)
                     break
                 ref = compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, config["ref_pairs"])
+                checked = (
+                    f"{len(ref.heads)} heads x every sequence"
+                    if problem.varlen
+                    else f"{len(ref.batches)} (batch, head) pairs"
+                )
                 _log(
                     f"{kind} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
-                    f"reference on {len(ref.batches)} (batch, head) pairs in {ref.seconds:.1f} s"
+                    f"reference on {checked} in {ref.seconds:.1f} s"
                 )
                 for name in impl_names:
                     done += 1
@@ -1052,12 +1164,19 @@ def _print_tables(results, env, config, markdown: bool) -> None:
         print(format_markdown(results, env, config))
     else:
         window = _config_window(config)
-        print(header_line(env) + ("" if window is None else f"; {_mask_text(config)}"))
+        print(header_line(env) + ("" if window is None else f"; {_mask_text(config)}") + _varlen_text(config))
         print(format_plain(results))
 
 
 def _write_plot(results, env, config, path: str) -> int:
-    """The PNG at path; 0, or 3 (the exit status) where matplotlib is missing."""
+    """The PNG at path; 0, or 3 (the exit status) where matplotlib is missing. --varlen runs: no PNG
+    (the plot is TFLOP/s against sequence length; a packed batch is one point of no single length)."""
+    if config.get("varlen"):
+        _log(
+            f"no plot for --varlen: the plot is TFLOP/s against sequence length, a packed batch has no "
+            f"single length; the tables and --json_out hold its figures ({path} not written)"
+        )
+        return 0
     try:
         points = write_plot(results, env, config, path)
     except PlotUnavailable as e:

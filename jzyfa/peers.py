@@ -6,9 +6,13 @@ Each peer is a small adapter:
   `Unsupported` for what only shows when tracing, such as a missing kernel);
 - `arguments(problem, inputs)`: its arguments for one input set, converted outside the timed call
   (layout changes, FP8 quantization, DLPack hand-off to PyTorch);
-- `decode(raw, args)`: the output as float32 O [B, Sq, Hq, D] (JAX or NumPy) for the error check,
-  outside the timed call;
+- `decode(raw, args)`: the output as float32 O [B, Sq, Hq, D] (JAX or NumPy; packed [total_q, Hq, D]
+  for --varlen problems) for the error check, outside the timed call;
 - `notes`: what it computes in, when that differs from the run's dtype.
+
+Variable-length (packed) problems (`Problem.packed`, --varlen): jzyfa's 16-bit peers call
+`jzyfa.flash_attention_varlen` with (q, k, v, cu_seqlens_q, cu_seqlens_k); every other peer says
+why not ("no varlen: ...").
 
 JAX peers are jitted and timed with CUPTI; PyTorch peers (`framework == "torch"`) get DLPack views
 of the same device buffers and are timed with CUDA events.
@@ -128,6 +132,42 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def parse_varlen(text: str | None) -> list[tuple[int, int]] | None:
+    """'8192,512:1024' -> [(8192, 8192), (512, 1024)]: --varlen's (len_q, len_k) per packed sequence.
+
+    Each item is L (Sq = Sk = L) or Lq:Lk, integers >= 1; None -> None (no --varlen). Raises ValueError
+    naming --varlen for empty items, non-integers, lengths < 1, or no item at all.
+    """
+    if text is None:
+        return None
+    example = "e.g. --varlen 8192,4096,2048,1024 or --varlen 512:1024,256"
+    seqlens = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(
+                f"--varlen: empty item in {text!r}; give comma-separated sequence lengths, {example}"
+            )
+        try:
+            dims = [int(d) for d in item.split(":")]
+        except ValueError:
+            dims = []
+        if len(dims) not in (1, 2) or min(dims) < 1:
+            raise ValueError(
+                f"--varlen: {item!r} in {text!r} is not a sequence length L or Lq:Lk with integers >= 1, {example}"
+            )
+        seqlens.append((dims[0], dims[-1]))
+    return seqlens
+
+
+def varlen_label(seqlens) -> str:
+    """'varlen 8 seqs, 16320 tokens' (or '..., 300/600 tokens' when query and key totals differ)."""
+    total_q = sum(int(q) for q, _ in seqlens)
+    total_k = sum(int(k) for _, k in seqlens)
+    tokens = f"{total_q}" if total_q == total_k else f"{total_q}/{total_k}"
+    return f"varlen {len(seqlens)} seq{'' if len(seqlens) == 1 else 's'}, {tokens} tokens"
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     batch: int
@@ -141,6 +181,47 @@ class Problem:
     # --window: a (left, right) sliding window, combined with causal as jzyfa.flash_attention does
     # (causal sets the right bound to 0); None: none (the mask is causal's or no mask).
     window: _validation.Window | None = None
+    # --varlen: one packed batch, (len_q, len_k) per sequence (`Problem.packed`): q [total_q, Hq, D],
+    # k and v [total_k, Hkv, D] with cu_seqlens; batch is the number of sequences, seq_q and seq_k the
+    # longest ones (max_seqlen_q/k). None: a dense [B, S, H, D] problem.
+    seqlens: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def packed(cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None) -> Problem:
+        seqlens = tuple((int(q), int(k)) for q, k in seqlens)
+        return cls(
+            len(seqlens),
+            max(q for q, _ in seqlens),
+            max(k for _, k in seqlens),
+            heads_q,
+            heads_kv,
+            head_dim,
+            causal,
+            dtype,
+            window,
+            seqlens,
+        )
+
+    @property
+    def varlen(self) -> bool:
+        return self.seqlens is not None
+
+    @property
+    def total_q(self) -> int:
+        return sum(q for q, _ in self.seqlens) if self.varlen else self.batch * self.seq_q
+
+    @property
+    def total_k(self) -> int:
+        return sum(k for _, k in self.seqlens) if self.varlen else self.batch * self.seq_k
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        """int32 [num_seqs + 1] offsets of the packed query tokens (varlen problems)."""
+        return np.concatenate([[0], np.cumsum([q for q, _ in self.seqlens])]).astype(np.int32)
+
+    @property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([k for _, k in self.seqlens])]).astype(np.int32)
 
     @property
     def mask(self) -> _validation.Window:
@@ -174,11 +255,16 @@ class Problem:
         return 1.0 / math.sqrt(self.head_dim)
 
     @property
-    def q_shape(self) -> tuple[int, int, int, int]:
+    def q_shape(self) -> tuple[int, ...]:
+        """[B, Sq, Hq, D], or packed [total_q, Hq, D] for varlen."""
+        if self.varlen:
+            return (self.total_q, self.heads_q, self.head_dim)
         return (self.batch, self.seq_q, self.heads_q, self.head_dim)
 
     @property
-    def kv_shape(self) -> tuple[int, int, int, int]:
+    def kv_shape(self) -> tuple[int, ...]:
+        if self.varlen:
+            return (self.total_k, self.heads_kv, self.head_dim)
         return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
 
     @property
@@ -191,22 +277,34 @@ class Problem:
 
     @property
     def flops(self) -> float:
+        """attention_flops; for varlen the sum over sequences, each its own (bottom-right) problem."""
+        if self.varlen:
+            return sum(
+                attention_flops(1, q, k, self.heads_q, self.head_dim, self.causal, self.window)
+                for q, k in self.seqlens
+            )
         return attention_flops(
             self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim, self.causal, self.window
         )
 
     @property
     def label(self) -> str:
+        if self.varlen:
+            return varlen_label(self.seqlens)
         seq = f"{self.seq_q}" if self.seq_q == self.seq_k else f"{self.seq_q}x{self.seq_k}"
         return f"{self.batch}x{seq}"
 
     def abstract(self, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """Shape-only q, k, v of the given dtype (for tracing without data)."""
-        return (
+        """Shape-only q, k, v of the given dtype (for tracing without data); varlen adds the int32
+        cu_seqlens_q and cu_seqlens_k."""
+        qkv = (
             jax.ShapeDtypeStruct(self.q_shape, dtype),
             jax.ShapeDtypeStruct(self.kv_shape, dtype),
             jax.ShapeDtypeStruct(self.kv_shape, dtype),
         )
+        if not self.varlen:
+            return qkv
+        return qkv + (jax.ShapeDtypeStruct((self.batch + 1,), jnp.int32),) * 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,6 +390,11 @@ def _no_window_reason(problem: Problem, who: str) -> str | None:
     if (window := problem.sliding_window) is not None:
         return f"no sliding window: {who} has none, and this run's mask is the window {window} (left, right)"
     return None
+
+
+def _no_varlen_reason(problem: Problem, why: str) -> str | None:
+    """'no varlen: ...' for a --varlen problem that this peer cannot take, else None."""
+    return f"no varlen: {why}" if problem.varlen else None
 
 
 def lse_from_btn(residual) -> jax.Array:
@@ -385,7 +488,18 @@ class Jzyfa(Peer):
                 f"an FP8-kernel variant (lean_p={self.lean_p}) that runs only with --dtype fp8; this run is "
                 f"{problem.dtype}"
             )
+        if self.precision == "fp8" and problem.varlen:
+            return (
+                "no varlen: jzyfa's FP8 path (kernel and pure-JAX) has no variable-length entry point; "
+                "flash_attention_varlen takes 16-bit inputs (the bf16 jzyfa peer times it)"
+            )
         return None
+
+    def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
+        if problem.varlen and self.precision != "fp8":
+            cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (problem.cu_seqlens_q, problem.cu_seqlens_k))
+            return (inputs.q, inputs.k, inputs.v, cu_q, cu_k)
+        return super().arguments(problem, inputs)
 
     def _call(self, problem: Problem, implementation: str | None) -> Callable:
         import jzyfa
@@ -397,6 +511,13 @@ class Jzyfa(Peer):
         }
         if problem.window is not None:
             kwargs["window"] = problem.window
+        if problem.varlen:  # 16-bit only (supports); max_seqlen_q/k are the longest sequences
+            max_q, max_k = problem.seq_q, problem.seq_k
+
+            def varlen_fn(q, k, v, cu_q, cu_k):
+                return jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+            return varlen_fn
         if self.precision == "fp8":
             lean_p = self.lean_p
 
@@ -486,6 +607,13 @@ class JaxNn(Peer):
         self.description = f'jax.nn.dot_product_attention(implementation="{implementation}")'
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_varlen_reason(
+            problem,
+            "jax.nn.dot_product_attention has no packed (cu_seqlens) API in JAX, only padded batches "
+            "(query_seq_lengths / key_value_seq_lengths; a padded baseline is not run)"
+            + ("; cuDNN's own varlen is not reachable through it" if self.implementation == "cudnn" else ""),
+        ):
+            return reason
         if isinstance(mask := jax_nn_mask(problem, self.implementation), str):
             return mask
         if self.implementation == "cudnn" and (reason := _gpu_reason()):
@@ -565,6 +693,10 @@ class CudnnFp8(Peer):
     notes = "e4m3 q/k/v, per-tensor descales; e4m3 output (scale_o = 1/descale_v), so its error includes the output rounding; no LSE"
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_varlen_reason(
+            problem, "JAX's cuDNN FP8 attention takes dense [B, S, H, D] batches only"
+        ):
+            return reason
         if reason := _no_window_reason(problem, "JAX's cuDNN FP8 attention"):
             return reason
         if reason := _gpu_reason():
@@ -607,6 +739,10 @@ class Pallas(Peer):
     block_q, block_kv = 64, 128
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_varlen_reason(
+            problem, "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
+        ):
+            return reason
         if reason := _no_window_reason(problem, "Pallas attention_mgpu"):
             return reason
         if reason := _gpu_reason():
@@ -676,6 +812,10 @@ class TorchSdpa(Peer):
         self.notes = "layout [B, H, S, D] made contiguous outside the timed call"
 
     def supports(self, problem: Problem) -> str | None:
+        if reason := _no_varlen_reason(
+            problem, "PyTorch SDPA takes dense [B, H, S, D] batches (nested tensors are not wired here)"
+        ):
+            return reason
         if reason := _no_window_reason(problem, "PyTorch SDPA (without an explicit mask)"):
             return reason
         if reason := _torch_reason():
@@ -718,6 +858,14 @@ class FlashAttn(Peer):
             self.notes = "e4m3 q/k/v with [B, Hkv] descales (the per-tensor ones broadcast); bf16 output"
 
     def supports(self, problem: Problem) -> str | None:
+        # flash_attn_varlen_func exists (FA2 and FA3) but is not wired here: it could not be tested
+        # (no PyTorch on the CPU machine), and an untested peer is not timed.
+        if reason := _no_varlen_reason(
+            problem,
+            f"{self.module}.flash_attn_varlen_func exists but this peer does not call it yet (not wired: "
+            "untested without PyTorch)",
+        ):
+            return reason
         # flash_attn_func has a window_size, not passed here yet (not measured): a sliding window is refused.
         if reason := _no_window_reason(problem, f"the {self.name} peer"):
             return reason
