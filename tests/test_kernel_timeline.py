@@ -46,6 +46,20 @@ def test_summary_recovers_the_phases(timeline):
     assert "softmax" in text and "528 per consumer" in text
 
 
+def test_summary_shows_skewed_phases(timeline):
+    # A wait that is 10 cycles in 9 blocks of 10 and 1000 in the tenth: the median hides it, the mean
+    # and the 90th percentile show it.
+    stamps = synthetic(timeline, [10, 20, 300, 40, 500, 10, 70], iterations=100)
+    for i in range(9, 100, 10):
+        stamps[:2, :, i, 6:] += np.uint64(990)  # P V lands 990 cycles later in every tenth block
+    summary = timeline.summarize(stamps)
+    name = timeline.PHASES[5]  # "wait for P V"
+    assert summary["phases"][name] == 10
+    assert summary["means"][name] == pytest.approx(109)
+    assert 10 <= summary["p90"][name] <= 1000
+    assert "mean" in timeline.format_summary(summary, "bf16")
+
+
 def test_summary_without_iterations_says_so(timeline):
     empty = np.zeros((timeline.CTAS, timeline.CONSUMERS, timeline.ITERATIONS, timeline.EVENTS), np.uint64)
     with pytest.raises(ValueError, match="no complete iterations"):

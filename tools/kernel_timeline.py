@@ -42,7 +42,8 @@ def tensor_cycles_per_block(dtype: str, head_dim: int = 128, rows: int = 64, key
 
 
 def summarize(stamps: np.ndarray) -> dict:
-    """Median cycles per phase over the recorded iterations of every (CTA, consumer).
+    """Median, mean and 90th percentile of the cycles per phase over the recorded iterations of every
+    (CTA, consumer).
 
     stamps: uint64 [CTAS, CONSUMERS, ITERATIONS, EVENTS]; rows of zeros were not recorded. The period
     is start-to-start of consecutive iterations of one consumer inside a tile (gaps longer than 4x
@@ -65,9 +66,13 @@ def summarize(stamps: np.ndarray) -> dict:
     periods_arr = np.asarray(periods, np.float64)
     typical = float(np.median(periods_arr))
     in_tile = periods_arr[periods_arr <= 4 * typical]
+    # Medians hide skewed phases (a wait that is short in most blocks and long in a few): the mean
+    # and the 90th percentile say how much time a phase really takes.
     return {
         "iterations": len(phases[0]),
         "phases": {name: float(np.median(v)) for name, v in zip(PHASES, phases)},
+        "means": {name: float(np.mean(v)) for name, v in zip(PHASES, phases)},
+        "p90": {name: float(np.percentile(v, 90)) for name, v in zip(PHASES, phases)},
         "period": float(np.median(in_tile)),
         "tile_gaps": int(np.sum(periods_arr > 4 * typical)),
     }
@@ -76,10 +81,14 @@ def summarize(stamps: np.ndarray) -> dict:
 def format_summary(summary: dict, dtype: str) -> str:
     tensor = tensor_cycles_per_block(dtype)
     lines = [
-        f"{summary['iterations']} iterations recorded; median cycles per phase (one consumer, one key block):",
+        f"{summary['iterations']} iterations recorded; cycles per phase (one consumer, one key block):",
+        f"  {'phase':34s} {'median':>8s} {'mean':>8s} {'p90':>8s}",
     ]
-    lines += [f"  {name:34s} {cycles:8.0f}" for name, cycles in summary["phases"].items()]
-    lines.append(f"  {'period (start to start)':34s} {summary['period']:8.0f}")
+    lines += [
+        f"  {name:34s} {cycles:8.0f} {summary['means'][name]:8.0f} {summary['p90'][name]:8.0f}"
+        for name, cycles in summary["phases"].items()
+    ]
+    lines.append(f"  {'period (start to start), median':34s} {summary['period']:8.0f}")
     lines.append(
         f"tensor-core cycles per block: {tensor:.0f} per consumer, {2 * tensor:.0f} for both; "
         f"tensor busy ~{min(1.0, 2 * tensor / summary['period']):.0%} of the period"
