@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 from attention_oracle import naive_attention_f64, random_qkv
+from bench_flags import resolve_config
 
 import jzyfa
 from jzyfa import _timing, api, bench, peers
@@ -242,7 +242,7 @@ class FakeEvent:
 
 
 class FakeTorch:
-    class cuda:  # noqa: N801 - mirrors torch.cuda
+    class cuda:
         Event = FakeEvent
         syncs = 0
 
@@ -706,18 +706,11 @@ def test_model_inputs_are_reported_unavailable(tmp_path):
     assert "no installable package ships a causal language model" in proc.stderr
 
 
-def _resolve(argv):
-    try:
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["bench", *argv])
-        return bench.resolve_config()
-    finally:
-        flags.FLAGS.unparse_flags()
 
 
 def test_nocausal_run_in_process():
     """Flags parsed as the command does; the report of a non-causal f16 run."""
-    config = _resolve(["--smoke", "--nocausal", "--dtype", "f16", "--shapes", "1x64", "--inputs", "gaussian",
+    config = resolve_config(["--smoke", "--nocausal", "--dtype", "f16", "--shapes", "1x64", "--inputs", "gaussian",
                        "--impls", "jzyfa,jzyfa_xla", "--iters", "2", "--min_time_s", "0"])  # fmt: skip
     assert config["heads"] == 4 and config["max_rel_err"] is None  # smoke default; per-peer thresholds
     report = bench.run(config)
@@ -728,7 +721,7 @@ def test_nocausal_run_in_process():
 
 
 def test_fp8_run_in_process():
-    config = _resolve(["--smoke", "--dtype", "fp8", "--shapes", "1x128", "--inputs", "activations",
+    config = resolve_config(["--smoke", "--dtype", "fp8", "--shapes", "1x128", "--inputs", "activations",
                        "--iters", "2"])  # fmt: skip
     report = bench.run(config)
     by_peer = {r["peer"]: r for r in report["results"]}
@@ -768,7 +761,7 @@ def test_board_power_reaches_json_and_tables(monkeypatch, watts):
     """The median board power of the timed loop goes into each result, the JSON, both tables and
     the progress line; a reader without power gives None, shown as n/a."""
     monkeypatch.setattr(_timing, "open_clock_reader", lambda device=None: PowerClock(watts))
-    config = _resolve(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa_xla,cudnn",
+    config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa_xla,cudnn",
                        "--iters", "2", "--min_time_s", "0"])  # fmt: skip
     report = json.loads(json.dumps(bench._json_safe(bench.run(config)), allow_nan=False))  # as main writes it
     timed, other = report["results"]

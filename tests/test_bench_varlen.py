@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 from attention_oracle import naive_varlen_f64
+from bench_flags import resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers, realistic_inputs
@@ -65,31 +65,24 @@ def test_parse_varlen_empty_items(bad):
         bench.parse_varlen(bad)
 
 
-def _resolve(argv):
-    try:
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["bench", *argv])
-        return bench.resolve_config()
-    finally:
-        flags.FLAGS.unparse_flags()
 
 
 def test_config_holds_the_lengths():
-    config = _resolve(["--smoke", "--varlen", "200,64:32,1"])
+    config = resolve_config(["--smoke", "--varlen", "200,64:32,1"])
     assert config["varlen"] == [[200, 200], [64, 32], [1, 1]] and config["shapes"] is None
-    config = _resolve(["--smoke"])
+    config = resolve_config(["--smoke"])
     assert config["varlen"] is None and config["shapes"] == bench.SMOKE_SHAPES
     with pytest.raises(ValueError, match="--varlen: '0' in '0,5'"):
-        _resolve(["--smoke", "--varlen", "0,5"])
+        resolve_config(["--smoke", "--varlen", "0,5"])
     with pytest.raises(ValueError, match="--varlen: empty item"):
-        _resolve(["--smoke", "--varlen", ""])
+        resolve_config(["--smoke", "--varlen", ""])
 
 
 def test_varlen_and_shapes_together_are_refused():
     with pytest.raises(ValueError, match="--varlen and --shapes were both given"):
-        _resolve(["--varlen", "64,32", "--shapes", "1x64"])
+        resolve_config(["--varlen", "64,32", "--shapes", "1x64"])
     # The smoke mode's --shapes is no explicit flag: --varlen alone is fine there.
-    assert _resolve(["--smoke", "--varlen", "64"])["varlen"] == [[64, 64]]
+    assert resolve_config(["--smoke", "--varlen", "64"])["varlen"] == [[64, 64]]
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from absl import flags
 from attention_oracle import naive_attention_f64, random_qkv, visible_f64
+from bench_flags import resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers
@@ -89,20 +89,13 @@ def test_parse_window_errors_name_the_flag(bad):
         bench.parse_window(bad)
 
 
-def _resolve(argv):
-    try:
-        flags.FLAGS.unparse_flags()
-        flags.FLAGS(["bench", *argv])
-        return bench.resolve_config()
-    finally:
-        flags.FLAGS.unparse_flags()
 
 
 def test_config_holds_the_window():
-    assert _resolve(["--smoke", "--window", "64,0"])["window"] == [64, 0]
-    assert _resolve(["--smoke"])["window"] is None
+    assert resolve_config(["--smoke", "--window", "64,0"])["window"] == [64, 0]
+    assert resolve_config(["--smoke"])["window"] is None
     with pytest.raises(ValueError, match="--window"):
-        _resolve(["--smoke", "--window", "64"])
+        resolve_config(["--smoke", "--window", "64"])
 
 
 def test_bad_window_fails_before_any_work():
