@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
-from bench_flags import resolve_config
+from bench_helpers import record_flash_attention, resolve_config
 
 import jzyfa
 from jzyfa import _timing, api, bench, peers
@@ -428,14 +428,7 @@ def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, 
 def test_fp8_peers_pass_lean_p(monkeypatch):
     """jzyfa_fp8 passes lean_p=True, jzyfa_fp8_exact_p lean_p=False; 16-bit jzyfa passes none. Off
     GPU both FP8 peers build jzyfa's default (pure-JAX FP8) path, as jzyfa does."""
-    calls = []
-
-    def recorder(q, k, v, **kwargs):
-        calls.append(kwargs)
-        return jnp.zeros(q.shape, jnp.bfloat16)
-
-    monkeypatch.setattr(peers, "_on_gpu", lambda: False)
-    monkeypatch.setattr(jzyfa, "flash_attention", recorder)
+    calls = record_flash_attention(monkeypatch)
     problem = bench.Problem(1, 32, 32, 2, 2, 16, True, "fp8")
     inputs = bench.make_input_sets(problem, "gaussian", 1, seed=0)[0]
     for name, expected in [("jzyfa_fp8", True), ("jzyfa_fp8_exact_p", False), ("jzyfa", None)]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_varlen_f64
-from bench_flags import resolve_config
+from bench_helpers import resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers, realistic_inputs

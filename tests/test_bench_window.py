@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv, visible_f64
-from bench_flags import resolve_config
+from bench_helpers import record_flash_attention, resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers
@@ -227,14 +227,7 @@ def test_jax_nn_windows():
 
 
 def test_jzyfa_peers_pass_the_window(monkeypatch):
-    calls = []
-
-    def recorder(q, k, v, **kwargs):
-        calls.append(kwargs)
-        return jnp.zeros(q.shape, jnp.bfloat16)
-
-    monkeypatch.setattr(peers, "_on_gpu", lambda: False)
-    monkeypatch.setattr(jzyfa, "flash_attention", recorder)
+    calls = record_flash_attention(monkeypatch)
     for dtype, names in [("bf16", ["jzyfa", "jzyfa_xla"]), ("fp8", ["jzyfa_fp8", "jzyfa_fp8_xla"])]:
         problem = bench.Problem(1, 32, 32, 2, 2, 16, True, dtype, (4, 4))
         inputs = bench.make_input_sets(problem, "gaussian", 1, seed=0)[0]

@@ -1,0 +1,34 @@
+"""Helpers of the bench tests: the flags parsed as `python -m jzyfa.bench` parses them, and a recorder
+standing in for jzyfa's entry points."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from absl import flags
+
+import jzyfa
+from jzyfa import bench, peers
+
+
+def resolve_config(argv: list[str]) -> dict:
+    """bench.resolve_config() after parsing argv (without the program name); flags reset afterwards."""
+    try:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["bench", *argv])
+        return bench.resolve_config()
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+def record_flash_attention(monkeypatch) -> list[dict]:
+    """Off GPU, jzyfa.flash_attention replaced by a recorder of its keyword arguments (returning bf16
+    zeros): the list of the calls' kwargs, filled as the peers' built functions run."""
+    calls: list[dict] = []
+
+    def recorder(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return jnp.zeros(q.shape, jnp.bfloat16)
+
+    monkeypatch.setattr(peers, "_on_gpu", lambda: False)
+    monkeypatch.setattr(jzyfa, "flash_attention", recorder)
+    return calls
