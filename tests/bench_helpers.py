@@ -32,3 +32,17 @@ def record_flash_attention(monkeypatch) -> list[dict]:
     monkeypatch.setattr(peers, "_on_gpu", lambda: False)
     monkeypatch.setattr(jzyfa, "flash_attention", recorder)
     return calls
+
+
+def quick_options(allow_xla_fallback: bool = False) -> bench.Options:
+    """Timing options for tests: two samples, no warm-up, no CUPTI."""
+    return bench.Options(
+        iters=2,
+        min_time_s=0,
+        warmup_s=0,
+        wall_rounds=1,
+        cupti=False,
+        cupti_mem_mb=1,
+        max_rel_err=None,
+        peer_options=peers.Options(allow_xla_fallback=allow_xla_fallback),
+    )

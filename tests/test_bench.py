@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
-from bench_helpers import record_flash_attention, resolve_config
+from bench_helpers import quick_options, record_flash_attention, resolve_config
 
 import jzyfa
 from jzyfa import _timing, api, bench, peers
@@ -397,16 +397,7 @@ def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, 
     problem = bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8")
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)
     ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
-    opts = bench.Options(
-        iters=2,
-        min_time_s=0,
-        warmup_s=0,
-        wall_rounds=1,
-        cupti=False,
-        cupti_mem_mb=1,
-        max_rel_err=None,
-        peer_options=peers.Options(allow_xla_fallback=allow),
-    )
+    opts = quick_options(allow)
     r = bench.measure_peer(peers.PEERS["jzyfa_fp8"], problem, sets, ref, opts, _timing.ClockMonitor(None))
     if allow:
         assert r["status"] == "ok" and r["impl"] == "jzyfa_fp8[xla-fallback]" and r["path"] == "xla-fallback"

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_varlen_f64
-from bench_helpers import resolve_config
+from bench_helpers import quick_options, resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers, realistic_inputs
@@ -63,8 +63,6 @@ def test_parse_varlen_errors_name_the_flag(bad):
 def test_parse_varlen_empty_items(bad):
     with pytest.raises(ValueError, match="--varlen: empty item"):
         bench.parse_varlen(bad)
-
-
 
 
 def test_config_holds_the_lengths():
@@ -246,20 +244,15 @@ def test_jzyfa_peers_call_flash_attention_varlen(monkeypatch):
         assert kwargs["implementation"] == implementation
 
 
-def _opts(allow=False):
-    return bench.Options(
-        iters=2, min_time_s=0, warmup_s=0, wall_rounds=1, cupti=False, cupti_mem_mb=1, max_rel_err=None,
-        peer_options=peers.Options(allow_xla_fallback=allow),
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("causal,window", [(True, None), (False, (3, 2))])
 def test_jzyfa_varlen_matches_the_reference(causal, window):
     problem = _packed([(70, 70), (9, 30), (1, 1)], causal, window, heads_q=2, heads_kv=1, head_dim=32)
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=1)
     ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
     for name in VARLEN_PEERS:
-        r = bench.measure_peer(peers.PEERS[name], problem, sets, ref, _opts(), _timing.ClockMonitor(None))
+        r = bench.measure_peer(
+            peers.PEERS[name], problem, sets, ref, quick_options(), _timing.ClockMonitor(None)
+        )
         assert r["status"] == "ok" and r["rel_err"] < 1e-2, (name, r)
         assert r["varlen"] == [[70, 70], [9, 30], [1, 1]] and (r["batch"], r["seq_q"], r["seq_k"]) == (
             3,
@@ -267,7 +260,9 @@ def test_jzyfa_varlen_matches_the_reference(causal, window):
             70,
         )
         assert r["flops"] == problem.flops
-    r = bench.measure_peer(peers.PEERS["xla"], problem, sets, ref, _opts(), _timing.ClockMonitor(None))
+    r = bench.measure_peer(
+        peers.PEERS["xla"], problem, sets, ref, quick_options(), _timing.ClockMonitor(None)
+    )
     assert r["status"] == "unsupported" and r["message"].startswith("no varlen")
 
 
@@ -281,9 +276,9 @@ def test_jzyfa_varlen_on_a_gpu_traces_the_kernel(monkeypatch, cpu_backend):
     sets = bench.make_input_sets(wide, "gaussian", 2, seed=0)
     ref = bench.compute_reference(wide, sets[0].q, sets[0].k, sets[0].v, 0)
     peer = peers.PEERS["jzyfa"]
-    r = bench.measure_peer(peer, wide, sets, ref, _opts(False), _timing.ClockMonitor(None))
+    r = bench.measure_peer(peer, wide, sets, ref, quick_options(False), _timing.ClockMonitor(None))
     assert r["status"] == "error" and "kernel" in r["message"], r
-    r = bench.measure_peer(peer, wide, sets, ref, _opts(True), _timing.ClockMonitor(None))
+    r = bench.measure_peer(peer, wide, sets, ref, quick_options(True), _timing.ClockMonitor(None))
     assert r["status"] == "ok" and r["impl"] == "jzyfa[xla-fallback]" and r["rel_err"] < 1e-2, r
 
 

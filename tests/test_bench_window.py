@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv, visible_f64
-from bench_helpers import record_flash_attention, resolve_config
+from bench_helpers import quick_options, record_flash_attention, resolve_config
 
 import jzyfa
 from jzyfa import _timing, bench, peers
@@ -87,8 +87,6 @@ def test_parse_window(text, expected):
 def test_parse_window_errors_name_the_flag(bad):
     with pytest.raises(ValueError, match="--window: .* two integers >= -1"):
         bench.parse_window(bad)
-
-
 
 
 def test_config_holds_the_window():
@@ -242,19 +240,6 @@ def test_jzyfa_peers_pass_the_window(monkeypatch):
     assert "window" not in calls.pop()  # without --window, the call is unchanged
 
 
-def _opts(allow=False):
-    return bench.Options(
-        iters=2,
-        min_time_s=0,
-        warmup_s=0,
-        wall_rounds=1,
-        cupti=False,
-        cupti_mem_mb=1,
-        max_rel_err=None,
-        peer_options=peers.Options(allow_xla_fallback=allow),
-    )
-
-
 @pytest.mark.parametrize("allow", [False, True])
 def test_fp8_window_has_no_kernel(monkeypatch, cpu_backend, allow):
     """On a GPU (faked) the FP8 kernel has no sliding window: unsupported, or with --allow_xla_fallback
@@ -264,7 +249,7 @@ def test_fp8_window_has_no_kernel(monkeypatch, cpu_backend, allow):
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)
     ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
     r = bench.measure_peer(
-        peers.PEERS["jzyfa_fp8"], problem, sets, ref, _opts(allow), _timing.ClockMonitor(None)
+        peers.PEERS["jzyfa_fp8"], problem, sets, ref, quick_options(allow), _timing.ClockMonitor(None)
     )
     if allow:
         assert r["status"] == "ok" and r["impl"] == "jzyfa_fp8[xla-fallback]" and r["rel_err"] < 0.15, r
@@ -281,7 +266,9 @@ def test_xla_and_jzyfa_windows_match_the_reference():
         sets = bench.make_input_sets(problem, "gaussian", 2, seed=1)
         ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
         for name in ["xla", "jzyfa"]:
-            r = bench.measure_peer(peers.PEERS[name], problem, sets, ref, _opts(), _timing.ClockMonitor(None))
+            r = bench.measure_peer(
+                peers.PEERS[name], problem, sets, ref, quick_options(), _timing.ClockMonitor(None)
+            )
             assert r["status"] == "ok" and r["rel_err"] < 1e-2, (name, window, r)
 
 
