@@ -7,7 +7,9 @@ P~ = 2^(t - r) (t the score in log2 units), per-block scaling by moving r down f
 below the row maximum, lean P (the e4m3 code from one FFMA), and the row sum taken over exactly the
 rounded probabilities. The switches turn each ingredient off for ablations; with block scaling and
 rounded sums off it is the FA3-style scheme (a fixed 2^8 offset from the running maximum, sum of the
-unrounded probabilities).
+unrounded probabilities). Masks: causal or a sliding window (left, right), bottom-right aligned; a
+block with no visible key for a row leaves that row's state as it was, as in a windowed kernel that
+skips the blocks outside its tile's windows.
 
 What is bit-exact: the integer reference exponents and, given the float32 scores, every lean-P code
 (the kernel's two-FFMA form differs by one code within 2^-17 of a half-integer: docs/fp8.md 10.7).
@@ -169,8 +171,9 @@ def _block_probabilities(s, r, row_scale, options: Fp8Options):
     return rounded, exact
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "options", "out_dtype"))
-def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_scale, options, out_dtype):
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "options", "out_dtype"))
+def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_scale, options, out_dtype):
+    """window: the mask as (left, right), -1 unbounded (`_validation.mask_window`: causal is (-1, 0))."""
     batch, seq_q, heads_q, head_dim = q8.shape
     seq_k, heads_kv, value_dim = k8.shape[1], k8.shape[2], v8.shape[3]  # value_dim: v's (MLA)
     group = heads_q // heads_kv
@@ -187,15 +190,23 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, causal, softmax_sca
         return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, x.shape[-1]), (1, 0, 3, 2, 4))
 
     row_scale = scale_log2(softmax_scale, _per_kv_head(descale_q), _per_kv_head(descale_k))
-    rows = jnp.arange(seq_q)[:, None]
+    positions = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)  # bottom-right aligned
+    left, right = window
 
     def step(carry, block):
         r, running_max, row_sum, o = carry
         index, k_block, v_block = block
         keys = index * block_n + jnp.arange(block_n)[None, :]
+        # Every row visits every block in increasing order. A block with no visible key for a row
+        # (outside its window, or past the keys) is a no-op for it: block_max = -inf keeps r and the
+        # running maximum, alpha = 1 and P~ = 0 leave l and O exactly as they were. So the result
+        # and the trace equal those of a kernel that visits only the blocks a 128-row tile's
+        # windows reach (WindowBlocks: from first_block, aligned to multiples of 128 keys).
         visible = keys < seq_k
-        if causal:
-            visible &= keys <= rows + (seq_k - seq_q)
+        if left >= 0:
+            visible &= keys >= positions - left
+        if right >= 0:
+            visible &= keys <= positions + right
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qf, k_block, precision=_HIGHEST)
         s = jnp.where(visible, s, -jnp.inf)
         # max commutes with the positive scale: one FMUL per row, as the kernel does it.
@@ -243,15 +254,21 @@ def trace_attention_fp8_emulated(
     descale_v: jax.Array,
     *,
     causal: bool,
+    window: tuple[int, int] | None = None,
     softmax_scale: float | None = None,
     out_dtype=jnp.bfloat16,
     **options,
 ) -> Fp8AttentionTrace:
-    """`attention_fp8_emulated`, also returning the reference exponents and rescale events."""
+    """`attention_fp8_emulated`, also returning the reference exponents and rescale events.
+
+    The trace has one entry per key block for every row, also for blocks the row's window does not
+    reach (r unchanged there, rescaled False).
+    """
     _validation.check_qkv(q8, k8, v8)
     if not _validation.is_fp8(q8.dtype):
         raise TypeError(f"q8, k8 and v8 must be float8_e4m3fn, got {q8.dtype}")
     _validation.check_causal(causal)
+    window = _validation.mask_window(bool(causal), _validation.check_window(window))
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q8.shape[-1])
     if softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
@@ -261,7 +278,7 @@ def trace_attention_fp8_emulated(
         k8,
         v8,
         *descales,
-        causal=bool(causal),
+        window=window,
         softmax_scale=softmax_scale,
         options=Fp8Options(**options),
         out_dtype=jnp.dtype(out_dtype),
@@ -277,6 +294,7 @@ def attention_fp8_emulated(
     descale_v: jax.Array,
     *,
     causal: bool,
+    window: tuple[int, int] | None = None,
     softmax_scale: float | None = None,
     block_n: int = BLOCK_N,
     lean_p: bool = True,
@@ -295,6 +313,11 @@ def attention_fp8_emulated(
       descale_q, descale_k, descale_v: float32, shape (), (1,) or [B, Hkv]; the values used are
         x8 * descale, as `flash_attention` takes them.
       causal: bottom-right aligned mask (query i sees key j iff j <= i + Sk - Sq).
+      window: None or a static (left, right): query i, at p = i + Sk - Sq, sees keys p - left ..
+        p + right (-1: unbounded); with causal=True the right bound becomes 0 (flash_attention's
+        convention, `_validation.mask_window`). Masked scores are -inf; blocks stay aligned to
+        multiples of block_n keys, and a block with no visible key for a row leaves its r, l and O
+        unchanged, as in a windowed kernel that visits only the blocks its tile's windows reach.
       softmax_scale: static, positive; default 1 / sqrt(D).
       block_n: keys per block (the kernel's is 128); blocks are visited in increasing key order.
       lean_p: the e4m3 code of each probability from one FFMA (piecewise-linear 2^x); False rounds
@@ -327,6 +350,7 @@ def attention_fp8_emulated(
         descale_k,
         descale_v,
         causal=causal,
+        window=window,
         softmax_scale=softmax_scale,
         out_dtype=out_dtype,
         block_n=block_n,
