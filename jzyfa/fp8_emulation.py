@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jzyfa import _validation, e4m3_codes
+from jzyfa import _validation, e4m3_codes, reference
 from jzyfa.quantize import FP8_MAX
 
 BLOCK_N = 128
@@ -191,7 +191,6 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_sca
 
     row_scale = scale_log2(softmax_scale, _per_kv_head(descale_q), _per_kv_head(descale_k))
     positions = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)  # bottom-right aligned
-    left, right = window
 
     def step(carry, block):
         r, running_max, row_sum, o = carry
@@ -202,11 +201,7 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_sca
         # running maximum, alpha = 1 and P~ = 0 leave l and O exactly as they were. So the result
         # and the trace equal those of a kernel that visits only the blocks a 128-row tile's
         # windows reach (WindowBlocks: from first_block, aligned to multiples of 128 keys).
-        visible = keys < seq_k
-        if left >= 0:
-            visible &= keys >= positions - left
-        if right >= 0:
-            visible &= keys <= positions + right
+        visible = (keys < seq_k) & reference.window_visible(positions, keys, window)
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qf, k_block, precision=_HIGHEST)
         s = jnp.where(visible, s, -jnp.inf)
         # max commutes with the positive scale: one FMUL per row, as the kernel does it.
