@@ -149,12 +149,18 @@ struct Fp8OnlineSoftmax {
   float r[2] = {-INFINITY, -INFINITY};            // reference exponents (integers)
   float running_max[2] = {-INFINITY, -INFINITY};  // log2 units
 
-  // Masks S, updates r, writes P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that
-  // V^T's permuted keys line up) and the factor O must be rescaled by.
-  __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
-                                       float (&alpha)[2], float row_scale, bool needs_mask,
-                                       int key_start, int first_row, int lane, int seqlen_k,
-                                       bool causal, int diagonal) {
+  // The codes' affine map in log2 units, set by UpdateReference for WriteCodes: lean, the code
+  // (scaled by 2^-7) is s * c1 + c0[h]; exact, P~ = 2^(s * c1 + c0[h]).
+  float c1 = 0.f, c0[2] = {0.f, 0.f};
+
+  // Masks S, finds each row's block maximum, updates r and returns the factor O must be
+  // rescaled by. The first half of a block's softmax: a dependency chain (max tree, two quad
+  // shuffles, the reference update), where WriteCodes is wide, independent work.
+  __device__ __forceinline__ void UpdateReference(float (&s)[Fp8Tile::kBlockN / 2],
+                                                  float (&alpha)[2], float row_scale,
+                                                  bool needs_mask, int key_start, int first_row,
+                                                  int lane, int seqlen_k, bool causal,
+                                                  int diagonal) {
     using C = Fp8Softmax;
     constexpr int kChunks = Fp8Tile::kBlockN / 8;
     const int quad_col = 2 * (lane % 4);
@@ -168,7 +174,6 @@ struct Fp8OnlineSoftmax {
           if (!(key < seqlen_k && (!causal || key <= row + diagonal))) s[4 * c + e] = -INFINITY;
         }
     }
-    float c1 = 0.f, c0[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // A tree, not a chain: 5 dependent FMNMX instead of 32.
@@ -196,6 +201,13 @@ struct Fp8OnlineSoftmax {
         c0[h] = -finite_r;
       }
     }
+  }
+
+  // P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that V^T's permuted keys line up),
+  // from S and the map UpdateReference set. S is overwritten.
+  __device__ __forceinline__ void WriteCodes(float (&s)[Fp8Tile::kBlockN / 2],
+                                             uint32_t (&p)[4][4]) const {
+    using C = Fp8Softmax;
     // P~ per element: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
     // below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
     // 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
@@ -431,8 +443,10 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         const bool needs_mask =
             key_start + kBlockN > args.seqlen_k ||
             (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-        softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, args.seqlen_k,
-                     args.causal, work.diagonal);
+        softmax.UpdateReference(s, alpha, row_scale, needs_mask, key_start, first_row, lane,
+                                args.seqlen_k, args.causal, work.diagonal);
+        timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
+        softmax.WriteCodes(s, p);
       };
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
@@ -457,12 +471,14 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         const Slot cur(ring + block), prev(ring + block - 1);
         timeline.Mark(kIterationStart);
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
+        // V of the previous block (loaded right after its K, so long ready): waited for outside
+        // the turn, where a wait would hold up the other consumer's GEMMs too.
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         timeline.Mark(kKeysReady);
         begin_turn();
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
         promote_if_due();  // while the tensor cores run this Q K^T
-        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         issue_pv(o, p_prev, prev.stage, pending > 0);
         end_turn();
         timeline.Mark(kIssued);

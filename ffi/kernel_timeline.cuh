@@ -21,20 +21,22 @@ struct TimelineLayout {
   static constexpr int kCtas = 4;
   static constexpr int kConsumers = 2;
   static constexpr int kIterations = 2048;
-  static constexpr int kEvents = 8;
+  static constexpr int kEvents = 9;
   static constexpr int kSlots = kCtas * kConsumers * kIterations * kEvents;
 };
 
-// Points of one iteration (block b: Q K^T of b and P V of b - 1), in program order.
+// Points of one iteration (block b: Q K^T of b and P V of b - 1), in program order. A kernel may
+// leave a point out (its stamps stay 0; the tool merges the phases around it).
 enum TimelineEvent : int {
   kIterationStart = 0,  // before waiting for block b's K
   kKeysReady = 1,       // K of block b has landed
   kTurnHeld = 2,        // this consumer's wgmma turn begins
   kIssued = 3,          // Q K^T and P V issued, turn handed over
   kScoresLanded = 4,    // Q K^T of block b complete
-  kSoftmaxDone = 5,     // P of block b packed
-  kOutputLanded = 6,    // P V of block b - 1 complete
-  kIterationEnd = 7,    // after the rescale / bookkeeping
+  kReferenceKnown = 5,  // FP8: the rows' maxima and reference exponents are known (not in 16-bit)
+  kSoftmaxDone = 6,     // P of block b packed
+  kOutputLanded = 7,    // P V of block b - 1 complete
+  kIterationEnd = 8,    // after the rescale / bookkeeping
 };
 
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE

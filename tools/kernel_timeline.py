@@ -20,16 +20,21 @@ from collections.abc import Sequence
 import numpy as np
 
 # ffi/kernel_timeline.cuh: TimelineLayout and TimelineEvent, in order.
-CTAS, CONSUMERS, ITERATIONS, EVENTS = 4, 2, 2048, 8
+CTAS, CONSUMERS, ITERATIONS, EVENTS = 4, 2, 2048, 9
+# The phase that ends at event e + 1. A kernel may leave an event out (its stamps stay 0): the two
+# phases around it then count as one (MERGED names it, else the names joined by " + ").
 PHASES = (
     "wait for K",  # kIterationStart -> kKeysReady
     "wait for the wgmma turn",  # -> kTurnHeld
     "issue Q K^T, P V (+ promotion)",  # -> kIssued
     "wait for S",  # -> kScoresLanded
-    "softmax",  # -> kSoftmaxDone
+    "softmax: row max, r",  # -> kReferenceKnown (FP8 only)
+    "softmax: codes",  # -> kSoftmaxDone
     "wait for P V",  # -> kOutputLanded
     "rescale, bookkeeping",  # -> kIterationEnd
 )
+MERGED = {("softmax: row max, r", "softmax: codes"): "softmax"}
+ISSUE = "issue Q K^T, P V (+ promotion)"
 # Dense tensor-core FLOPs per SM per clock on Hopper (H100/H200 SXM datasheet rates / 132 SMs / clock).
 FLOPS_PER_CLOCK = {"fp8": 8192, "bf16": 4096}
 
@@ -41,40 +46,109 @@ def tensor_cycles_per_block(dtype: str, head_dim: int = 128, rows: int = 64, key
     return flops / FLOPS_PER_CLOCK[dtype]
 
 
+def marked_events(stamps: np.ndarray) -> list[int]:
+    """The events this kernel records (some stamp nonzero), in order."""
+    return [e for e in range(stamps.shape[-1]) if np.any(stamps[..., e] > 0)]
+
+
+def phase_names(events: Sequence[int]) -> list[str]:
+    """One name per phase between consecutive recorded events."""
+    names = []
+    for begin, end in zip(events, events[1:]):
+        parts = tuple(PHASES[begin:end])
+        names.append(MERGED.get(parts, " + ".join(parts)))
+    return names
+
+
+def _consumer_intervals(rows: np.ndarray, names: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """Boundaries and labels of one consumer's recorded time: the phases of each iteration and the
+    time between iterations ("between blocks": block 0's softmax, tile changes)."""
+    bounds, labels = [], []
+    for i, row in enumerate(rows):
+        if i > 0:
+            bounds.append(rows[i - 1, -1])
+            labels.append("between blocks")
+        for j, name in enumerate(names):
+            bounds.append(row[j])
+            labels.append(name)
+    bounds.append(rows[-1, -1])
+    return np.asarray(bounds, np.int64), labels
+
+
+def concurrency(a: tuple[np.ndarray, list[str]], b: tuple[np.ndarray, list[str]]) -> dict:
+    """Cycles the two consumers of one CTA spend in each pair of phases, over the time both record.
+
+    a, b: (boundaries, labels) from _consumer_intervals; both on the same SM clock."""
+    (ta, la), (tb, lb) = a, b
+    start, stop = max(ta[0], tb[0]), min(ta[-1], tb[-1])
+    points = np.unique(np.concatenate([ta, tb, [start, stop]]))
+    points = points[(points >= start) & (points <= stop)]
+    shares: dict[tuple[str, str], float] = {}
+    for t0, t1 in zip(points[:-1], points[1:]):
+        ia = int(np.searchsorted(ta, t0, side="right")) - 1
+        ib = int(np.searchsorted(tb, t0, side="right")) - 1
+        key = (la[ia], lb[ib])
+        shares[key] = shares.get(key, 0.0) + float(t1 - t0)
+    return shares
+
+
 def summarize(stamps: np.ndarray) -> dict:
     """Median, mean and 90th percentile of the cycles per phase over the recorded iterations of every
-    (CTA, consumer).
+    (CTA, consumer), and how the two consumers' phases overlap.
 
-    stamps: uint64 [CTAS, CONSUMERS, ITERATIONS, EVENTS]; rows of zeros were not recorded. The period
-    is start-to-start of consecutive iterations of one consumer inside a tile (gaps longer than 4x
-    the median period, tile boundaries, are counted apart as `tile_gaps`).
+    stamps: uint64 [CTAS, CONSUMERS, ITERATIONS, EVENTS]; rows of zeros were not recorded, events no
+    row records are left out. The period is start-to-start of consecutive iterations of one consumer
+    inside a tile (gaps longer than 4x the median period, tile boundaries, are counted apart as
+    `tile_gaps`).
     """
-    phases: list[list[float]] = [[] for _ in PHASES]
+    events = marked_events(stamps)
+    if len(events) < 2:
+        raise ValueError("no complete iterations recorded (too few key blocks per tile, or no CTA ran)")
+    names = phase_names(events)
+    phases: list[list[float]] = [[] for _ in names]
     periods: list[float] = []
+    pair_cycles: dict[tuple[str, str], float] = {}
     for cta in range(stamps.shape[0]):
+        intervals = []
         for consumer in range(stamps.shape[1]):
-            rows = stamps[cta, consumer].astype(np.int64)
+            rows = stamps[cta, consumer][:, events].astype(np.int64)
             rows = rows[np.all(rows > 0, axis=1)]
             if len(rows) == 0:
                 continue
             steps = np.diff(rows, axis=1)
-            for p in range(len(PHASES)):
+            for p in range(len(names)):
                 phases[p].extend(steps[:, p].tolist())
             periods.extend(np.diff(rows[:, 0]).tolist())
+            intervals.append(_consumer_intervals(rows, names))
+        if len(intervals) == 2:
+            for key, cycles in concurrency(*intervals).items():
+                pair_cycles[key] = pair_cycles.get(key, 0.0) + cycles
     if not periods:
         raise ValueError("no complete iterations recorded (too few key blocks per tile, or no CTA ran)")
     periods_arr = np.asarray(periods, np.float64)
     typical = float(np.median(periods_arr))
     in_tile = periods_arr[periods_arr <= 4 * typical]
+    total = sum(pair_cycles.values())
+
+    def share(test) -> float:
+        return sum(c for (x, y), c in pair_cycles.items() if test(x, y)) / total if total else float("nan")
+
+    def softmax(name: str) -> bool:
+        return name.startswith("softmax")
+
     # Medians hide skewed phases (a wait that is short in most blocks and long in a few): the mean
     # and the 90th percentile say how much time a phase really takes.
     return {
         "iterations": len(phases[0]),
-        "phases": {name: float(np.median(v)) for name, v in zip(PHASES, phases)},
-        "means": {name: float(np.mean(v)) for name, v in zip(PHASES, phases)},
-        "p90": {name: float(np.percentile(v, 90)) for name, v in zip(PHASES, phases)},
+        "phases": {name: float(np.median(v)) for name, v in zip(names, phases)},
+        "means": {name: float(np.mean(v)) for name, v in zip(names, phases)},
+        "p90": {name: float(np.percentile(v, 90)) for name, v in zip(names, phases)},
         "period": float(np.median(in_tile)),
         "tile_gaps": int(np.sum(periods_arr > 4 * typical)),
+        # Shares of the time both consumers of a CTA record (nan when no CTA recorded both).
+        "both_softmax": share(lambda x, y: softmax(x) and softmax(y)),
+        "one_issues": share(lambda x, y: (x == ISSUE) != (y == ISSUE)),
+        "none_issues": share(lambda x, y: x != ISSUE and y != ISSUE),
     }
 
 
@@ -89,6 +163,10 @@ def format_summary(summary: dict, dtype: str) -> str:
         for name, cycles in summary["phases"].items()
     ]
     lines.append(f"  {'period (start to start), median':34s} {summary['period']:8.0f}")
+    lines.append(
+        f"both consumers in a softmax phase {summary['both_softmax']:.0%} of the time; one issuing its "
+        f"GEMMs {summary['one_issues']:.0%}, neither {summary['none_issues']:.0%}"
+    )
     lines.append(
         f"tensor-core cycles per block: {tensor:.0f} per consumer, {2 * tensor:.0f} for both; "
         f"tensor busy ~{min(1.0, 2 * tensor / summary['period']):.0%} of the period"
