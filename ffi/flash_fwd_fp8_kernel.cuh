@@ -7,7 +7,7 @@
 //     jzyfa/fp8_layout.py) and P goes from the S accumulators into A registers without moving a
 //     byte between lanes.
 //   - One integer reference exponent r per row: P~ = 2^(t - r), t the score in log2 units. r rises
-//     lazily (only when a block's largest P~ would pass 2^(8 + 0.75)) and falls for blocks far below
+//     lazily (only when a block's largest P~ would pass 2^(6 + 2.75)) and falls for blocks far below
 //     the row maximum (per-block power-of-two scaling), so O is rescaled by exact powers of two.
 //   - Lean P: each probability's e4m3 code from one FFMA, RNE(s * 8 scale + 56 - 8 r), read off the
 //     float's low byte (no MUFU.EX2 in the loop); kLeanP = false rounds ex2.approx to e4m3 instead.
@@ -84,7 +84,7 @@ struct Fp8Tile {
   // consumers' 232 registers without spilling (8 spills).
 #ifndef JZYFA_FP8_REG_COPY_CHUNKS
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
-#define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
+#define JZYFA_FP8_REG_COPY_CHUNKS 4  // the timeline's pointer and counter need the registers
 #else
 #define JZYFA_FP8_REG_COPY_CHUNKS 7
 #endif
@@ -101,9 +101,13 @@ struct Fp8Tile {
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
-  static constexpr float kPExponent = 8.f;         // a fresh r puts a block's max P~ in (2^7, 2^8]
-  static constexpr float kLazyThreshold = 0.75f;   // r rises only past P~ = 2^8.75 (< 448)
-  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^4
+  // A fresh r puts a block's max P~ in (2^5, 2^6], and r rises only past P~ = 2^8.75 (< 448):
+  // 2.75 to 3.75 doublings of headroom, so r changes in few blocks (2% of a warp's blocks on
+  // Gaussian inputs at 4K, against 38% with (2^7, 2^8] and 0.75; the error is the same), which the
+  // speculative codes of Fp8OnlineSoftmax::Step rely on.
+  static constexpr float kPExponent = 6.f;
+  static constexpr float kLazyThreshold = 2.75f;
+  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^2
   static constexpr float kMaxBlockExponent = 32.f;  // r stays within 2^32 of the running max's
   static constexpr float kCodeSlope = 8.f;         // e4m3 codes per doubling
   static constexpr float kCodeOfOne = 56.f;        // 0x38
@@ -149,31 +153,45 @@ struct Fp8OnlineSoftmax {
   float r[2] = {-INFINITY, -INFINITY};            // reference exponents (integers)
   float running_max[2] = {-INFINITY, -INFINITY};  // log2 units
 
-  // The codes' affine map in log2 units, set by UpdateReference for WriteCodes: lean, the code
-  // (scaled by 2^-7) is s * c1 + c0[h]; exact, P~ = 2^(s * c1 + c0[h]).
-  float c1 = 0.f, c0[2] = {0.f, 0.f};
+  // The codes' affine map for the current r, kept by UpdateReference for WriteCodes: lean, the
+  // code (scaled by 2^-7) is s * c1 + c0[h]; exact, P~ = 2^(s * c1 + c0[h]). While r = -inf the
+  // map is that of r = 0: masked scores (-inf) give P~ = 0, and a block with a visible key changes
+  // r, so its codes are written again.
+  float c1, c0[2];
 
-  // Masks S, finds each row's block maximum, updates r and returns the factor O must be
-  // rescaled by. The first half of a block's softmax: a dependency chain (max tree, two quad
-  // shuffles, the reference update), where WriteCodes is wide, independent work.
-  __device__ __forceinline__ void UpdateReference(float (&s)[Fp8Tile::kBlockN / 2],
-                                                  float (&alpha)[2], float row_scale,
-                                                  bool needs_mask, int key_start, int first_row,
-                                                  int lane, int seqlen_k, bool causal,
-                                                  int diagonal) {
+  __device__ __forceinline__ explicit Fp8OnlineSoftmax(float row_scale)
+      : c1(kLeanP ? (Fp8Softmax::kCodeSlope * Fp8Softmax::kCodeScale) * row_scale : row_scale),
+        c0{MapOffset(0.f), MapOffset(0.f)} {}
+
+  // c0 for a finite r: lean, the code of 2^0 minus 8 r, scaled by 2^-7 (exact); exact, -r.
+  __device__ __forceinline__ static float MapOffset(float r) {
     using C = Fp8Softmax;
-    constexpr int kChunks = Fp8Tile::kBlockN / 8;
+    return kLeanP ? (C::kCodeOfOne - C::kCodeSlope * r) * C::kCodeScale : -r;
+  }
+
+  // Scores of keys a row does not see (past seqlen_k, or after the row's causal diagonal) -> -inf.
+  __device__ __forceinline__ static void Mask(float (&s)[Fp8Tile::kBlockN / 2], int key_start,
+                                              int first_row, int lane, int seqlen_k, bool causal,
+                                              int diagonal) {
     const int quad_col = 2 * (lane % 4);
-    if (needs_mask) {
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
+    for (int c = 0; c < Fp8Tile::kBlockN / 8; ++c)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_start + 8 * c + quad_col + (e & 1);
-          const int row = first_row + 8 * (e >> 1);
-          if (!(key < seqlen_k && (!causal || key <= row + diagonal))) s[4 * c + e] = -INFINITY;
-        }
-    }
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_start + 8 * c + quad_col + (e & 1);
+        const int row = first_row + 8 * (e >> 1);
+        if (!(key < seqlen_k && (!causal || key <= row + diagonal))) s[4 * c + e] = -INFINITY;
+      }
+  }
+
+  // Finds each row's block maximum, updates r and the codes' map; alpha is the factor O must be
+  // rescaled by. Returns whether r changed in one of this thread's rows (then codes written with
+  // the old map are wrong). A dependency chain (max tree, two quad shuffles, the reference update)
+  // that WriteCodes' wide, independent work can run beside.
+  __device__ __forceinline__ bool UpdateReference(const float (&s)[Fp8Tile::kBlockN / 2],
+                                                  float (&alpha)[2], float row_scale) {
+    constexpr int kChunks = Fp8Tile::kBlockN / 8;
+    bool changed = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // A tree, not a chain: 5 dependent FMNMX instead of 32.
@@ -190,55 +208,60 @@ struct Fp8OnlineSoftmax {
       running_max[h] = fmaxf(running_max[h], block_max);
       const float new_r = NextReference(r[h], running_max[h], block_max);
       alpha[h] = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
+      changed |= new_r != r[h];  // -inf to -inf (no visible key yet) is no change
       r[h] = new_r;
       // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
-      const float finite_r = new_r == -INFINITY ? 0.f : new_r;
-      if (kLeanP) {  // scaled by 2^-7: exact
-        c1 = (C::kCodeSlope * C::kCodeScale) * row_scale;
-        c0[h] = (C::kCodeOfOne - C::kCodeSlope * finite_r) * C::kCodeScale;
-      } else {
-        c1 = row_scale;
-        c0[h] = -finite_r;
-      }
+      c0[h] = MapOffset(new_r == -INFINITY ? 0.f : new_r);
     }
+    return changed;
   }
 
   // P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that V^T's permuted keys line up),
-  // from S and the map UpdateReference set. S is overwritten.
-  __device__ __forceinline__ void WriteCodes(float (&s)[Fp8Tile::kBlockN / 2],
+  // from S (kept) and the current map.
+  __device__ __forceinline__ void WriteCodes(const float (&s)[Fp8Tile::kBlockN / 2],
                                              uint32_t (&p)[4][4]) const {
     using C = Fp8Softmax;
-    // P~ per element: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
+    // P~ of element i: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
     // below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
     // 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
     // differs from one rounding only within 2^-17 of a half-integer code.
-#pragma unroll
-    for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
+    auto code = [&](int i) {
       const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
       if (kLeanP) {
         const float magic = (i % 8 == 4 || i % 8 == 6) ? C::kPackMagicThird : C::kPackMagic;
-        s[i] = fmaf(__saturatef(x), 128.f, magic);
-      } else {
-        s[i] = ptx::ex2_approx(x);
+        return fmaf(__saturatef(x), 128.f, magic);
       }
-    }
+      return ptx::ex2_approx(x);
+    };
+    auto pack = [&](int a, int b, int c, int d) {
+      return kLeanP ? PackCodes(code(a), code(b), code(c), code(d))
+                    : ptx::pack4_e4m3(code(a), code(b), code(c), code(d));
+    };
     // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
     // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float* t = s + 16 * j;
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float* u = t + 8 * half;
-        if (kLeanP) {
-          p[j][2 * half + 0] = PackCodes(u[0], u[1], u[4], u[5]);
-          p[j][2 * half + 1] = PackCodes(u[2], u[3], u[6], u[7]);
-        } else {
-          p[j][2 * half + 0] = ptx::pack4_e4m3(u[0], u[1], u[4], u[5]);
-          p[j][2 * half + 1] = ptx::pack4_e4m3(u[2], u[3], u[6], u[7]);
-        }
+        const int u = 16 * j + 8 * half;
+        p[j][2 * half + 0] = pack(u + 0, u + 1, u + 4, u + 5);
+        p[j][2 * half + 1] = pack(u + 2, u + 3, u + 6, u + 7);
       }
-    }
+  }
+
+  // One block: S masked as needed, then P~'s A fragments, and alpha. The codes are written with
+  // the current r before the block's maxima are known (r changes in few blocks: docs/fp8.md 10.8),
+  // so the max tree and the codes interleave; a warp where some row's r changed writes them again.
+  template <typename Timeline>
+  __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
+                                       float (&alpha)[2], float row_scale, bool needs_mask,
+                                       int key_start, int first_row, int lane, int seqlen_k,
+                                       bool causal, int diagonal, Timeline& timeline) {
+    if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
+    WriteCodes(s, p);
+    const bool changed = UpdateReference(s, alpha, row_scale);
+    timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
+    if (__any_sync(0xffffffff, changed)) WriteCodes(s, p);
   }
 };
 
@@ -430,7 +453,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         copy_scale[0] = copy_scale[1] = 1.f;
       }
     };
-    Fp8OnlineSoftmax<kLeanP> softmax;
+    Fp8OnlineSoftmax<kLeanP> softmax(row_scale);
 
     if (work.num_blocks == 0) {
 #pragma unroll
@@ -443,10 +466,8 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         const bool needs_mask =
             key_start + kBlockN > args.seqlen_k ||
             (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-        softmax.UpdateReference(s, alpha, row_scale, needs_mask, key_start, first_row, lane,
-                                args.seqlen_k, args.causal, work.diagonal);
-        timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
-        softmax.WriteCodes(s, p);
+        softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, args.seqlen_k,
+                     args.causal, work.diagonal, timeline);
       };
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
@@ -471,14 +492,14 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
         const Slot cur(ring + block), prev(ring + block - 1);
         timeline.Mark(kIterationStart);
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
-        // V of the previous block (loaded right after its K, so long ready): waited for outside
-        // the turn, where a wait would hold up the other consumer's GEMMs too.
-        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         timeline.Mark(kKeysReady);
         begin_turn();
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
         promote_if_due();  // while the tensor cores run this Q K^T
+        // V of the previous block, waited for while this Q K^T runs (outside the turn the wait's
+        // latency adds to the K wait's: measured 78 -> 130 cycles per block, docs/benchmarks.md).
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         issue_pv(o, p_prev, prev.stage, pending > 0);
         end_turn();
         timeline.Mark(kIssued);

@@ -39,6 +39,7 @@ from jax import lax
 
 from jzyfa import peers, realistic_inputs
 from jzyfa._errors import short_error
+from jzyfa.fp8_emulation import FIXED_OFFSET_OPTIONS
 
 _ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
 
@@ -402,7 +403,7 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "fp8_emul_fa3_style",
             "FP8 emulation with lean P, block scaling and the rounded row sum all off (FA3's scheme)",
-            _emulated(False, lean_p=False, block_scaling=False, rounded_sum=False),
+            _emulated(False, lean_p=False, block_scaling=False, rounded_sum=False, **FIXED_OFFSET_OPTIONS),
         ),
         Variant("cudnn_fp8", "cuDNN FP8 (e4m3 output, per-tensor descales)", _cudnn_fp8(False)),
         Variant("cudnn_fp8_hadamard", "cuDNN FP8, q and k Hadamard-rotated", _cudnn_fp8(True)),

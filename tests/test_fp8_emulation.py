@@ -16,6 +16,7 @@ from attention_oracle import naive_attention_f64
 import jzyfa
 from jzyfa import e4m3_codes
 from jzyfa.fp8_emulation import (
+    FIXED_OFFSET_OPTIONS,
     LAZY_RESCALE_THRESHOLD,
     P_EXPONENT,
     attention_fp8_emulated,
@@ -80,6 +81,7 @@ def _variant(lean_p, block_scaling, rounded_sum, integer_reference=None):
         "block_scaling": block_scaling,
         "rounded_sum": rounded_sum,
         "integer_reference": integer_reference,
+        **({} if block_scaling else FIXED_OFFSET_OPTIONS),  # FA3's fixed 2^8 offset
     }
 
 
@@ -346,12 +348,13 @@ def test_argument_errors():
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         attention_fp8_emulated(*(x.astype(jnp.bfloat16) for x in (x8, x8, x8)), one, one, one, causal=True)
     with pytest.raises(ValueError, match="lazy_rescale_threshold"):
-        attention_fp8_emulated(x8, x8, x8, one, one, one, causal=True, lazy_rescale_threshold=0.9)
+        attention_fp8_emulated(x8, x8, x8, one, one, one, causal=True, lazy_rescale_threshold=2.9)
     with pytest.raises(ValueError, match="integer_reference"):
         attention_fp8_emulated(x8, x8, x8, one, one, one, causal=True, integer_reference=False)
     with pytest.raises(ValueError, match="descale_v"):
         attention_fp8_emulated(x8, x8, x8, one, one, jnp.ones((3,)), causal=True)
-    assert max_lazy_rescale_threshold() == pytest.approx(math.log2(448) - 8)
+    assert max_lazy_rescale_threshold() == pytest.approx(math.log2(448) - P_EXPONENT)
+    assert max_lazy_rescale_threshold(8) == pytest.approx(math.log2(448) - 8)
 
 
 # --- accuracy: what the FP8 issue asks ------------------------------------------------------------

@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jzyfa import accuracy, realistic_inputs
-from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_emulation import FIXED_OFFSET_OPTIONS, attention_fp8_emulated
 from jzyfa.quantize import fp8_quantize
 
 VARIANTS = {
     "both on": {"lean_p": False, "block_scaling": True, "rounded_sum": True},
-    "rounded sum only": {"lean_p": False, "block_scaling": False, "rounded_sum": True},
+    "rounded sum only": {"lean_p": False, "block_scaling": False, "rounded_sum": True, **FIXED_OFFSET_OPTIONS},
     "block scaling only": {"lean_p": False, "block_scaling": True, "rounded_sum": False},
-    "FA3 style (both off)": {"lean_p": False, "block_scaling": False, "rounded_sum": False},
+    "FA3 style (both off)": {"lean_p": False, "block_scaling": False, "rounded_sum": False, **FIXED_OFFSET_OPTIONS},
     "lean P (both on)": {"lean_p": True},
 }
 

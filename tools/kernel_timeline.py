@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,7 +55,7 @@ def marked_events(stamps: np.ndarray) -> list[int]:
 def phase_names(events: Sequence[int]) -> list[str]:
     """One name per phase between consecutive recorded events."""
     names = []
-    for begin, end in zip(events, events[1:]):
+    for begin, end in itertools.pairwise(events):
         parts = tuple(PHASES[begin:end])
         names.append(MERGED.get(parts, " + ".join(parts)))
     return names
@@ -84,7 +85,7 @@ def concurrency(a: tuple[np.ndarray, list[str]], b: tuple[np.ndarray, list[str]]
     points = np.unique(np.concatenate([ta, tb, [start, stop]]))
     points = points[(points >= start) & (points <= stop)]
     shares: dict[tuple[str, str], float] = {}
-    for t0, t1 in zip(points[:-1], points[1:]):
+    for t0, t1 in itertools.pairwise(points):
         ia = int(np.searchsorted(ta, t0, side="right")) - 1
         ib = int(np.searchsorted(tb, t0, side="right")) - 1
         key = (la[ia], lb[ib])
