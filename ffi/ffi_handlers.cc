@@ -223,7 +223,8 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::Result<ffi::Buffer<ffi::BF16>> out,
                                     ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                     ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-                                    float softmax_scale, bool causal, bool lean_p) {
+                                    float softmax_scale, bool causal, int64_t window_left,
+                                    int64_t window_right, bool lean_p) {
   const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
   for (const ffi::AnyBuffer* x : {&q, &k, &vt}) {
     if (x->element_type() != ffi::DataType::F8E4M3FN) {
@@ -253,6 +254,8 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   p.descale_v = descale_v.typed_data();
   p.descale_count = descale_q.element_count();
   p.seqlen_k_padded = vd[3];
+  p.window_left = window_left;
+  p.window_right = window_right;
   p.lean_p = lean_p;
 
   std::string error = ValidateFlashFwdFp8(p);
@@ -359,6 +362,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")  // -1: unbounded
+                                  .Attr<int64_t>("window_right")
                                   .Attr<bool>("lean_p"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -66,6 +66,8 @@ struct FlashFwdFp8Params {
   int64_t head_dim = 0;
   float softmax_scale = 1.0f;
   bool causal = false;
+  int64_t window_left = -1;  // as in FlashFwdParams (dense batches)
+  int64_t window_right = -1;
   bool lean_p = true;  // P's e4m3 codes from one FFMA; false: ex2 rounded to e4m3
 };
 
@@ -100,8 +102,8 @@ struct FlashFwdVarlenParams {
   ElementType element_type = ElementType::kBF16;
 };
 
-// The mask a 16-bit launch runs with: causal or not (the plain kernels), or a sliding window
-// (the windowed kernels, bounds in 0..2^30 or -1).
+// The mask a launch (16-bit or FP8) runs with: causal or not (the plain kernels), or a sliding
+// window (the windowed kernels, bounds in 0..2^30 or -1).
 struct MaskPlan {
   bool causal = false;
   bool windowed = false;

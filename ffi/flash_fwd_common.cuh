@@ -34,6 +34,28 @@ constexpr int kPingPongBarrier = 1;
 // Named barriers 3 and 4: consumer c's 128 threads around its epilogue's shared-memory O tile.
 constexpr int kEpilogueBarrier = 3;
 
+// Launches of packed variable-length batches (the 16-bit kernel's VarlenFwdArgs and its window)
+// specialise this to true (flash_fwd_kernel.cuh).
+template <typename Args>
+constexpr bool kIsVarlen = false;
+
+// A sliding window's launch: the dense or varlen arguments (16-bit: FwdArgs, VarlenFwdArgs; FP8:
+// Fp8Args) plus the window (left, right) on bottom-right positions (query row i at
+// i + seqlen_k - seqlen_q sees keys pos - left .. pos + right; -1: that side unbounded), each at
+// most 2^30, with the base's causal flag 0. Its instantiations are kernels of their own
+// (FlashFwdWindowKernel, FlashFwdVarlenWindowKernel, FlashFwdFp8WindowKernel), so the code of the
+// others does not change.
+template <typename Base>
+struct WindowedArgs : Base {
+  int window_left;
+  int window_right;
+};
+
+template <typename Args>
+constexpr bool kHasWindow = false;
+template <typename Base>
+constexpr bool kHasWindow<WindowedArgs<Base>> = true;
+
 // One tile: its rows and how many key blocks they need.
 struct FwdWork {
   int batch, head, kv_head, q_start, diagonal, num_blocks;
@@ -90,6 +112,44 @@ __device__ __forceinline__ FwdWork PlanTile(int tile, const Args& args) {
   const int q_last = min(w.q_start + kBlockM, args.seqlen_q) - 1;
   const int kv_end = args.causal ? min(args.seqlen_k, q_last + w.diagonal + 1) : args.seqlen_k;
   w.num_blocks = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
+  return w;
+}
+
+// A windowed tile: the base's tile (all keys of its sequence or batch element, or none) narrowed to the key blocks
+// its rows' windows reach. The tile order stays the base's, longest first for causal masks, which
+// for windows is only roughly longest first (every tile of a narrow window has about equal work).
+template <int kBlockM, int kBlockN, typename Base>
+__device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& args) {
+  using Work = decltype(PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args)));
+  // The divisors pass through an opaque move, so ptxas recomputes the divisions' reciprocals per
+  // tile instead of keeping them across the producer's loop: the windowed producer then fits in
+  // its 40 registers (CtaRegisterPool leaves none to spare).
+  Base base = args;
+  asm volatile("" : "+r"(base.heads_q), "+r"(base.heads_kv), "+r"(base.m_tiles));
+  WindowWork<Work> w;
+  static_cast<Work&>(w) = PlanTile<kBlockM, kBlockN>(tile, base);
+  w.first_block = 0;
+  if (w.num_blocks > 0) {  // some key, and the tile's first row is a real one
+    int seqlen_q, seqlen_k;
+    if constexpr (kIsVarlen<Base>) {
+      seqlen_q = w.len_q;
+      seqlen_k = w.len_k;
+    } else {
+      seqlen_q = args.seqlen_q;
+      seqlen_k = args.seqlen_k;
+    }
+    WindowBlocks<kBlockN>(w.q_start, min(w.q_start + kBlockM, seqlen_q) - 1, w.diagonal, seqlen_k,
+                          args.window_left, args.window_right, w.first_block, w.num_blocks);
+    if constexpr (kIsVarlen<Base>) {
+      // Varlen: the sequence's keys are taken to start at the tile's first block (k_offset, len_k
+      // and the diagonal in that frame): the producer holds no first_block.
+      const int first_key = w.first_block * kBlockN;
+      w.k_offset += first_key;
+      w.len_k -= first_key;
+      w.diagonal -= first_key;
+      w.first_block = 0;
+    }
+  }
   return w;
 }
 

@@ -1,8 +1,9 @@
 // Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V^T as bytes),
-// the persistent grid, and the two instantiations (lean P, exact P).
+// the persistent grid, and the instantiations (lean P, exact P; each plain and sliding-window).
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "flash_fwd.h"
 #include "flash_fwd_fp8_kernel.cuh"
@@ -11,11 +12,22 @@
 namespace jzyfa {
 namespace {
 
-template <bool kLeanP>
-std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
+// The plain kernel, or the sliding-window one.
+template <bool kLeanP, bool kWindow>
+constexpr auto Fp8ForwardKernel() {
+  if constexpr (kWindow) {
+    return FlashFwdFp8WindowKernel<kLeanP>;
+  } else {
+    return FlashFwdFp8Kernel<kLeanP>;
+  }
+}
+
+template <bool kLeanP, bool kWindow>
+std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = Fp8Tile;
+  constexpr auto kernel = Fp8ForwardKernel<kLeanP, kWindow>();
   const DeviceInfo* info = nullptr;
-  std::string error = PrepareLaunch<FlashFwdFp8Kernel<kLeanP>>(Tile::kDynamicSmemBytes, &info);
+  std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
   CUtensorMap tmap_q, tmap_k, tmap_vt;
@@ -35,7 +47,7 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
       !EncodeTensorMap4d(&tmap_vt, p.vt, kBytes, vt_dims, vt_strides, vt_box, &error)) {
     return error;
   }
-  Fp8Args args;
+  std::conditional_t<kWindow, WindowedArgs<Fp8Args>, Fp8Args> args;
   args.out = static_cast<__nv_bfloat16*>(p.out);
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
@@ -43,16 +55,19 @@ std::string Launch(const FlashFwdFp8Params& p, cudaStream_t stream) {
   args.descale_k = p.descale_k;
   args.descale_v = p.descale_v;
   args.descale_per_head = p.descale_count > 1 ? 1 : 0;
-  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.causal,
+  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
                   Tile::kBlockM);
   // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
   args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
+  if constexpr (kWindow) {
+    args.window_left = mask.window_left;
+    args.window_right = mask.window_right;
+  }
 
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
-  FlashFwdFp8Kernel<kLeanP><<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(
-      tmap_q, tmap_k, tmap_vt, args);
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_vt, args);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 forward kernel", err);
   return "";
@@ -94,13 +109,28 @@ std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
   if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
     return "softmax_scale must be a positive finite number";
   }
+  MaskPlan mask;
+  const std::string error =
+      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
+  if (!error.empty()) return error;
+  // The windowed kernel's positions, keys and bounds stay below 2^30 in magnitude (int32 masks).
+  if (mask.windowed && p.seqlen_q + p.seqlen_k > (int64_t{1} << 30)) {
+    return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
+           std::to_string(p.seqlen_q + p.seqlen_k);
+  }
   return "";
 }
 
 std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   std::string error = ValidateFlashFwdFp8(p);
   if (!error.empty()) return error;
-  return p.lean_p ? Launch<true>(p, stream) : Launch<false>(p, stream);
+  MaskPlan mask;
+  error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
+  if (!error.empty()) return error;
+  if (mask.windowed) {
+    return p.lean_p ? Launch<true, true>(p, mask, stream) : Launch<false, true>(p, mask, stream);
+  }
+  return p.lean_p ? Launch<true, false>(p, mask, stream) : Launch<false, false>(p, mask, stream);
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

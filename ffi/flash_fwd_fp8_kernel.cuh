@@ -25,6 +25,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_fwd_common.cuh"
 #include "kernel_timeline.cuh"
@@ -80,13 +81,14 @@ struct Fp8Tile {
   // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
   // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
   // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
-  // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
-  // consumers' 232 registers without spilling (8 spills).
+  // memory: 35% less shared-memory traffic per promotion (measured within noise of 7 chunks).
+  // 6 is the most the windowed kernels (with the speculative codes' live scores) fit in the
+  // consumers' 232 registers without spilling; the non-window kernels fit 7.
 #ifndef JZYFA_FP8_REG_COPY_CHUNKS
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
 #define JZYFA_FP8_REG_COPY_CHUNKS 4  // the timeline's pointer and counter need the registers
 #else
-#define JZYFA_FP8_REG_COPY_CHUNKS 7
+#define JZYFA_FP8_REG_COPY_CHUNKS 6
 #endif
 #endif
   static constexpr int kRegCopyChunks = JZYFA_FP8_REG_COPY_CHUNKS;
@@ -265,11 +267,41 @@ struct Fp8OnlineSoftmax {
   }
 };
 
-template <bool kLeanP>
-__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
-    FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
-                      const __grid_constant__ CUtensorMap tmap_k,
-                      const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
+// A sliding window's mask (before Fp8OnlineSoftmax::Step, which then masks nothing), on S in the
+// accumulator layout above: row i, at i + diagonal, sees keys pos - left .. pos + right (-1:
+// unbounded) below seqlen_k; the others get -inf. The bounds are worked out once per row, as the
+// thread's visible columns lo <= 8c + e < hi (e = 0, 1, counted from its first column
+// key_start + 2 (lane % 4)), so an element costs two compares with constants: fewer live values
+// than the 16-bit kernel's per-key MaskWindow, which spills the FP8 consumer (at its 232
+// registers). A block where a row sees no key leaves that row's state as it was (block max -inf:
+// r, the sums and O unchanged); a row that sees none at all ends with O = 0, LSE = -inf. No
+// overflow: the launch keeps seqlen_q + seqlen_k <= 2^30, so |pos| and the bounds stay below 2^30.
+template <int kBlockN>
+__device__ __forceinline__ void MaskWindowByRowBounds(float (&s)[kBlockN / 2], int key_start,
+                                                      int first_row, int lane, int seqlen_k,
+                                                      int diagonal, int left, int right) {
+  const int first_key = key_start + 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pos = first_row + 8 * h + diagonal;
+    const int lo = (left < 0 ? 0 : pos - left) - first_key;
+    const int hi = (right < 0 ? seqlen_k : min(pos + right + 1, seqlen_k)) - first_key;
+#pragma unroll
+    for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int column = 8 * c + e;
+        if (!(lo <= column && column < hi)) s[4 * c + 2 * h + e] = -INFINITY;
+      }
+  }
+}
+
+// The kernel's body, for Fp8Args (no mask, or causal) and WindowedArgs<Fp8Args> (a sliding window:
+// each tile visits only the key blocks its rows' windows reach, from work.first_block on).
+template <bool kLeanP, typename Args>
+__device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
+                                                 const CUtensorMap& tmap_vt, const Args& args) {
+  constexpr bool kWindow = kHasWindow<Args>;
   using Tile = Fp8Tile;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
@@ -306,17 +338,26 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_vt);
     // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T).
-    auto load_q = [&](const FwdWork& work, uint32_t bar) {
+    auto load_q = [&](const auto& work, uint32_t bar) {
       for (int c = 0; c < Tile::kConsumers; ++c)
         ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, work.q_start + c * Tile::kRowsPerConsumer,
                          work.head, work.batch);
     };
-    auto load_k = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
-      ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, block * kBlockN, work.kv_head, work.batch);
+    // A window's tile starts at key block work.first_block.
+    auto first_key = [&](const auto& work, int block) {
+      int key = block * kBlockN;
+      if constexpr (kWindow) key += work.first_block * kBlockN;
+      return key;
     };
-    // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows.
-    auto load_vt = [&](const FwdWork& work, int block, int stage, uint32_t bar) {
-      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, block * kBlockN, 0, work.kv_head, work.batch);
+    auto load_k = [&](const auto& work, int block, int stage, uint32_t bar) {
+      ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, first_key(work, block), work.kv_head,
+                       work.batch);
+    };
+    // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
+    // first key is a multiple of 128, so its box starts on a 32-key group of the permuted layout.
+    auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
+      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, first_key(work, block), 0, work.kv_head,
+                       work.batch);
     };
     ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
                                                    Tile::kVtBytes, load_q, load_k, load_vt);
@@ -373,13 +414,14 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  TimelineRecorder timeline(consumer);  // no code without JZYFA_TIMELINE (kernel_timeline.cuh)
+  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels never record.
+  std::conditional_t<kWindow, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
     const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
-    const FwdWork work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+    const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;
     const int descale_index =
@@ -462,12 +504,32 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
                               int block) {
-        const int key_start = block * kBlockN;
-        const bool needs_mask =
-            key_start + kBlockN > args.seqlen_k ||
-            (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-        softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, args.seqlen_k,
-                     args.causal, work.diagonal, timeline);
+        if constexpr (kWindow) {
+          // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
+          // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
+          // the seq_k tail or the first row's right edge, or starts before the last row's left edge
+          // (this consumer's 64 rows). Step then masks nothing.
+          const int key_start = (work.first_block + block) * kBlockN;
+          const int first_pos = rows_start + work.diagonal;
+          const int left = args.window_left, right = args.window_right;
+          const bool needs_mask =
+              key_start + kBlockN > args.seqlen_k ||
+              (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
+              (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
+          if (needs_mask) {
+            MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, args.seqlen_k,
+                                           work.diagonal, left, right);
+          }
+          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, args.seqlen_k,
+                       false, work.diagonal, timeline);
+        } else {
+          const int key_start = block * kBlockN;
+          const bool needs_mask =
+              key_start + kBlockN > args.seqlen_k ||
+              (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
+          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane,
+                       args.seqlen_k, args.causal, work.diagonal, timeline);
+        }
       };
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
@@ -577,6 +639,24 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     }
   }
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
+}
+
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
+    FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
+                      const __grid_constant__ CUtensorMap tmap_k,
+                      const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+}
+
+// Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
+    FlashFwdFp8WindowKernel(const __grid_constant__ CUtensorMap tmap_q,
+                            const __grid_constant__ CUtensorMap tmap_k,
+                            const __grid_constant__ CUtensorMap tmap_vt,
+                            const WindowedArgs<Fp8Args> args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
 }
 
 }  // namespace jzyfa

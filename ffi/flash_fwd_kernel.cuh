@@ -73,26 +73,10 @@ struct VarlenFwdArgs {
   const int* cu_seqlens_k;  // [num_seqs + 1]
 };
 
-template <typename Args>
-constexpr bool kIsVarlen = false;
+// Varlen launches (kIsVarlen, WindowedArgs and the windowed PlanTile: flash_fwd_common.cuh).
 template <>
 constexpr bool kIsVarlen<VarlenFwdArgs> = true;
 
-// A sliding window's launch: the dense or varlen arguments plus the window (left, right) on
-// bottom-right positions (query row i at i + seqlen_k - seqlen_q sees keys pos - left ..
-// pos + right; -1: that side unbounded), each at most 2^30, with the base's causal flag 0. Its
-// instantiations are kernels of their own (FlashFwdWindowKernel, FlashFwdVarlenWindowKernel), so
-// the code of the others does not change.
-template <typename Base>
-struct WindowedArgs : Base {
-  int window_left;
-  int window_right;
-};
-
-template <typename Args>
-constexpr bool kHasWindow = false;
-template <typename Base>
-constexpr bool kHasWindow<WindowedArgs<Base>> = true;
 template <>
 constexpr bool kIsVarlen<WindowedArgs<VarlenFwdArgs>> = true;
 
@@ -135,51 +119,6 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
   }
   return w;
 }
-
-// A windowed tile: the base's tile (all keys of its sequence, or none) narrowed to the key blocks
-// its rows' windows reach. The tile order stays the base's, longest first for causal masks, which
-// for windows is only roughly longest first (every tile of a narrow window has about equal work).
-template <int kBlockM, int kBlockN, typename Base>
-__device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& args) {
-  using Work = decltype(PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args)));
-  // The divisors pass through an opaque move, so ptxas recomputes the divisions' reciprocals per
-  // tile instead of keeping them across the producer's loop: the windowed producer then fits in
-  // its 40 registers (CtaRegisterPool leaves none to spare).
-  Base base = args;
-  asm volatile("" : "+r"(base.heads_q), "+r"(base.heads_kv), "+r"(base.m_tiles));
-  WindowWork<Work> w;
-  static_cast<Work&>(w) = PlanTile<kBlockM, kBlockN>(tile, base);
-  w.first_block = 0;
-  if (w.num_blocks > 0) {  // some key, and the tile's first row is a real one
-    int seqlen_q, seqlen_k;
-    if constexpr (kIsVarlen<Base>) {
-      seqlen_q = w.len_q;
-      seqlen_k = w.len_k;
-    } else {
-      seqlen_q = args.seqlen_q;
-      seqlen_k = args.seqlen_k;
-    }
-    WindowBlocks<kBlockN>(w.q_start, min(w.q_start + kBlockM, seqlen_q) - 1, w.diagonal, seqlen_k,
-                          args.window_left, args.window_right, w.first_block, w.num_blocks);
-    if constexpr (kIsVarlen<Base>) {
-      // Varlen: the sequence's keys are taken to start at the tile's first block (k_offset, len_k
-      // and the diagonal in that frame): the producer holds no first_block.
-      const int first_key = w.first_block * kBlockN;
-      w.k_offset += first_key;
-      w.len_k -= first_key;
-      w.diagonal -= first_key;
-      w.first_block = 0;
-    }
-  }
-  return w;
-}
-
-// The timeline's interface, recording nothing (the windowed kernels in JZYFA_TIMELINE builds).
-struct NoTimeline {
-  __device__ explicit NoTimeline(int) {}
-  __device__ void Mark(TimelineEvent) {}
-  __device__ void Next() {}
-};
 
 template <int kHeadDim>
 struct FwdTile {

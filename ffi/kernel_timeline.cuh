@@ -39,6 +39,14 @@ enum TimelineEvent : int {
   kIterationEnd = 8,    // after the rescale / bookkeeping
 };
 
+// The recorder's interface, recording nothing: the sliding-window kernels use it in JZYFA_TIMELINE
+// builds too (their stamps' registers would spill).
+struct NoTimeline {
+  __device__ explicit NoTimeline(int) {}
+  __device__ void Mark(TimelineEvent) {}
+  __device__ void Next() {}
+};
+
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
 static __device__ uint64_t g_timeline[TimelineLayout::kSlots];
 

@@ -123,13 +123,39 @@ def fp8_kernel_enabled() -> bool:
     return FP8_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_KERNEL_ENV) == "1"
 
 
+# The FP8 kernel's sliding-window instantiation (FlashFwdFp8WindowKernel, dense batches) has not run on a
+# GPU yet: until tests/test_fp8_window_kernel_gpu.py passes on an H200, sliding windows on FP8 inputs stay
+# on the pure-JAX path, and implementation="kernel" needs the variable below.
+FP8_WINDOW_KERNEL_VERIFIED = False
+UNVERIFIED_FP8_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_WINDOW_KERNEL"
+
+
+def fp8_window_kernel_enabled() -> bool:
+    return FP8_WINDOW_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_WINDOW_KERNEL_ENV) == "1"
+
+
+def _fp8_window_problem(q, k, causal: bool, window) -> str | None:
+    """None when the FP8 kernel may serve this sliding window (neither causal nor none), else why not."""
+    if not fp8_window_kernel_enabled():
+        return (
+            "the FP8 kernel's sliding windows are switched off until verified on a Hopper GPU "
+            "(jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is False): the sliding window "
+            f"{_validation.mask_window(causal, window)} (left, right) runs on it only with "
+            f"{UNVERIFIED_FP8_WINDOW_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
+        )
+    if q.shape[1] + k.shape[1] > WINDOW_KERNEL_MAX_TOKENS:
+        return f"the FP8 kernel's sliding windows take seq_q + seq_k <= 2^30, got {q.shape[1] + k.shape[1]}"
+    return None
+
+
 def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
     """Which path serves a validated FP8 call; raises if the kernel is demanded but cannot serve."""
     if implementation == "xla":
         return Path.REFERENCE
     problem = fp8_kernel_config_problem(q, k, v)
-    if problem is None and kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
-        problem = "the FP8 kernel masks causally or not at all; sliding windows run on the pure-JAX path"
+    sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
+    if problem is None and sliding:
+        problem = _fp8_window_problem(q, k, causal, window)
     if implementation == "kernel":
         if not fp8_kernel_enabled():
             raise ValueError(
@@ -142,7 +168,11 @@ def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
         if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    if problem or not FP8_KERNEL_VERIFIED or not _platform.kernel_available():
+    # implementation=None keeps sliding windows on the pure-JAX path while FP8_WINDOW_KERNEL_VERIFIED is
+    # False, whatever the variable says (as for the 16-bit kernel's windows).
+    if problem or not FP8_KERNEL_VERIFIED or (sliding and not FP8_WINDOW_KERNEL_VERIFIED):
+        return Path.REFERENCE
+    if not _platform.kernel_available():
         return Path.REFERENCE
     return Path.PRIMITIVE
 
@@ -346,13 +376,15 @@ def flash_attention(
                 q, k, v, descales, causal=causal, softmax_scale=softmax_scale, window=window
             )
         else:
+            kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
             out, lse = flash_attention_fp8_kernel(
                 q,
                 k,
                 v,
                 descales,
                 softmax_scale=softmax_scale,
-                causal=kernel_causal_flag(causal, window, q.shape[1], k.shape[1]),
+                causal=kernel_causal,
+                window=kernel_window,
                 lean_p=lean_p,
                 kernel_required=path is Path.KERNEL_REQUIRED,
             )

@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jzyfa import sharding
+from jzyfa._validation import NO_WINDOW
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
 from jzyfa.primitive import KERNEL_MAX_BATCH, KERNEL_MAX_SEQ_Q, TILE_COUNTER, refuse_required_kernel
@@ -40,7 +41,7 @@ flash_attention_fp8_shard_p.multiple_results = True
 
 
 def _abstract_eval(
-    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, lean_p, kernel_required
+    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     """(out bf16 with q's shape and sharding, lse), as the 16-bit primitive's."""
     out, lse = _attention_abstract_eval(
@@ -53,7 +54,7 @@ flash_attention_fp8_p.def_abstract_eval(_abstract_eval)
 
 
 def _shard_abstract_eval(
-    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, lean_p, kernel_required
+    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     batch, seq_q, heads_q, head_dim = q8.shape
     out = jax.core.ShapedArray((batch, seq_q, heads_q, head_dim), jnp.bfloat16)
@@ -64,10 +65,15 @@ def _shard_abstract_eval(
 flash_attention_fp8_shard_p.def_abstract_eval(_shard_abstract_eval)
 
 
-@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "lean_p", "kernel_required"))
-def _impl(*args, softmax_scale, causal, lean_p, kernel_required):
+@functools.partial(jax.jit, static_argnames=("softmax_scale", "causal", "window", "lean_p", "kernel_required"))
+def _impl(*args, softmax_scale, causal, window, lean_p, kernel_required):
     return flash_attention_fp8_p.bind(
-        *args, softmax_scale=softmax_scale, causal=causal, lean_p=lean_p, kernel_required=kernel_required
+        *args,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window=window,
+        lean_p=lean_p,
+        kernel_required=kernel_required,
     )
 
 
@@ -75,7 +81,7 @@ flash_attention_fp8_p.def_impl(_impl)
 
 
 def _emulation_fallback(
-    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, lean_p, kernel_required
+    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     """Off CUDA: the kernel's algorithm in pure JAX (integer reference exponents, as the kernel)."""
     refuse_required_kernel(kernel_required)
@@ -87,6 +93,7 @@ def _emulation_fallback(
         v8,
         *(d.reshape(batch, heads_kv) for d in (descale_q, descale_k, descale_v)),
         causal=causal,
+        window=window,
         softmax_scale=softmax_scale,
         lean_p=lean_p,
         integer_reference=True,
@@ -96,11 +103,18 @@ def _emulation_fallback(
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET_FP8)
 
 
-def _cuda_lowering(ctx, *args, softmax_scale, causal, lean_p, kernel_required):
+def _cuda_lowering(ctx, *args, softmax_scale, causal, window, lean_p, kernel_required):
     del kernel_required
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
+    # Attribute types are part of the FFI contract: window bounds i64, as for the 16-bit kernel.
     out, lse, _ = _ffi_lowering(
-        ctx, *args, softmax_scale=np.float32(softmax_scale), causal=bool(causal), lean_p=bool(lean_p)
+        ctx,
+        *args,
+        softmax_scale=np.float32(softmax_scale),
+        causal=bool(causal),
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        lean_p=bool(lean_p),
     )
     return [out, lse]
 
@@ -155,7 +169,7 @@ mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platfo
 
 
 def fp8_attention_shard(
-    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, lean_p, kernel_required
+    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     """The call on one device's blocks: V into the kernel's layout, descales as [B * Hkv] vectors."""
     out, lse = flash_attention_fp8_shard_p.bind(
@@ -165,6 +179,7 @@ def fp8_attention_shard(
         *(d.reshape(-1) for d in (descale_q, descale_k, descale_v)),
         softmax_scale=softmax_scale,
         causal=causal,
+        window=window,
         lean_p=lean_p,
         kernel_required=kernel_required,
     )
@@ -174,8 +189,10 @@ def fp8_attention_shard(
 _partitioned_shard_call = sharding.partitioned_fp8(fp8_attention_shard)
 
 
-def _partitioned(q8, k8, v8, dq, dk, dv, *, softmax_scale, causal, lean_p, kernel_required):
-    return _partitioned_shard_call(q8, k8, v8, dq, dk, dv, softmax_scale, causal, lean_p, kernel_required)
+def _partitioned(q8, k8, v8, dq, dk, dv, *, softmax_scale, causal, window, lean_p, kernel_required):
+    return _partitioned_shard_call(
+        q8, k8, v8, dq, dk, dv, softmax_scale, causal, window, lean_p, kernel_required
+    )
 
 
 mlir.register_lowering(flash_attention_fp8_p, mlir.lower_fun(_partitioned, multiple_results=True))
@@ -211,10 +228,21 @@ def fp8_kernel_config_problem(q8, k8, v8) -> str | None:
 
 
 def flash_attention_fp8_kernel(
-    q8, k8, v8, descales, *, softmax_scale: float, causal: bool, lean_p: bool, kernel_required: bool
+    q8,
+    k8,
+    v8,
+    descales,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    lean_p: bool,
+    kernel_required: bool,
+    window=NO_WINDOW,
 ):
     """(out bf16, lse) of e4m3 attention through the FP8 kernel (its emulation off CUDA). Descales of
-    shape (), (1,) or [B, Hkv] are broadcast to [B, Hkv]."""
+    shape (), (1,) or [B, Hkv] are broadcast to [B, Hkv]. The mask is `causal` and `window` combined
+    as in `attention_fp8_emulated` (causal sets the right bound to 0); the kernel runs windows other
+    than none and causal on its windowed instantiation (dense batches)."""
     per_head = (k8.shape[0], k8.shape[2])
     descales = [
         jnp.broadcast_to(jnp.asarray(d, jnp.float32).reshape(-1, 1) if jnp.size(d) == 1 else d, per_head)
@@ -227,6 +255,7 @@ def flash_attention_fp8_kernel(
         *descales,
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
+        window=(int(window[0]), int(window[1])),
         lean_p=bool(lean_p),
         kernel_required=bool(kernel_required),
     )

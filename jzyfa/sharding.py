@@ -260,13 +260,15 @@ def _fp8_plan(mesh, arg_shapes) -> ShardPlan:
     return dataclasses.replace(_plan_from_shapes(mesh, arg_shapes[:3]), seq_q=())
 
 
-def _infer_fp8_sharding(softmax_scale, causal, lean_p, kernel_required, mesh, arg_shapes, result_shape):
-    del softmax_scale, causal, lean_p, kernel_required, result_shape
+def _infer_fp8_sharding(
+    softmax_scale, causal, window, lean_p, kernel_required, mesh, arg_shapes, result_shape
+):
+    del softmax_scale, causal, window, lean_p, kernel_required, result_shape
     return _result_shardings(mesh, _fp8_plan(mesh, arg_shapes))
 
 
 def _partition_fp8(
-    shard_kernel, softmax_scale, causal, lean_p, kernel_required, mesh, arg_shapes, result_shape
+    shard_kernel, softmax_scale, causal, window, lean_p, kernel_required, mesh, arg_shapes, result_shape
 ):
     del result_shape
     plan = _fp8_plan(mesh, arg_shapes)
@@ -284,6 +286,7 @@ def _partition_fp8(
             *descales,
             softmax_scale=softmax_scale,
             causal=causal,
+            window=window,  # q is never sequence-sharded here: the window needs no shift
             lean_p=lean_p,
             kernel_required=kernel_required,
         )
@@ -297,9 +300,9 @@ def _partition_fp8(
 
 def partitioned_fp8(shard_kernel) -> custom_partitioning:
     """The FP8 shard kernel for the partitioner; call it as
-    f(q8, k8, v8, descale_q, descale_k, descale_v, softmax_scale, causal, lean_p, kernel_required)."""
+    f(q8, k8, v8, descale_q, descale_k, descale_v, softmax_scale, causal, window, lean_p, kernel_required)."""
 
-    def call(q, k, v, dq, dk, dv, softmax_scale, causal, lean_p, kernel_required):
+    def call(q, k, v, dq, dk, dv, softmax_scale, causal, window, lean_p, kernel_required):
         return shard_kernel(
             q,
             k,
@@ -309,11 +312,12 @@ def partitioned_fp8(shard_kernel) -> custom_partitioning:
             dv,
             softmax_scale=softmax_scale,
             causal=causal,
+            window=window,
             lean_p=lean_p,
             kernel_required=kernel_required,
         )
 
-    fn = custom_partitioning(call, static_argnums=(6, 7, 8, 9))
+    fn = custom_partitioning(call, static_argnums=(6, 7, 8, 9, 10))
     fn.def_partition(
         partition=functools.partial(_partition_fp8, shard_kernel),
         infer_sharding_from_operands=_infer_fp8_sharding,

@@ -170,6 +170,26 @@ def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
             assert "F2FP.SATFINITE.E4M3" in text, name
 
 
+def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
+    """The FP8 kernel's sliding-window instantiations (ffi/flash_fwd_fp8.cu), kernels of their own: the
+    same QGMMA batches, no local memory (the consumers at 232 registers leave none to spare: the window
+    mask works from per-row bounds), the producer at 40 registers (setmaxnreg), lean P without MUFU."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8WindowKernel" in name}
+    assert len(found) == 2, list(found)  # lean P, exact P
+    for name, text in found.items():
+        assert "WindowedArgs" in name and "Fp8Args" in name, name
+        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+        assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        if "ILb1E" in name:  # lean P
+            assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
 def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
     """ffi/fp8_value_operand.cu: per thread four 16-byte evict-first loads of key rows into shared
     memory, sixteen conflict-free 4-byte shared loads, the byte transpose in PRMT (8 per 4 x 4

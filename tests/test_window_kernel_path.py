@@ -93,7 +93,8 @@ def test_kernel_path_is_the_default(rng):
     # Lowered for the CPU, a required kernel is an error: the platform refuses it, not the kill switch.
     with pytest.raises(ValueError, match="non-CUDA platform"):
         jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
-    # FP8 calls with windows stay on the pure-JAX path (the FP8 kernel has no windows yet).
+    # FP8 calls with windows stay on the pure-JAX path while the FP8 kernel's windows are gated
+    # (api.FP8_WINDOW_KERNEL_VERIFIED; tests/test_fp8_window_kernel_path.py).
     q8 = q.astype(jnp.float8_e4m3fn)
     assert api.choose_fp8_path(q8, q8, q8, False, (8, 0), None) is api.Path.REFERENCE
 

@@ -1,0 +1,212 @@
+"""The FP8 kernel's sliding windows on a Hopper GPU (dense batches): against the FP8 emulation with the
+same window (the same algorithm, blocks aligned alike: closely) and against float64 attention of the
+dequantized inputs (loosely), outputs NaN-poisoned beforehand; rows that see no key give O = 0 and
+LSE = -inf; lean and exact P; bitwise-identical reruns.
+
+Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
+with JZYFA_UNVERIFIED_FP8_WINDOW_KERNEL=1 (and JZYFA_UNVERIFIED_FP8_KERNEL=1), so that it runs while
+jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is False; once this file passes on an H200, that gate can be set
+True. Tolerances are tests/test_fp8_kernel_gpu.py's.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import naive_attention_f64, random_fp8_qkv
+from gpu_utils import requires_hopper
+from test_fp8_kernel_gpu import EMULATION_TOLERANCE, FLOAT64_TOLERANCE, LSE_TOLERANCE
+from test_kernel_gpu import relative_l2
+
+import jzyfa
+from jzyfa import _validation, api
+from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_primitive import FFI_TARGET_FP8
+
+pytestmark = [pytest.mark.gpu, requires_hopper]
+
+
+@pytest.fixture(autouse=True)
+def allow_unverified_kernels(monkeypatch):
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    monkeypatch.setenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, "1")
+
+
+def emulated_on_cpu(q8, k8, v8, descales, *, causal, window, lean_p):
+    """The emulation with the window, on the CPU (every e4m3 rounding honoured), as NumPy."""
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
+    with jax.default_device(cpu):
+        out, lse = attention_fp8_emulated(
+            *args, causal=causal, window=window, lean_p=lean_p, integer_reference=True
+        )
+    return np.asarray(out, np.float32), np.asarray(lse)
+
+
+def window_attributes(call: str) -> tuple[int, int]:
+    left = re.search(r"window_left\s*=\s*(-?\d+)", call)
+    right = re.search(r"window_right\s*=\s*(-?\d+)", call)
+    assert left and right, call
+    return int(left.group(1)), int(right.group(1))
+
+
+def run_poisoned(q8, k8, v8, descales, *, causal, window, lean_p):
+    """The kernel writing into NaN-filled, donated buffers: (out, lse) as NumPy float32, and the
+    window attributes of its custom call."""
+
+    def call(q8, k8, v8, dq, dk, dv, out_poison, lse_poison):
+        del out_poison, lse_poison
+        return jzyfa.flash_attention(
+            q8,
+            k8,
+            v8,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dv,
+            causal=causal,
+            window=window,
+            lean_p=lean_p,
+            return_lse=True,
+            implementation="kernel",
+        )
+
+    b, sq, hq, d = q8.shape
+    poison = (jnp.full((b, sq, hq, d), jnp.nan, jnp.bfloat16), jnp.full((b, hq, sq), jnp.nan, jnp.float32))
+    fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
+    hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
+    assert "input_output_alias" in hlo
+    (custom_call,) = [line for line in hlo.splitlines() if FFI_TARGET_FP8 in line and "custom-call(" in line]
+    out, lse = fn(q8, k8, v8, *descales, *poison)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse), window_attributes(custom_call)
+
+
+def dequantized(x8, d, heads):
+    d = np.asarray(d, np.float64)
+    if d.ndim == 2:  # [B, Hkv] -> per head of x
+        d = np.repeat(d, heads // d.shape[1], axis=1)[:, None, :, None]
+    return np.asarray(x8.astype(jnp.float32), np.float64) * d
+
+
+def check_window(rng, *, batch, seq_q, seq_k, heads_q, heads_kv, window, causal=False, granularity, lean_p):
+    (q8, k8, v8), descales = random_fp8_qkv(
+        rng,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        granularity=granularity,
+    )
+    out, lse, attributes = run_poisoned(q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p)
+    # The window reached the windowed kernel (not folded into causal or none by the launch).
+    mask = _validation.canonical_window(_validation.mask_window(causal, window), seq_q, seq_k)
+    assert mask not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW), "pick a real sliding window"
+    assert attributes == mask
+    assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
+    assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
+
+    emu_out, emu_lse = emulated_on_cpu(q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p)
+    seen = np.isfinite(emu_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen, "rows with no visible key must give LSE = -inf")
+    assert np.all(np.isneginf(lse[~seen]))
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
+    assert relative_l2(out, emu_out) < EMULATION_TOLERANCE
+    if seen.any():
+        assert relative_l2(lse[seen], emu_lse[seen]) < LSE_TOLERANCE
+
+    ref_out, ref_lse = naive_attention_f64(
+        dequantized(q8, descales[0], heads_q),
+        dequantized(k8, descales[1], heads_kv),
+        dequantized(v8, descales[2], heads_kv),
+        causal=causal,
+        window=window,
+        softmax_scale=128**-0.5,
+    )
+    np.testing.assert_array_equal(np.isfinite(ref_lse), seen)
+    assert relative_l2(out, ref_out) < FLOAT64_TOLERANCE
+    return seen
+
+
+# (batch, seq_q, seq_k, heads_q, heads_kv, window, granularity)
+CASES = [
+    # One block of keys per row, GQA; tiles start at first_block > 0 (K and V^T boxes offset).
+    (2, 1000, 1000, 4, 2, (128, 0), "tensor"),
+    # Up to 9 key blocks per tile across 2048 keys: a promotion of O (every 8 blocks) inside a window.
+    (1, 2048, 2048, 2, 1, (1000, 0), "head"),
+    # The diagonal only.
+    (1, 300, 300, 2, 2, (0, 0), "tensor"),
+    # Two-sided, lengths off multiples of 128 and of 32 (padded V^T).
+    (1, 777, 777, 2, 2, (37, 5), "head"),
+    # Left unbounded, more keys than queries, MQA.
+    (1, 500, 1300, 4, 1, (-1, 64), "tensor"),
+    # Few keys near the end of a long key sequence: every tile starts far in (first_block up to 22).
+    (1, 129, 3000, 2, 2, (200, 100), "head"),
+    # (0, 0) with Sk = Sq + 64: in a tile, one consumer's rows see only one of its two blocks (the
+    # other, fully masked for them, must leave their state as it was, also as their first block).
+    (1, 300, 364, 2, 2, (0, 0), "tensor"),
+]
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+@pytest.mark.parametrize("batch, seq_q, seq_k, heads_q, heads_kv, window, granularity", CASES)
+def test_fp8_windows_against_emulation_and_float64(
+    rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, window, granularity
+):
+    check_window(
+        rng,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        window=window,
+        granularity=granularity,
+        lean_p=lean_p,
+    )
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+def test_rows_that_see_no_key(rng, lean_p):
+    """More queries than keys and a window that ends before the keys for the first rows: rows
+    0 .. 689 (positions -700 .. -11, right bound 10) see no key: O = 0, LSE = -inf; whole tiles of
+    them have no key block at all."""
+    seen = check_window(
+        rng,
+        batch=1,
+        seq_q=1000,
+        seq_k=300,
+        heads_q=2,
+        heads_kv=2,
+        window=(20, 10),
+        granularity="tensor",
+        lean_p=lean_p,
+    )
+    assert not seen[..., :690].any() and seen[..., 690:].all()
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+def test_causal_with_a_window(rng, lean_p):
+    """causal=True sets the right bound to 0: (300, 7) runs as (300, 0)."""
+    check_window(
+        rng,
+        batch=1,
+        seq_q=600,
+        seq_k=900,
+        heads_q=4,
+        heads_kv=2,
+        window=(300, 7),
+        causal=True,
+        granularity="head",
+        lean_p=lean_p,
+    )
+
+
+def test_fp8_window_kernel_is_bitwise_deterministic(rng):
+    (q8, k8, v8), descales = random_fp8_qkv(rng, batch=2, seq_q=1500, seq_k=1700, heads_q=8, heads_kv=2)
+    first = run_poisoned(q8, k8, v8, descales, causal=False, window=(255, 17), lean_p=True)
+    for _ in range(3):
+        again = run_poisoned(q8, k8, v8, descales, causal=False, window=(255, 17), lean_p=True)
+        np.testing.assert_array_equal(first[0].view(np.uint32), again[0].view(np.uint32))
+        np.testing.assert_array_equal(first[1].view(np.uint32), again[1].view(np.uint32))
