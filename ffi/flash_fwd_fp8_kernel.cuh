@@ -81,14 +81,13 @@ struct Fp8Tile {
   // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
   // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
   // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
-  // memory: 35% less shared-memory traffic per promotion (measured within noise of 7 chunks).
-  // 6 is the most the windowed kernels (with the speculative codes' live scores) fit in the
-  // consumers' 232 registers without spilling; the non-window kernels fit 7.
+  // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
+  // consumers' 232 registers without spilling (8 spills).
 #ifndef JZYFA_FP8_REG_COPY_CHUNKS
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
-#define JZYFA_FP8_REG_COPY_CHUNKS 4  // the timeline's pointer and counter need the registers
+#define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
 #else
-#define JZYFA_FP8_REG_COPY_CHUNKS 6
+#define JZYFA_FP8_REG_COPY_CHUNKS 7
 #endif
 #endif
   static constexpr int kRegCopyChunks = JZYFA_FP8_REG_COPY_CHUNKS;
@@ -104,9 +103,9 @@ struct Fp8Tile {
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
   // A fresh r puts a block's max P~ in (2^5, 2^6], and r rises only past P~ = 2^8.75 (< 448):
-  // 2.75 to 3.75 doublings of headroom, so r changes in few blocks (2% of a warp's blocks on
-  // Gaussian inputs at 4K, against 38% with (2^7, 2^8] and 0.75; the error is the same), which the
-  // speculative codes of Fp8OnlineSoftmax::Step rely on.
+  // 2.75 to 3.75 doublings of headroom, so r changes, and O is rescaled, in few blocks (2% of a
+  // warp's blocks on Gaussian inputs at 4K, 22% on activation-like ones, against 38% and 65% with
+  // (2^7, 2^8] and 0.75; the error is the same: jzyfa/fp8_emulation.py).
   static constexpr float kPExponent = 6.f;
   static constexpr float kLazyThreshold = 2.75f;
   static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^2
@@ -157,8 +156,7 @@ struct Fp8OnlineSoftmax {
 
   // The codes' affine map for the current r, kept by UpdateReference for WriteCodes: lean, the
   // code (scaled by 2^-7) is s * c1 + c0[h]; exact, P~ = 2^(s * c1 + c0[h]). While r = -inf the
-  // map is that of r = 0: masked scores (-inf) give P~ = 0, and a block with a visible key changes
-  // r, so its codes are written again.
+  // map is that of r = 0 (a row with no visible key yet has only -inf scores: P~ = 0).
   float c1, c0[2];
 
   __device__ __forceinline__ explicit Fp8OnlineSoftmax(float row_scale)
@@ -187,13 +185,10 @@ struct Fp8OnlineSoftmax {
   }
 
   // Finds each row's block maximum, updates r and the codes' map; alpha is the factor O must be
-  // rescaled by. Returns whether r changed in one of this thread's rows (then codes written with
-  // the old map are wrong). A dependency chain (max tree, two quad shuffles, the reference update)
-  // that WriteCodes' wide, independent work can run beside.
-  __device__ __forceinline__ bool UpdateReference(const float (&s)[Fp8Tile::kBlockN / 2],
+  // rescaled by. A dependency chain (max tree, two quad shuffles, the reference update).
+  __device__ __forceinline__ void UpdateReference(const float (&s)[Fp8Tile::kBlockN / 2],
                                                   float (&alpha)[2], float row_scale) {
     constexpr int kChunks = Fp8Tile::kBlockN / 8;
-    bool changed = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // A tree, not a chain: 5 dependent FMNMX instead of 32.
@@ -210,60 +205,62 @@ struct Fp8OnlineSoftmax {
       running_max[h] = fmaxf(running_max[h], block_max);
       const float new_r = NextReference(r[h], running_max[h], block_max);
       alpha[h] = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
-      changed |= new_r != r[h];  // -inf to -inf (no visible key yet) is no change
       r[h] = new_r;
       // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
       c0[h] = MapOffset(new_r == -INFINITY ? 0.f : new_r);
     }
-    return changed;
   }
 
   // P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that V^T's permuted keys line up),
-  // from S (kept) and the current map.
-  __device__ __forceinline__ void WriteCodes(const float (&s)[Fp8Tile::kBlockN / 2],
+  // from S and the current map. S is overwritten.
+  __device__ __forceinline__ void WriteCodes(float (&s)[Fp8Tile::kBlockN / 2],
                                              uint32_t (&p)[4][4]) const {
     using C = Fp8Softmax;
-    // P~ of element i: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
+    // P~ per element: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
     // below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
     // 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
     // differs from one rounding only within 2^-17 of a half-integer code.
-    auto code = [&](int i) {
+#pragma unroll
+    for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
       const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
       if (kLeanP) {
         const float magic = (i % 8 == 4 || i % 8 == 6) ? C::kPackMagicThird : C::kPackMagic;
-        return fmaf(__saturatef(x), 128.f, magic);
+        s[i] = fmaf(__saturatef(x), 128.f, magic);
+      } else {
+        s[i] = ptx::ex2_approx(x);
       }
-      return ptx::ex2_approx(x);
-    };
-    auto pack = [&](int a, int b, int c, int d) {
-      return kLeanP ? PackCodes(code(a), code(b), code(c), code(d))
-                    : ptx::pack4_e4m3(code(a), code(b), code(c), code(d));
-    };
+    }
     // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
     // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j) {
+      const float* t = s + 16 * j;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int u = 16 * j + 8 * half;
-        p[j][2 * half + 0] = pack(u + 0, u + 1, u + 4, u + 5);
-        p[j][2 * half + 1] = pack(u + 2, u + 3, u + 6, u + 7);
+        const float* u = t + 8 * half;
+        if (kLeanP) {
+          p[j][2 * half + 0] = PackCodes(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = PackCodes(u[2], u[3], u[6], u[7]);
+        } else {
+          p[j][2 * half + 0] = ptx::pack4_e4m3(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = ptx::pack4_e4m3(u[2], u[3], u[6], u[7]);
+        }
       }
+    }
   }
 
-  // One block: S masked as needed, then P~'s A fragments, and alpha. The codes are written with
-  // the current r before the block's maxima are known (r changes in few blocks: docs/fp8.md 10.8),
-  // so the max tree and the codes interleave; a warp where some row's r changed writes them again.
+  // One block: S masked as needed, r updated (alpha: O's rescale factor), P~'s A fragments.
+  // (Writing the codes with the old r before the block's maxima are known, and again where r moved,
+  // measured no faster: docs/benchmarks.md, "speculative codes".)
   template <typename Timeline>
   __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
                                        float (&alpha)[2], float row_scale, bool needs_mask,
                                        int key_start, int first_row, int lane, int seqlen_k,
                                        bool causal, int diagonal, Timeline& timeline) {
     if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
-    WriteCodes(s, p);
-    const bool changed = UpdateReference(s, alpha, row_scale);
+    UpdateReference(s, alpha, row_scale);
     timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
-    if (__any_sync(0xffffffff, changed)) WriteCodes(s, p);
+    WriteCodes(s, p);
   }
 };
 

@@ -9,6 +9,7 @@ jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is False; once this file passes on an H200,
 True. Tolerances are tests/test_fp8_kernel_gpu.py's.
 """
 
+import math
 import re
 
 import jax
@@ -24,6 +25,8 @@ import jzyfa
 from jzyfa import _validation, api
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_primitive import FFI_TARGET_FP8
+
+ONE_CODE_LSE = math.log(1 + 2**-3) + 1e-3  # one e4m3 code of a row's largest probability
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -114,7 +117,11 @@ def check_window(rng, *, batch, seq_q, seq_k, heads_q, heads_kv, window, causal=
     assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
     assert relative_l2(out, emu_out) < EMULATION_TOLERANCE
     if seen.any():
-        assert relative_l2(lse[seen], emu_lse[seen]) < LSE_TOLERANCE
+        # LSE is a log: compare absolutely. A row with few visible keys moves by up to ln(1 + 2^-3)
+        # when one code differs from the emulation's (lean P rounds twice, exact P's ex2.approx is
+        # not exp2), which a relative measure inflates where LSE is near 0 (window (0, 0): one key).
+        difference = np.abs(lse[seen] - emu_lse[seen])
+        assert difference.mean() < LSE_TOLERANCE and difference.max() < ONE_CODE_LSE, difference.max()
 
     ref_out, ref_lse = naive_attention_f64(
         dequantized(q8, descales[0], heads_q),
