@@ -7,7 +7,7 @@
 //     jzyfa/fp8_layout.py) and P goes from the S accumulators into A registers without moving a
 //     byte between lanes.
 //   - One integer reference exponent r per row: P~ = 2^(t - r), t the score in log2 units. r rises
-//     lazily (only when a block's largest P~ would pass 2^(6 + 2.75)) and falls for blocks far below
+//     lazily (only when a block's largest P~ would pass 2^(7 + 1.75)) and falls for blocks far below
 //     the row maximum (per-block power-of-two scaling), so O is rescaled by exact powers of two.
 //   - Lean P: each probability's e4m3 code from one FFMA, RNE(s * 8 scale + 56 - 8 r), read off the
 //     float's low byte (no MUFU.EX2 in the loop); kLeanP = false rounds ex2.approx to e4m3 instead.
@@ -102,13 +102,13 @@ struct Fp8Tile {
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
-  // A fresh r puts a block's max P~ in (2^5, 2^6], and r rises only past P~ = 2^8.75 (< 448):
-  // 2.75 to 3.75 doublings of headroom, so r changes, and O is rescaled, in few blocks (2% of a
-  // warp's blocks on Gaussian inputs at 4K, 22% on activation-like ones, against 38% and 65% with
-  // (2^7, 2^8] and 0.75; the error is the same: jzyfa/fp8_emulation.py).
-  static constexpr float kPExponent = 6.f;
-  static constexpr float kLazyThreshold = 2.75f;
-  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^2
+  // A fresh r puts a block's max P~ in (2^6, 2^7], and r rises only past P~ = 2^8.75 (< 448):
+  // 1.75 to 2.75 doublings of headroom, so r changes, and O is rescaled, in fewer blocks (12% of a
+  // warp's blocks on Gaussian inputs at 4K, 42% on activation-like ones, against 38% and 65% with
+  // (2^7, 2^8] and 0.75): jzyfa/fp8_emulation.py, docs/fp8.md section 1.
+  static constexpr float kPExponent = 7.f;
+  static constexpr float kLazyThreshold = 1.75f;
+  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^3
   static constexpr float kMaxBlockExponent = 32.f;  // r stays within 2^32 of the running max's
   static constexpr float kCodeSlope = 8.f;         // e4m3 codes per doubling
   static constexpr float kCodeOfOne = 56.f;        // 0x38
