@@ -25,7 +25,10 @@ step "machine"
 step "build + install (pip, no network)"
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 rm -rf "$SITE"
-python3 -m pip install -v --no-build-isolation --no-deps --target "$SITE" "$REPO" > "$OUT_DIR/build.log" 2>&1 \
+# One build directory per CUDAFLAGS: with pyproject's fixed build/ a flag change finds "no work to do".
+BUILD_DIR=/tmp/jzyfa-build-$(printf '%s' "${CUDAFLAGS:-}" | md5sum | cut -c1-8)
+python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DIR" --target "$SITE" "$REPO" \
+  > "$OUT_DIR/build.log" 2>&1 \
   || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
 # At most 8 files come back from the device tool: keep resources and SASS counts in one.
 grep -E "registers|spill|stack frame|C75" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/summary.txt"
