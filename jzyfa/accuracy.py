@@ -49,34 +49,52 @@ _ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
 
 
 def attention_float64(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool, *, return_lse: bool = False
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    scale: float,
+    causal: bool,
+    *,
+    window: tuple[int, int] | None = None,
+    return_lse: bool = False,
 ):
     """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
 
-    Runs over blocks of query rows so long sequences fit in memory; under the causal mask
-    (bottom-right aligned) a block only multiplies the keys its rows can see. Rows that see no key
-    give out 0 and lse -inf.
+    window: None (the mask is causal or none), or a (left, right) mask with causal already folded in
+    (`jzyfa._validation.mask_window`; `causal` is then not read): query i, at position
+    p = i + Sk - Sq, sees key j iff p - left <= j <= p + right (-1: unbounded on that side). Causal
+    is (-1, 0), bottom-right aligned. Runs over blocks of query rows so long sequences fit in
+    memory, each block multiplying only the key range its rows can see. Rows that see no key give
+    out 0 and lse -inf.
     """
+    left, right = window if window is not None else ((-1, 0) if causal else (-1, -1))
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     seq_q, seq_k = q.shape[0], k.shape[0]
-    offset = seq_k - seq_q  # bottom-right: row i sees keys j <= i + offset
+    offset = seq_k - seq_q  # row i sits at position i + offset
     out = np.zeros((seq_q, v.shape[1]), np.float64)
     lse = np.full(seq_q, -np.inf)
     rows_per_block = max(1, min(seq_q, _ROWS_BUDGET // max(seq_k, 1)))
     for start in range(0, seq_q, rows_per_block):
         stop = min(seq_q, start + rows_per_block)
-        keys = min(seq_k, stop + offset) if causal else seq_k
-        if keys <= 0:
+        first = max(0, start + offset - left) if left >= 0 else 0
+        end = min(seq_k, stop + offset + right) if right >= 0 else seq_k  # exclusive
+        if end <= first:
             continue
-        scores = (q[start:stop] @ k[:keys].T) * scale
-        if causal:
-            rows = np.arange(start, stop)[:, None]
-            scores = np.where(np.arange(keys)[None, :] <= rows + offset, scores, -np.inf)
+        scores = (q[start:stop] @ k[first:end].T) * scale
+        if left >= 0 or right >= 0:
+            position = np.arange(start, stop)[:, None] + offset
+            keys = np.arange(first, end)[None, :]
+            visible = np.ones(scores.shape, bool)
+            if left >= 0:
+                visible &= keys >= position - left
+            if right >= 0:
+                visible &= keys <= position + right
+            scores = np.where(visible, scores, -np.inf)
         row_max = scores.max(axis=1, keepdims=True)
         seen = np.isfinite(row_max)
         probs = np.exp(scores - np.where(seen, row_max, 0.0))
         row_sum = probs.sum(axis=1, keepdims=True)
-        out[start:stop] = np.where(seen, (probs @ v[:keys]) / np.where(seen, row_sum, 1.0), 0.0)
+        out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
         lse[start:stop] = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)[:, 0]
     return (out, lse) if return_lse else out
 

@@ -78,7 +78,6 @@ __all__ = [
     "Problem",
     "Unsupported",
     "attention_float64",
-    "attention_float64_window",
     "attention_flops",
     "parse_shapes",
     "parse_varlen",
@@ -198,7 +197,6 @@ _SMOKE_OVERRIDES = {
 }
 
 _REF_FLOP_BUDGET = 2e11  # float64 reference FLOPs per shape when --ref_pairs=-1
-_REF_ROWS_BUDGET = 2**22  # float64 score entries per block of query rows of the windowed reference
 # BAD above this relative L2 error of O, by what the implementation computes in.
 DEFAULT_MAX_REL_ERR = {"bf16": 2e-2, "f16": 5e-3, "fp8": 0.15}
 # JAX preallocates 75% of GPU memory; with PyTorch peers in the run it gets this share instead.
@@ -284,42 +282,6 @@ def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
     return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
 
 
-def attention_float64_window(q, k, v, scale: float, window: _validation.Window) -> np.ndarray:
-    """`attention_float64` (one head: q [Sq, D], k and v [Sk, D] -> out [Sq, D]) under a window.
-
-    window: the (left, right) mask with causal folded in (`jzyfa._validation.mask_window`): query i,
-    at position p = i + Sk - Sq, sees key j iff p - left <= j <= p + right (-1: unbounded). Runs over
-    blocks of query rows, each multiplying only the key range its rows can see; rows that see no key
-    give out 0.
-    """
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    seq_q, seq_k = q.shape[0], k.shape[0]
-    left, right = window
-    offset = seq_k - seq_q
-    out = np.zeros((seq_q, v.shape[1]), np.float64)
-    rows_per_block = max(1, min(seq_q, _REF_ROWS_BUDGET // max(seq_k, 1)))
-    for start in range(0, seq_q, rows_per_block):
-        stop = min(seq_q, start + rows_per_block)
-        pos = np.arange(start, stop)[:, None] + offset
-        first = max(0, start + offset - left) if left >= 0 else 0
-        end = min(seq_k, stop + offset + right) if right >= 0 else seq_k  # exclusive
-        if end <= first:
-            continue
-        keys = np.arange(first, end)[None, :]
-        visible = np.ones((stop - start, end - first), bool)
-        if left >= 0:
-            visible &= keys >= pos - left
-        if right >= 0:
-            visible &= keys <= pos + right
-        scores = np.where(visible, (q[start:stop] @ k[first:end].T) * scale, -np.inf)
-        row_max = scores.max(axis=1, keepdims=True)
-        seen = np.isfinite(row_max)
-        probs = np.exp(scores - np.where(seen, row_max, 0.0))
-        row_sum = probs.sum(axis=1, keepdims=True)
-        out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
-    return out
-
-
 @dataclasses.dataclass
 class Reference:
     batches: np.ndarray
@@ -330,9 +292,8 @@ class Reference:
 
 def _attention_float64_masked(problem: Problem, q, k, v) -> np.ndarray:
     """One head in float64 (q [Sq, D], k and v [Sk, D]) under the problem's mask."""
-    if problem.window is None:
-        return attention_float64(q, k, v, problem.softmax_scale, problem.causal)
-    return attention_float64_window(q, k, v, problem.softmax_scale, problem.mask)
+    window = None if problem.window is None else problem.mask
+    return attention_float64(q, k, v, problem.softmax_scale, problem.causal, window=window)
 
 
 def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) -> Reference:
@@ -365,17 +326,7 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
     qs = take_pairs(q, batches, heads)
     ks = take_pairs(k, batches, heads // group)
     vs = take_pairs(v, batches, heads // group)
-    if problem.window is None:
-        outs = [
-            attention_float64(qs[i], ks[i], vs[i], problem.softmax_scale, problem.causal)
-            for i in range(len(pairs))
-        ]
-    else:
-        outs = [
-            attention_float64_window(qs[i], ks[i], vs[i], problem.softmax_scale, problem.mask)
-            for i in range(len(pairs))
-        ]
-    out = np.stack(outs)
+    out = np.stack([_attention_float64_masked(problem, qs[i], ks[i], vs[i]) for i in range(len(pairs))])
     return Reference(batches, heads, out, time.perf_counter() - start)
 
 

@@ -116,7 +116,7 @@ def test_windowed_reference_matches_the_oracle(rng, seq_q, seq_k, window, causal
         q[None, :, None], k[None, :, None], v[None, :, None], causal=causal, softmax_scale=0.3, window=window
     )
     mask = jzyfa._validation.mask_window(causal, window)
-    got = bench.attention_float64_window(q, k, v, 0.3, mask)
+    got = bench.attention_float64(q, k, v, 0.3, False, window=mask)
     np.testing.assert_allclose(got, expected[0, :, 0], rtol=1e-12, atol=1e-12)
 
 
@@ -124,7 +124,7 @@ def test_windowed_reference_long_sequence_uses_blocks(rng):
     # 2**22 // 3000 = 1398 rows per block: three blocks, each with its own key range.
     seq, left = 3000, 100
     q, k, v = (rng.standard_normal((seq, 8)) for _ in range(3))
-    got = bench.attention_float64_window(q, k, v, 0.5, (left, 0))
+    got = bench.attention_float64(q, k, v, 0.5, False, window=(left, 0))
     for i in [0, 99, 100, 1397, 1398, 1500, 2796, seq - 1]:
         lo = max(0, i - left)
         s = (k[lo : i + 1] @ q[i]) * 0.5
