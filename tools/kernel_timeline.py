@@ -177,34 +177,23 @@ def format_summary(summary: dict, dtype: str) -> str:
 
 def run(dtype: str, batch: int, seq: int, heads: int) -> np.ndarray:
     import jax
-    import jax.numpy as jnp
-
-    import jzyfa
+    from profile_call import kernel_call  # tools/, next to this file
 
     ffi = importlib.import_module("jzyfa._jzyfa_ffi")
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, 128)), jnp.bfloat16) for _ in range(3))
-    kwargs = {}
-    if dtype == "fp8":
-        (q, dq), (k, dk), (v, dv) = (jzyfa.fp8_quantize(x) for x in (q, k, v))
-        kwargs = {"descale_q": dq, "descale_k": dk, "descale_v": dv}
-    call = jax.jit(
-        lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, implementation="kernel", **kwargs)
-    )
+    call, inputs = kernel_call(dtype, batch, seq, heads)
     kernel = "fp8" if dtype == "fp8" else "16bit"
-    jax.block_until_ready(call(q, k, v))  # compile, warm up
+    jax.block_until_ready(call(*inputs))  # compile, warm up
     ffi.kernel_timeline(kernel)  # discard the warm-up's stamps
-    jax.block_until_ready(call(q, k, v))
+    jax.block_until_ready(call(*inputs))
     raw = ffi.kernel_timeline(kernel)
     return np.frombuffer(raw, np.uint64).reshape(CTAS, CONSUMERS, ITERATIONS, EVENTS)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from profile_call import add_call_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=("fp8", "bf16"), default="fp8")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=32768)
-    parser.add_argument("--heads", type=int, default=16)
+    add_call_arguments(parser, default_seq=32768)
     args = parser.parse_args(argv)
     print(f"{args.dtype}, causal, batch {args.batch}, {args.seq} tokens, {args.heads} heads, head dim 128")
     print(format_summary(summarize(run(args.dtype, args.batch, args.seq, args.heads)), args.dtype))
