@@ -28,13 +28,16 @@ std::string ShapeString(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// out must have q's shape, lse be [batch, heads_q, seq_q], the tile counter one int32.
+// out must have q's shape with v's head dim (out_head_dim; MLA: 128 where q has 192), lse be
+// [batch, heads_q, seq_q], the tile counter one int32.
 ffi::Error CheckResults(const std::string& name, ffi::Span<const int64_t> qd,
                         ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld,
-                        int64_t tile_counter_size) {
-  if (od.size() != qd.size() || !std::equal(od.begin(), od.end(), qd.begin())) {
-    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
-                                       " must have the shape of q " + ShapeString(qd));
+                        int64_t out_head_dim, int64_t tile_counter_size) {
+  if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
+      od.back() != out_head_dim) {
+    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) + " must have the shape of q " +
+                                       ShapeString(qd) + " with head_dim " +
+                                       std::to_string(out_head_dim));
   }
   if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
     return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
@@ -90,10 +93,11 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
     return ffi::Error::InvalidArgument(
         "jzyfa_flash_attention_fwd: q, k and v must be [batch, seq, heads, head_dim]");
   }
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 3; ++i) {  // v's head dim may differ from k's (MLA; ValidateFlashFwd)
     if (kd[i] != vd[i]) {
       return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: k " + ShapeString(kd) +
-                                         " and v " + ShapeString(vd) + " differ");
+                                         " and v " + ShapeString(vd) +
+                                         " differ in batch, seq or heads");
     }
   }
   if (kd[0] != qd[0] || kd[3] != qd[3]) {
@@ -101,13 +105,14 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                        " and k " + ShapeString(kd) +
                                        " disagree on batch or head_dim");
   }
-  ffi::Error results = CheckResults("jzyfa_flash_attention_fwd: ", qd, od, ld,
+  ffi::Error results = CheckResults("jzyfa_flash_attention_fwd: ", qd, od, ld, vd[3],
                                     tile_counter->element_count());
   if (results.failure()) return results;
 
   FlashFwdParams p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.v = v.untyped_data();
+  p.head_dim_v = vd[3];
   p.window_left = window_left;
   p.window_right = window_right;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
@@ -241,7 +246,7 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
                                        " and vt " + ShapeString(vd) + " disagree");
   }
-  ffi::Error results = CheckResults(name, qd, od, ld, tile_counter->element_count());
+  ffi::Error results = CheckResults(name, qd, od, ld, qd[3], tile_counter->element_count());
   if (results.failure()) return results;
   ffi::Error descales = CheckDescales(descale_q, descale_k, descale_v, kd[0], kd[2]);
   if (descales.failure()) return descales;

@@ -15,65 +15,83 @@
 namespace jzyfa {
 namespace {
 
-// The plain kernel, or the sliding-window one.
-template <typename Element, int kHeadDim, bool kWindow>
+// MLA's head dims: q and k 192, v and out 128.
+constexpr int kMlaHeadDimQK = 192;
+constexpr int kMlaHeadDimV = 128;
+
+// The plain kernel, the sliding-window one, or MLA's (two head dims, no window).
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
 constexpr auto ForwardKernel() {
+  static_assert(!(kWindow && kHeadDimQK != kHeadDimV), "no sliding-window MLA kernel");
   if constexpr (kWindow) {
-    return FlashFwdWindowKernel<Element, kHeadDim>;
+    return FlashFwdWindowKernel<Element, kHeadDimQK>;
+  } else if constexpr (kHeadDimQK != kHeadDimV) {
+    return FlashFwdMlaKernel<Element, kHeadDimQK, kHeadDimV>;
   } else {
-    return FlashFwdKernel<Element, kHeadDim>;
+    return FlashFwdKernel<Element, kHeadDimQK>;
   }
 }
 
-template <typename Element, int kHeadDim, bool kWindow>
+// q and k have head dim kHeadDimQK, v and out kHeadDimV.
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
 std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
-  constexpr auto kernel = ForwardKernel<Element, kHeadDim, kWindow>();
-  const DeviceInfo* info = nullptr;
-  std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
-  if (!error.empty()) return error;
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  if constexpr (!Tile::kFitsSharedMemory) {
+    // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 or -DJZYFA_EPILOGUE_TMA=1 (FwdTile).
+    (void)p, (void)mask, (void)stream;
+    return "head dims (" + std::to_string(kHeadDimQK) + ", " + std::to_string(kHeadDimV) +
+           ") need " + std::to_string(Tile::kDynamicSmemBytes) +
+           " bytes of shared memory in this build (JZYFA_KV_STAGES=" + std::to_string(Tile::kStages) +
+           ", JZYFA_EPILOGUE_TMA=" + std::to_string(JZYFA_EPILOGUE_TMA) + "), more than the " +
+           std::to_string(Tile::kMaxDynamicSmemBytes) + " a block can have";
+  } else {
+    constexpr auto kernel = ForwardKernel<Element, kHeadDimQK, kHeadDimV, kWindow>();
+    const DeviceInfo* info = nullptr;
+    std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
+    if (!error.empty()) return error;
 
-  const bool bf16 = p.element_type == ElementType::kBF16;
-  CUtensorMap tmap_q, tmap_k, tmap_v;
-  if (!EncodeRowMap16(&tmap_q, p.q, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
-                      Tile::kRowsPerConsumer, &error) ||
-      !EncodeRowMap16(&tmap_k, p.k, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tile::kBlockN,
-                      &error) ||
-      !EncodeRowMap16(&tmap_v, p.v, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDim, Tile::kBlockN,
-                      &error)) {
-    return error;
-  }
+    const bool bf16 = p.element_type == ElementType::kBF16;
+    CUtensorMap tmap_q, tmap_k, tmap_v;
+    if (!EncodeRowMap16(&tmap_q, p.q, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDimQK,
+                        Tile::kRowsPerConsumer, &error) ||
+        !EncodeRowMap16(&tmap_k, p.k, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDimQK,
+                        Tile::kBlockN, &error) ||
+        !EncodeRowMap16(&tmap_v, p.v, bf16, p.batch, p.seqlen_k, p.heads_kv, kHeadDimV,
+                        Tile::kBlockN, &error)) {
+      return error;
+    }
 #if JZYFA_EPILOGUE_TMA
-  CUtensorMap tmap_o;  // O is stored in Q's boxes
-  if (!EncodeRowMap16(&tmap_o, p.out, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDim,
-                      Tile::kRowsPerConsumer, &error)) {
-    return error;
-  }
+    CUtensorMap tmap_o;  // O is stored in Q's boxes (64 rows), v's head dim wide
+    if (!EncodeRowMap16(&tmap_o, p.out, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDimV,
+                        Tile::kRowsPerConsumer, &error)) {
+      return error;
+    }
 #endif
-  std::conditional_t<kWindow, WindowedArgs<FwdArgs>, FwdArgs> args;
-  args.out = p.out;
-  args.lse = p.lse;
-  args.tile_counter = p.tile_counter;
-  SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
-                  Tile::kBlockM);
-  args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  if constexpr (kWindow) {
-    args.window_left = mask.window_left;
-    args.window_right = mask.window_right;
-  }
+    std::conditional_t<kWindow, WindowedArgs<FwdArgs>, FwdArgs> args;
+    args.out = p.out;
+    args.lse = p.lse;
+    args.tile_counter = p.tile_counter;
+    SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
+                    Tile::kBlockM);
+    args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    if constexpr (kWindow) {
+      args.window_left = mask.window_left;
+      args.window_right = mask.window_right;
+    }
 
-  // Persistent: CTA i starts on tile i and claims the rest from the counter.
-  int grid = 0;
-  error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
-  if (!error.empty()) return error;
-  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
+    // Persistent: CTA i starts on tile i and claims the rest from the counter.
+    int grid = 0;
+    error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
+    if (!error.empty()) return error;
+    kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
 #if JZYFA_EPILOGUE_TMA
-                                                                     tmap_o,
+                                                                       tmap_o,
 #endif
-                                                                     args);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
-  return "";
+                                                                       args);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
+    return "";
+  }
 }
 
 }  // namespace
@@ -82,8 +100,11 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
     return "q, k and v need batch, sequence and head counts of at least 1";
   }
-  if (p.head_dim != 64 && p.head_dim != 128) {
-    return "head_dim must be 64 or 128 for the jzyfa kernel, got " + std::to_string(p.head_dim);
+  const bool mla = p.head_dim == kMlaHeadDimQK && p.head_dim_v == kMlaHeadDimV;
+  if (!mla && !((p.head_dim == 64 || p.head_dim == 128) && p.head_dim_v == p.head_dim)) {
+    return "head_dim must be 64 or 128 for the jzyfa kernel (q, k and v alike), or 192 for q and k "
+           "with 128 for v (MLA); got " + std::to_string(p.head_dim) + " for q and k, " +
+           std::to_string(p.head_dim_v) + " for v";
   }
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
@@ -114,6 +135,9 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (mask.windowed && p.seqlen_q + p.seqlen_k > (int64_t{1} << 30)) {
     return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
            std::to_string(p.seqlen_q + p.seqlen_k);
+  }
+  if (mask.windowed && mla) {
+    return "sliding windows have no kernel at MLA's head dims (192, 128), only causal or no mask";
   }
   return "";
 }
@@ -155,20 +179,24 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
   const bool bf16 = p.element_type == ElementType::kBF16;
+  if (p.head_dim == kMlaHeadDimQK) {  // head_dim_v is kMlaHeadDimV, the mask not windowed (above)
+    return bf16 ? Launch<__nv_bfloat16, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream)
+                : Launch<__half, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream);
+  }
   if (mask.windowed) {
     if (p.head_dim == 64) {
-      return bf16 ? Launch<__nv_bfloat16, 64, true>(p, mask, stream)
-                  : Launch<__half, 64, true>(p, mask, stream);
+      return bf16 ? Launch<__nv_bfloat16, 64, 64, true>(p, mask, stream)
+                  : Launch<__half, 64, 64, true>(p, mask, stream);
     }
-    return bf16 ? Launch<__nv_bfloat16, 128, true>(p, mask, stream)
-                : Launch<__half, 128, true>(p, mask, stream);
+    return bf16 ? Launch<__nv_bfloat16, 128, 128, true>(p, mask, stream)
+                : Launch<__half, 128, 128, true>(p, mask, stream);
   }
   if (p.head_dim == 64) {
-    return bf16 ? Launch<__nv_bfloat16, 64, false>(p, mask, stream)
-                : Launch<__half, 64, false>(p, mask, stream);
+    return bf16 ? Launch<__nv_bfloat16, 64, 64, false>(p, mask, stream)
+                : Launch<__half, 64, 64, false>(p, mask, stream);
   }
-  return bf16 ? Launch<__nv_bfloat16, 128, false>(p, mask, stream)
-              : Launch<__half, 128, false>(p, mask, stream);
+  return bf16 ? Launch<__nv_bfloat16, 128, 128, false>(p, mask, stream)
+              : Launch<__half, 128, 128, false>(p, mask, stream);
 }
 
 std::string ReadFlashFwdTimeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

@@ -14,8 +14,10 @@ namespace jzyfa {
 enum class ElementType { kBF16, kF16 };
 
 // One forward call. Tensors are dense row-major:
-//   q, out: [batch, seqlen_q, heads_q, head_dim]; k, v: [batch, seqlen_k, heads_kv, head_dim];
+//   q: [batch, seqlen_q, heads_q, head_dim]; k: [batch, seqlen_k, heads_kv, head_dim];
+//   v: [batch, seqlen_k, heads_kv, head_dim_v]; out: [batch, seqlen_q, heads_q, head_dim_v];
 //   lse: [batch, heads_q, seqlen_q] float32, natural log.
+//   (head_dim, head_dim_v): (64, 64), (128, 128), or MLA's (192, 128) without a sliding window.
 //   tile_counter: one int32 of device scratch the launch zeroes and the kernel's tile
 //   scheduler counts in (the caller owns it so that concurrent launches never share one).
 struct FlashFwdParams {
@@ -30,7 +32,8 @@ struct FlashFwdParams {
   int64_t seqlen_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // q's and k's
+  int64_t head_dim_v = 0;  // v's and out's
   float softmax_scale = 1.0f;
   bool causal = false;  // bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
   // Sliding window (left, right): query i, at position i + seqlen_k - seqlen_q, sees key j iff

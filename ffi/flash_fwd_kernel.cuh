@@ -1,4 +1,5 @@
-// The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64 and 128.
+// The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64 and 128, and MLA's
+// (q/k head dim 192, v head dim 128; dense batches, no sliding window).
 //
 // A persistent grid (one CTA per SM) works through tiles of 128 query rows of one
 // (batch, head), claimed in order from a global counter: longest tiles first inside a
@@ -120,7 +121,9 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& ar
   return w;
 }
 
-template <int kHeadDim>
+// The tile geometry of head dims kHeadDimQK for q and k (Q's and K's tiles, the Q K^T k-loop) and
+// kHeadDimV for v and o (V's tile, P V's N, the O accumulator and its stores); equal except for MLA.
+template <int kHeadDimQK, int kHeadDimV = kHeadDimQK>
 struct FwdTile {
   static constexpr int kConsumers = 2;
   static constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -130,20 +133,29 @@ struct FwdTile {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  // 128-byte swizzle atoms are 64 16-bit elements wide: the head dim comes in slices.
-  static constexpr int kSlices = kHeadDim / 64;
-  static constexpr int kQSliceBytes = kRowsPerConsumer * 128;
-  static constexpr int kQConsumerBytes = kQSliceBytes * kSlices;
+  // 128-byte swizzle atoms are 64 16-bit elements wide: the head dims come in slices.
+  static constexpr int kQKSlices = kHeadDimQK / 64;  // of Q and K
+  static constexpr int kVSlices = kHeadDimV / 64;    // of V and O
+  static constexpr int kQSliceBytes = kRowsPerConsumer * 128;  // O's slices too
+  static constexpr int kQConsumerBytes = kQSliceBytes * kQKSlices;
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
   static constexpr int kKVSliceBytes = kBlockN * 128;
-  static constexpr int kKVBytes = kKVSliceBytes * kSlices;  // one of K or V, one stage
-  // With the TMA-store epilogue each consumer also has an O tile (Q's size): Q itself is being
-  // refilled for the next tile while the epilogue runs.
-  static constexpr int kOBytes = JZYFA_EPILOGUE_TMA ? kQBytes : 0;
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kOBytes;
+  static constexpr int kKBytes = kKVSliceBytes * kQKSlices;  // one stage
+  static constexpr int kVBytes = kKVSliceBytes * kVSlices;   // one stage
+  // With the TMA-store epilogue each consumer also has an O tile: Q itself is being refilled for
+  // the next tile while the epilogue runs.
+  static constexpr int kOConsumerBytes = kQSliceBytes * kVSlices;
+  static constexpr int kOBytes = JZYFA_EPILOGUE_TMA ? kOConsumerBytes * kConsumers : 0;
+  static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + kOBytes;
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
-  static_assert(kHeadDim % 64 == 0, "head dim must be a multiple of 64");
+  // An sm_90 block opts in to at most 227 KB of dynamic shared memory. The default build fits every
+  // head dim; MLA (192, 128) fits only with 2 stages and the register epilogue (Q 48 KB + 2 x (K 48 KB
+  // + V 32 KB) = 208 KB; 3 stages take 288 KB, the TMA epilogue's O tiles 32 KB more). A tile that
+  // does not fit is never instantiated: flash_fwd.cu's launch refuses it instead.
+  static constexpr int kMaxDynamicSmemBytes = 227 * 1024;
+  static constexpr bool kFitsSharedMemory = kDynamicSmemBytes <= kMaxDynamicSmemBytes;
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "head dims must be multiples of 64");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 
@@ -228,7 +240,7 @@ struct OnlineSoftmax {
 // The kernel's body, for dense batches (FwdArgs) and packed variable-length ones (VarlenFwdArgs:
 // 4-D maps over [1, total, heads, D], per-sequence offsets, lengths and masks, and the register
 // epilogue only, since a TMA store box would spill into the next sequence).
-template <typename Element, int kHeadDim, typename Args>
+template <typename Element, int kHeadDimQK, int kHeadDimV, typename Args>
 __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                               const CUtensorMap& tmap_v,
 #if JZYFA_EPILOGUE_TMA
@@ -238,9 +250,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   constexpr bool kVarlen = kIsVarlen<Args>;
   constexpr bool kWindow = kHasWindow<Args>;  // the tile's blocks start at work.first_block
   static_assert(!(kVarlen && JZYFA_EPILOGUE_TMA), "varlen stores O from registers");
-  using Tile = FwdTile<kHeadDim>;
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  static_assert(Tile::kFitsSharedMemory, "this tile needs more shared memory than a block can have");
   constexpr int kBlockN = Tile::kBlockN;
-  constexpr int kSlices = Tile::kSlices;
   constexpr int kStages = Tile::kStages;
   using Slot = RingSlot<kStages>;
 
@@ -249,11 +261,14 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                              ~uint32_t(Tile::kSmemAlign - 1);
   auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
-  auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * 2 * Tile::kKVBytes; };
-  auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKVBytes; };
+  auto smem_k = [&](int stage) {
+    return smem_base + Tile::kQBytes + stage * (Tile::kKBytes + Tile::kVBytes);
+  };
+  auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
 #if JZYFA_EPILOGUE_TMA
   auto smem_o = [&](int consumer) {
-    return smem_base + Tile::kQBytes + 2 * kStages * Tile::kKVBytes + consumer * Tile::kQConsumerBytes;
+    return smem_base + Tile::kQBytes + kStages * (Tile::kKBytes + Tile::kVBytes) +
+           consumer * Tile::kOConsumerBytes;
   };
 #endif
 
@@ -276,14 +291,14 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_v);
-    // 64-column slices of the head dim: one 128-byte swizzle atom each.
+    // 64-column slices of the head dims: one 128-byte swizzle atom each.
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Keys past the
     // sequence's end are the next sequence's (finite) tokens, masked like TMA's zero fill.
     auto load_q = [&](const auto& work, uint32_t bar) {
       int row = work.q_start, batch = work.batch;
       if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
-        for (int s = 0; s < kSlices; ++s)
+        for (int s = 0; s < Tile::kQKSlices; ++s)
           ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, bar, s * 64,
                            row + c * Tile::kRowsPerConsumer, work.head, batch);
     };
@@ -291,7 +306,10 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       int row = block * kBlockN, batch = work.batch;
       if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
-      for (int s = 0; s < kSlices; ++s)
+      // MLA's three K slices, unrolled, hold one register too many for the 40-register producer
+      // (ptxas spilled the next tile's index); as a loop they spill nothing. One or two stay unrolled.
+#pragma unroll(Tile::kQKSlices > 2 ? 1 : Tile::kQKSlices)
+      for (int s = 0; s < Tile::kQKSlices; ++s)
         ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64, row,
                          work.kv_head, batch);
     };
@@ -299,12 +317,12 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       int row = block * kBlockN, batch = work.batch;
       if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
-      for (int s = 0; s < kSlices; ++s)
+      for (int s = 0; s < Tile::kVSlices; ++s)
         ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64, row,
                          work.kv_head, batch);
     };
-    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKVBytes,
-                                                   Tile::kKVBytes, load_q, load_k, load_v);
+    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
+                                                   Tile::kVBytes, load_q, load_k, load_v);
     return;
   }
 
@@ -329,7 +347,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < kHeadDimQK / 16; ++kk) {
       const uint32_t col_bytes = (kk % 4) * 32;  // 16 elements inside a 128-byte row
       const uint64_t desc_q =
           SmemDescSw128(smem_q(consumer) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16);
@@ -343,22 +361,23 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     }
     ptx::wgmma_commit_group();
   };
-  // V is [keys x head_dim] with head_dim contiguous: an MN-major B operand whose
+  // V is [keys x head_dim_v] with head_dim_v contiguous: an MN-major B operand whose
   // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
   // are two 8-key groups starting at byte 2048 j.
-  auto issue_pv = [&](float (&o)[kHeadDim / 2], const uint32_t (&p)[kBlockN / 16][4], int stage) {
+  auto issue_pv = [&](float (&o)[kHeadDimV / 2], const uint32_t (&p)[kBlockN / 16][4], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kBlockN / 16; ++j) {
       const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
-      ptx::Wgmma<Element, kHeadDim>::rs_tb(o, p[j], desc_v, 1);
+      ptx::Wgmma<Element, kHeadDimV>::rs_tb(o, p[j], desc_v, 1);
     }
     ptx::wgmma_commit_group();
   };
 
-  // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels never
-  // record (at hd128 the stamps' registers would spill there).
-  std::conditional_t<kWindow, NoTimeline, TimelineRecorder> timeline(consumer);
+  // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels and MLA's
+  // never record (the stamps' registers would spill there: at hd128 windowed, and at MLA's head dims).
+  constexpr bool kRecords = !kWindow && kHeadDimQK == kHeadDimV;
+  std::conditional_t<kRecords, TimelineRecorder, NoTimeline> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -374,10 +393,10 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;  // this thread's row h = 0
 
-    // O accumulator, wgmma layout of an m64n{kHeadDim} result (see OnlineSoftmax).
-    float o[kHeadDim / 2];
+    // O accumulator, wgmma layout of an m64n{kHeadDimV} result (see OnlineSoftmax).
+    float o[kHeadDimV / 2];
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+    for (int i = 0; i < kHeadDimV / 2; ++i) o[i] = 0.f;
     OnlineSoftmax<Element, kBlockN> softmax;
 
     if (work.num_blocks == 0) {
@@ -465,7 +484,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         // this saves the work, never changes a bit). The branch is warp-uniform.
         if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-          for (int i = 0; i < kHeadDim / 2; ++i) o[i] *= correction[(i >> 1) & 1];
+          for (int i = 0; i < kHeadDimV / 2; ++i) o[i] *= correction[(i >> 1) & 1];
         }
         timeline.Mark(kIterationEnd);
         timeline.Next();
@@ -519,9 +538,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           int64_t token = static_cast<int64_t>(rows.q_offset) + r;
           if (rows.row_stride != 0 && token >= args.total_q) token -= args.total_q;  // the tail
           if (token >= 0 && token < args.total_q) {
-            const int64_t out_row = (token * args.heads_q + rows.head) * kHeadDim;
+            const int64_t out_row = (token * args.heads_q + rows.head) * kHeadDimV;
 #pragma unroll
-            for (int c = 0; c < kHeadDim / 8; ++c) {
+            for (int c = 0; c < kHeadDimV / 8; ++c) {
               *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
                   PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
             }
@@ -538,7 +557,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 #if JZYFA_EPILOGUE_TMA
         const int tile_row = row - rows_start;
 #pragma unroll
-        for (int c = 0; c < kHeadDim / 8; ++c) {
+        for (int c = 0; c < kHeadDimV / 8; ++c) {
           const int chunk = (c % 8) ^ (tile_row % 8);
           *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
                                        chunk * 16 + quad_col * 2) =
@@ -549,9 +568,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         if (row >= args.seqlen_q) continue;
         const int64_t out_row =
             ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-            kHeadDim;
+            kHeadDimV;
 #pragma unroll
-        for (int c = 0; c < kHeadDim / 8; ++c) {
+        for (int c = 0; c < kHeadDimV / 8; ++c) {
           *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
               PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
         }
@@ -570,7 +589,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
     ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
     if (store_thread) {
-      for (int s = 0; s < kSlices; ++s)
+      for (int s = 0; s < Tile::kVSlices; ++s)
         ptx::tma_store_4d(&tmap_o, smem_o(consumer) + s * Tile::kQSliceBytes, s * 64, rows_start,
                           work.head, work.batch);
       ptx::tma_store_commit();
@@ -592,11 +611,30 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                    const __grid_constant__ CUtensorMap tmap_o,
 #endif
                    const FwdArgs args) {
-  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v,
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v,
 #if JZYFA_EPILOGUE_TMA
-                                   tmap_o,
+                                             tmap_o,
 #endif
-                                   args);
+                                             args);
+}
+
+// MLA's head dims (q/k 192, v 128: FwdTile), dense batches, causal or no mask. A kernel of its own
+// rather than a second head dim on FlashFwdKernel, so that the one-head-dim kernels keep their
+// symbols (and their SASS). Sliding windows and varlen batches have no MLA instantiation.
+template <typename Element, int kHeadDimQK, int kHeadDimV>
+__global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
+    FlashFwdMlaKernel(const __grid_constant__ CUtensorMap tmap_q,
+                      const __grid_constant__ CUtensorMap tmap_k,
+                      const __grid_constant__ CUtensorMap tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                      const __grid_constant__ CUtensorMap tmap_o,
+#endif
+                      const FwdArgs args) {
+  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                                                tmap_o,
+#endif
+                                                args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
@@ -609,11 +647,11 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                          const __grid_constant__ CUtensorMap tmap_o,
 #endif
                          const WindowedArgs<FwdArgs> args) {
-  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v,
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v,
 #if JZYFA_EPILOGUE_TMA
-                                   tmap_o,
+                                             tmap_o,
 #endif
-                                   args);
+                                             args);
 }
 
 #if !JZYFA_EPILOGUE_TMA
@@ -623,7 +661,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdVarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v, const VarlenFwdArgs args) {
-  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // Packed variable-length batches under a sliding window, per sequence.
@@ -633,7 +671,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                                const __grid_constant__ CUtensorMap tmap_k,
                                const __grid_constant__ CUtensorMap tmap_v,
                                const WindowedArgs<VarlenFwdArgs> args) {
-  FlashFwdTiles<Element, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
 }
 #endif
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from jzyfa import _platform, _validation
 from jzyfa.fp8_primitive import flash_attention_fp8_kernel, fp8_kernel_config_problem
-from jzyfa.primitive import flash_attention_fwd, kernel_config_problem
+from jzyfa.primitive import MLA_HEAD_DIMS, flash_attention_fwd, is_mla, kernel_config_problem
 from jzyfa.quantize import dequantize
 from jzyfa.reference import attention_reference
 from jzyfa.varlen import varlen_attention_reference
@@ -72,19 +72,48 @@ def _window_gate_problem(window: _validation.Window) -> str:
     )
 
 
+# The 16-bit kernel's MLA instantiation (q/k head dim 192, v head dim 128; FlashFwdMlaKernel in
+# ffi/flash_fwd_kernel.cuh, dense batches, causal or no mask) has not run on a GPU yet: until
+# tests/test_mla_kernel_gpu.py passes on an H200, MLA calls stay on the pure-JAX path, and
+# implementation="kernel" needs the variable below.
+MLA_KERNEL_VERIFIED = False
+UNVERIFIED_MLA_KERNEL_ENV = "JZYFA_UNVERIFIED_MLA_KERNEL"
+
+
+def mla_kernel_enabled() -> bool:
+    return MLA_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_MLA_KERNEL_ENV) == "1"
+
+
+def _mla_gate_problem() -> str:
+    return (
+        f"the kernel's MLA head dims {MLA_HEAD_DIMS} (q/k, v) are switched off until verified on a Hopper "
+        "GPU (jzyfa.api.MLA_KERNEL_VERIFIED is False): they run on it only with "
+        f"{UNVERIFIED_MLA_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
+    )
+
+
 # The windowed kernels compute positions and bounds in int32 (ffi/flash_fwd.cu, flash_fwd_varlen.cu).
 WINDOW_KERNEL_MAX_TOKENS = 1 << 30
 
 
 def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
-    """None when the kernel serves this validated non-FP8 call, else why not (windows need the gate on)."""
+    """None when the kernel serves this validated non-FP8 call, else why not (windows and MLA need their
+    gates on)."""
     if problem := kernel_config_problem(q, k, v, softmax_scale):
         return problem
     if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
+        if is_mla(q, v):
+            return (
+                f"MLA's head dims {MLA_HEAD_DIMS} (q/k, v) have no sliding-window kernel (only causal or no "
+                f"mask), so the window {_validation.mask_window(causal, window)} (left, right) runs on the "
+                "pure-JAX path"
+            )
         if not window_kernel_enabled():
             return _window_gate_problem(_validation.mask_window(causal, window))
         if q.shape[1] + k.shape[1] > WINDOW_KERNEL_MAX_TOKENS:
             return f"the kernel's sliding windows take seq_q + seq_k <= 2^30, got {q.shape[1] + k.shape[1]}"
+    if is_mla(q, v) and not mla_kernel_enabled():
+        return _mla_gate_problem()
     return None
 
 
@@ -104,8 +133,12 @@ def choose_path(
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
     # implementation=None keeps sliding windows on the pure-JAX path while the windowed kernels are switched
-    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says.
-    if config_problem or (sliding and not WINDOW_KERNEL_VERIFIED):
+    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA likewise (MLA_KERNEL_VERIFIED).
+    if (
+        config_problem
+        or (sliding and not WINDOW_KERNEL_VERIFIED)
+        or (is_mla(q, v) and not MLA_KERNEL_VERIFIED)
+    ):
         return Path.REFERENCE
     if backend == "cpu" or _platform.kernel_available():
         return Path.PRIMITIVE
@@ -352,7 +385,10 @@ def flash_attention(
         the pure-JAX path. Sliding windows other than causal or none run on the kernel's windowed
         instantiation, verified on an H200 on 2026-11-30 (tests/test_window_kernel_gpu.py, 127
         passed); `jzyfa.api.WINDOW_KERNEL_VERIFIED = False` is its kill switch: None then runs them on
-        the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1.
+        the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1. MLA's head dims (192
+        for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) have a kernel instantiation
+        not yet verified on a GPU (`jzyfa.api.MLA_KERNEL_VERIFIED` is False): None runs them on the
+        pure-JAX path, and "kernel" needs JZYFA_UNVERIFIED_MLA_KERNEL=1.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -430,14 +466,15 @@ def flash_attention_varlen(
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
       implementation: as in `flash_attention`: None uses the 16-bit kernel's varlen instantiation
-        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask) and the
-        pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel" raises a ValueError naming what the kernel
-        cannot serve; "xla" always uses the pure-JAX path. The varlen kernel was verified on an H200
-        on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64 passed; its sliding windows in
-        tests/test_window_kernel_gpu.py, 127 passed). `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is
-        its kill switch: None then runs the pure-JAX path and "kernel" raises unless
-        JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (with `WINDOW_KERNEL_VERIFIED = False`, sliding windows
-        other than causal likewise need JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
+        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask; MLA's head
+        dims have no varlen instantiation) and the pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel"
+        raises a ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path.
+        The varlen kernel was verified on an H200 on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64
+        passed; its sliding windows in tests/test_window_kernel_gpu.py, 127 passed).
+        `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is its kill switch: None then runs the pure-JAX
+        path and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (with
+        `WINDOW_KERNEL_VERIFIED = False`, sliding windows other than causal likewise need
+        JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a

@@ -29,7 +29,10 @@ from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_HEAD_DIMS = (64, 128)  # q, k and v alike
+# MLA's head dims (q/k, v): the dense kernel's own instantiation, causal or no mask only (no sliding
+# window, no varlen), behind jzyfa.api.MLA_KERNEL_VERIFIED until verified on a GPU.
+MLA_HEAD_DIMS = (192, 128)
 
 flash_attention_fwd_p = Primitive(FFI_TARGET)
 flash_attention_fwd_p.multiple_results = True
@@ -51,16 +54,32 @@ def refuse_required_kernel(kernel_required: bool) -> None:
         )
 
 
-def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
-    """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None."""
+def is_mla(q: jax.Array, v: jax.Array) -> bool:
+    """Whether q/k and v have MLA's head dims (192, 128)."""
+    return (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS
+
+
+def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float, *, serves_mla: bool) -> str | None:
+    """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None.
+
+    serves_mla: whether this kernel has MLA's head dims (the dense kernel; varlen has no such instantiation).
+    """
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
-    if q.shape[-1] not in KERNEL_HEAD_DIMS:
-        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}"
-    if v.shape[-1] != q.shape[-1]:
+    if is_mla(q, v):
+        if not serves_mla:
+            return (
+                f"MLA's head dims {MLA_HEAD_DIMS} (q/k, v) have a kernel for dense batches only (not for "
+                "varlen batches); they run on the pure-JAX path"
+            )
+    elif q.shape[-1] not in KERNEL_HEAD_DIMS:
+        mla = f" (and MLA's {MLA_HEAD_DIMS} for q/k and v)" if serves_mla else ""
+        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}{mla}"
+    elif v.shape[-1] != q.shape[-1]:
+        mla = f"; of unequal head dims it has MLA's {MLA_HEAD_DIMS} (q/k, v) only" if serves_mla else ""
         return (
-            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]} "
-            "(MLA-style shapes run on the pure-JAX path for now)"
+            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]}{mla} "
+            "(other shapes run on the pure-JAX path)"
         )
     if softmax_scale <= 0:
         return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
@@ -68,8 +87,9 @@ def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | N
 
 
 def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
-    """None when the kernel serves a validated call with these q, k, v (mask aside), else why not."""
-    if problem := element_problem(q, v, softmax_scale):
+    """None when the kernel serves a validated call with these q, k, v (mask and MLA gate aside: see
+    jzyfa.api.kernel_problem), else why not."""
+    if problem := element_problem(q, v, softmax_scale, serves_mla=True):
         return problem
     if q.shape[0] > KERNEL_MAX_BATCH:
         return f"the kernel takes batch <= {KERNEL_MAX_BATCH}, got {q.shape[0]}"

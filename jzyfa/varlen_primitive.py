@@ -170,7 +170,7 @@ def varlen_kernel_config_problem(
     q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window: _validation.Window
 ) -> str | None:
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
-    if problem := element_problem(q, v, softmax_scale):
+    if problem := element_problem(q, v, softmax_scale, serves_mla=False):
         return problem
     if q.shape[0] == 0 or k.shape[0] == 0:
         return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"

@@ -188,10 +188,12 @@ def test_mla_matches_float64(rng, dtype, atol, causal):
     assert_matches_f64((out, lse), want, atol=atol)
 
 
-def test_mla_runs_on_the_pure_jax_path_and_the_kernel_refuses_it(rng, cpu_backend):
+def test_mla_runs_on_the_pure_jax_path_and_the_kernel_refuses_it(rng, cpu_backend, monkeypatch):
+    """MLA's kernel is gated until verified on a GPU (tests/test_mla_kernel_path.py has the rest)."""
+    monkeypatch.delenv(api.UNVERIFIED_MLA_KERNEL_ENV, raising=False)
     q, k, v = random_qkv(rng, seq_q=8, head_dim=192, head_dim_v=128)
     assert FFI_TARGET not in str(jax.make_jaxpr(lambda *a: jzyfa.flash_attention(*a))(q, k, v))
-    with pytest.raises(ValueError, match="cannot serve this call: .*head_dim in \\(64, 128\\), got 192"):
+    with pytest.raises(ValueError, match="cannot serve this call: .*MLA_KERNEL_VERIFIED is False"):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
     # A head dim the kernel has for q/k, another for v.
     q, k, v = random_qkv(rng, seq_q=8, head_dim=128, head_dim_v=64)
@@ -200,8 +202,9 @@ def test_mla_runs_on_the_pure_jax_path_and_the_kernel_refuses_it(rng, cpu_backen
 
 
 def mla_primitive(causal=True, softmax_scale=0.1):
-    """The primitive itself (custom_vjp around the kernel's call), with MLA shapes: the dispatch
-    never binds it for them yet, but its abstract eval, vmap, vjp and sharding rule are ready."""
+    """The primitive itself (custom_vjp around the kernel's call), with MLA-like shapes: the dispatch
+    binds it for MLA's (192, 128) only with the MLA kernel's gate on (jzyfa.api.MLA_KERNEL_VERIFIED), but
+    its abstract eval, vmap, vjp and sharding rule serve any pair of head dims."""
     return lambda q, k, v: api._differentiable_kernel(q, k, v, softmax_scale, causal, False)
 
 
