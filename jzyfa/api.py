@@ -73,10 +73,11 @@ def _window_gate_problem(window: _validation.Window) -> str:
 
 
 # The 16-bit kernel's MLA instantiation (q/k head dim 192, v head dim 128; FlashFwdMlaKernel in
-# ffi/flash_fwd_kernel.cuh, dense batches, causal or no mask) has not run on a GPU yet: until
-# tests/test_mla_kernel_gpu.py passes on an H200, MLA calls stay on the pure-JAX path, and
-# implementation="kernel" needs the variable below.
-MLA_KERNEL_VERIFIED = False
+# ffi/flash_fwd_kernel.cuh, dense batches, causal or no mask) passed its GPU tests on an H200 on
+# 2026-11-30 (tests/test_mla_kernel_gpu.py, 12 passed: bf16/f16, causal or not, Sq != Sk, GQA/MQA,
+# against float64 and the pure-JAX path, poisoned outputs, bitwise reruns). Set False to send MLA calls
+# back to the pure-JAX path (implementation="kernel" then needs the variable below).
+MLA_KERNEL_VERIFIED = True
 UNVERIFIED_MLA_KERNEL_ENV = "JZYFA_UNVERIFIED_MLA_KERNEL"
 
 
@@ -86,8 +87,8 @@ def mla_kernel_enabled() -> bool:
 
 def _mla_gate_problem() -> str:
     return (
-        f"the kernel's MLA head dims {MLA_HEAD_DIMS} (q/k, v) are switched off until verified on a Hopper "
-        "GPU (jzyfa.api.MLA_KERNEL_VERIFIED is False): they run on it only with "
+        f"the kernel's MLA head dims {MLA_HEAD_DIMS} (q/k, v) are switched off "
+        "(jzyfa.api.MLA_KERNEL_VERIFIED is False): they run on it only with "
         f"{UNVERIFIED_MLA_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
     )
 
@@ -156,10 +157,11 @@ def fp8_kernel_enabled() -> bool:
     return FP8_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_KERNEL_ENV) == "1"
 
 
-# The FP8 kernel's sliding-window instantiation (FlashFwdFp8WindowKernel, dense batches) has not run on a
-# GPU yet: until tests/test_fp8_window_kernel_gpu.py passes on an H200, sliding windows on FP8 inputs stay
-# on the pure-JAX path, and implementation="kernel" needs the variable below.
-FP8_WINDOW_KERNEL_VERIFIED = False
+# The FP8 kernel's sliding-window instantiation (FlashFwdFp8WindowKernel, dense batches) passed its GPU
+# tests on an H200 on 2026-11-30 (tests/test_fp8_window_kernel_gpu.py: against the windowed FP8 emulation
+# and float64, lean and exact P, rows with no key, poisoned outputs, a bitwise rerun). Set False to send
+# FP8 sliding windows back to the pure-JAX path (implementation="kernel" then needs the variable below).
+FP8_WINDOW_KERNEL_VERIFIED = True
 UNVERIFIED_FP8_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_WINDOW_KERNEL"
 
 
@@ -171,7 +173,7 @@ def _fp8_window_problem(q, k, causal: bool, window) -> str | None:
     """None when the FP8 kernel may serve this sliding window (neither causal nor none), else why not."""
     if not fp8_window_kernel_enabled():
         return (
-            "the FP8 kernel's sliding windows are switched off until verified on a Hopper GPU "
+            "the FP8 kernel's sliding windows are switched off "
             "(jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is False): the sliding window "
             f"{_validation.mask_window(causal, window)} (left, right) runs on it only with "
             f"{UNVERIFIED_FP8_WINDOW_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
@@ -386,9 +388,9 @@ def flash_attention(
         instantiation, verified on an H200 on 2026-11-30 (tests/test_window_kernel_gpu.py, 127
         passed); `jzyfa.api.WINDOW_KERNEL_VERIFIED = False` is its kill switch: None then runs them on
         the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1. MLA's head dims (192
-        for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) have a kernel instantiation
-        not yet verified on a GPU (`jzyfa.api.MLA_KERNEL_VERIFIED` is False): None runs them on the
-        pure-JAX path, and "kernel" needs JZYFA_UNVERIFIED_MLA_KERNEL=1.
+        for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) run on the kernel's MLA
+        instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
+        kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`).
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.

@@ -1,5 +1,5 @@
 """MLA's head dims (q/k 192, v 128) in the 16-bit kernel, the JAX side on the CPU: the gate
-(jzyfa.api.MLA_KERNEL_VERIFIED, off until tests/test_mla_kernel_gpu.py passes on an H200) and its
+(jzyfa.api.MLA_KERNEL_VERIFIED, on since tests/test_mla_kernel_gpu.py passed on an H200; a kill switch) and its
 variable, the CUDA custom call's operand and result shapes, what stays on the pure-JAX path (sliding
 windows, varlen batches, other head-dim pairs) and why, and the primitive's reference lowering. (The
 kernel itself: tests/test_mla_kernel_gpu.py and tests/test_kernel_build.py.)"""
@@ -53,10 +53,11 @@ def softmax_scale_attribute(call: str) -> np.float32:
     return np.float32(value)
 
 
-def test_the_gate_is_off_until_verified_on_a_gpu(rng):
-    """Off: implementation=None runs MLA on the pure-JAX path (lowered for CUDA: no custom call), and
-    implementation="kernel" names the gate and its variable."""
-    assert api.MLA_KERNEL_VERIFIED is False
+def test_the_gate_switches_the_kernel_off(rng, monkeypatch):
+    """Off (the kill switch): implementation=None runs MLA on the pure-JAX path (lowered for CUDA: no
+    custom call), and implementation="kernel" names the gate and its variable."""
+    assert api.MLA_KERNEL_VERIFIED is True  # verified on an H200 on 2026-11-30
+    monkeypatch.setattr(api, "MLA_KERNEL_VERIFIED", False)
     assert not api.mla_kernel_enabled()
     q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=192, head_dim_v=128)
     for causal in (False, True):
@@ -96,9 +97,10 @@ def test_the_variable_lowers_mla_to_the_16_bit_custom_call(dtype, causal):
 
 
 @pytest.mark.usefixtures("mla_gate_variable")
-def test_the_variable_lifts_the_gate_for_implementation_kernel_only(rng):
-    """As for the other gates: implementation=None stays on the pure-JAX path until MLA_KERNEL_VERIFIED is
-    True, whatever the variable says."""
+def test_the_variable_lifts_the_gate_for_implementation_kernel_only(rng, monkeypatch):
+    """As for the other gates: with MLA_KERNEL_VERIFIED off, implementation=None stays on the pure-JAX
+    path whatever the variable says."""
+    monkeypatch.setattr(api, "MLA_KERNEL_VERIFIED", False)
     q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=192, head_dim_v=128)
     assert api.choose_path(q, k, v, 0.1, True, None, "kernel") is api.Path.KERNEL_REQUIRED
     assert api.choose_path(q, k, v, 0.1, True, None, None) is api.Path.REFERENCE

@@ -189,8 +189,9 @@ def test_mla_matches_float64(rng, dtype, atol, causal):
 
 
 def test_mla_runs_on_the_pure_jax_path_and_the_kernel_refuses_it(rng, cpu_backend, monkeypatch):
-    """MLA's kernel is gated until verified on a GPU (tests/test_mla_kernel_path.py has the rest)."""
+    """With MLA's kill switch off (tests/test_mla_kernel_path.py has the rest)."""
     monkeypatch.delenv(api.UNVERIFIED_MLA_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(api, "MLA_KERNEL_VERIFIED", False)  # the kill switch
     q, k, v = random_qkv(rng, seq_q=8, head_dim=192, head_dim_v=128)
     assert FFI_TARGET not in str(jax.make_jaxpr(lambda *a: jzyfa.flash_attention(*a))(q, k, v))
     with pytest.raises(ValueError, match="cannot serve this call: .*MLA_KERNEL_VERIFIED is False"):
