@@ -1,5 +1,6 @@
 // Launch planning for the forward kernel: validation, TMA tensor maps, the persistent grid,
-// and the explicit instantiations (bf16/f16 x head dim 64/128).
+// and the explicit instantiations (bf16/f16 x head dim 64/128, plain and windowed; head dim 256,
+// plain only).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -82,9 +83,14 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
     return "q, k and v need batch, sequence and head counts of at least 1";
   }
-  if (p.head_dim != 64 && p.head_dim != 128) {
-    return "head_dim must be 64 or 128 for the jzyfa kernel, got " + std::to_string(p.head_dim);
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) {
+    return "head_dim must be 64, 128 or 256 for the jzyfa kernel, got " +
+           std::to_string(p.head_dim);
   }
+#if JZYFA_EPILOGUE_TMA
+  // The TMA-store epilogue's O tiles would take hd256 past 227 KB of shared memory (FwdTile).
+  if (p.head_dim == 256) return "head_dim 256 needs a build without JZYFA_EPILOGUE_TMA";
+#endif
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
@@ -114,6 +120,11 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (mask.windowed && p.seqlen_q + p.seqlen_k > (int64_t{1} << 30)) {
     return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
            std::to_string(p.seqlen_q + p.seqlen_k);
+  }
+  // Only the plain kernel has an hd256 instantiation (no windowed one is built or tested yet).
+  if (mask.windowed && p.head_dim == 256) {
+    return "sliding windows (other than causal) need head_dim 64 or 128 in the jzyfa kernel, "
+           "got 256";
   }
   return "";
 }
@@ -167,6 +178,12 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
     return bf16 ? Launch<__nv_bfloat16, 64, false>(p, mask, stream)
                 : Launch<__half, 64, false>(p, mask, stream);
   }
+#if !JZYFA_EPILOGUE_TMA
+  if (p.head_dim == 256) {
+    return bf16 ? Launch<__nv_bfloat16, 256, false>(p, mask, stream)
+                : Launch<__half, 256, false>(p, mask, stream);
+  }
+#endif
   return bf16 ? Launch<__nv_bfloat16, 128, false>(p, mask, stream)
               : Launch<__half, 128, false>(p, mask, stream);
 }

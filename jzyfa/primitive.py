@@ -29,7 +29,9 @@ from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-KERNEL_HEAD_DIMS = (64, 128)
+# Head dim 256: the dense kernel only (jzyfa.varlen_primitive has its own list), for causal and unmasked
+# calls (no windowed instantiation), and behind jzyfa.api.HD256_KERNEL_VERIFIED until verified on a GPU.
+KERNEL_HEAD_DIMS = (64, 128, 256)
 
 flash_attention_fwd_p = Primitive(FFI_TARGET)
 flash_attention_fwd_p.multiple_results = True

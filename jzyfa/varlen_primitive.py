@@ -161,7 +161,9 @@ mlir.register_lowering(flash_attention_varlen_p, mlir.lower_fun(_reference_fallb
 mlir.register_lowering(flash_attention_varlen_p, _cuda_lowering, platform="cuda")
 
 
-# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu).
+# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu). Head dim 256 has a dense
+# instantiation only: varlen calls at 256 run on the pure-JAX path.
+KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_TOKENS = 1 << 30
 KERNEL_MAX_TILES = 1 << 30
 
@@ -170,6 +172,11 @@ def varlen_kernel_config_problem(
     q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window: _validation.Window
 ) -> str | None:
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return (
+            f"the varlen kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]} (head_dim 256 "
+            "runs on the dense kernel only: no varlen instantiation is built or tested at 256 yet)"
+        )
     if problem := element_problem(q, v, softmax_scale):
         return problem
     if q.shape[0] == 0 or k.shape[0] == 0:
