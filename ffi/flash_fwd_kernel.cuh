@@ -1,13 +1,13 @@
-// The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64 and 128, and MLA's
-// (q/k head dim 192, v head dim 128; dense batches, no sliding window).
+// The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64, 128 and 256, and MLA's
+// (q/k head dim 192, v head dim 128); hd256 and MLA for dense batches without a sliding window.
 //
 // A persistent grid (one CTA per SM) works through tiles of 128 query rows of one
 // (batch, head), claimed in order from a global counter: longest tiles first inside a
 // batch element, the heads of one tile row side by side so concurrent CTAs share K/V in L2.
 // Each CTA has three warpgroups:
 //   warpgroup 0, the producer: one thread streams Q once and 128-key blocks of K and V
-//     through a 2-stage shared-memory ring with TMA (full/empty mbarriers), holding few
-//     registers (setmaxnreg) so the consumers can have more;
+//     (64-key blocks at head dim 256: FwdTile) through a 2-stage shared-memory ring with TMA
+//     (full/empty mbarriers), holding few registers (setmaxnreg) so the consumers can have more;
 //   warpgroups 1 and 2, the consumers: 64 query rows each. S = Q K^T and O += P V run on
 //     wgmma (HGMMA); the softmax is online, in registers, in the log2 domain.
 // Overlap: inside a consumer, the next block's Q K^T is issued before this block's softmax
@@ -27,7 +27,7 @@
 #include "sm90_mma.cuh"
 
 // K/V ring depth. 2 fits every head dim; 3 fits hd128 too (225 KB of shared memory). A
-// build can pick it (-DJZYFA_KV_STAGES=3) to measure the deeper ring.
+// build can pick it (-DJZYFA_KV_STAGES=3) to measure the deeper ring; hd256 keeps 2 (FwdTile).
 #ifndef JZYFA_KV_STAGES
 #define JZYFA_KV_STAGES 2
 #endif
@@ -128,8 +128,12 @@ struct FwdTile {
   static constexpr int kConsumers = 2;
   static constexpr int kRowsPerConsumer = 64;  // one wgmma M
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
-  static constexpr int kBlockN = 128;  // keys per block: the N of S = Q K^T
-  static constexpr int kStages = JZYFA_KV_STAGES;
+  // Keys per block: the N of S = Q K^T. At hd256 the O accumulator alone takes 128 registers per
+  // consumer thread; 64-key blocks keep S at 32 and P at 16 (one buffer there: kOneP), inside
+  // the 232. Shared memory at hd256: Q 64 KB + 2 stages x (K + V) 32 KB each = 192 KB.
+  static constexpr int kBlockN = kHeadDimV > 128 ? 64 : 128;
+  // hd256 with 3 stages would need 256 KB of shared memory.
+  static constexpr int kStages = kHeadDimV > 128 ? 2 : JZYFA_KV_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
@@ -168,13 +172,23 @@ struct OnlineSoftmax {
   float row_max[2] = {-INFINITY, -INFINITY};  // raw scores (before the scale)
   float row_sum[2] = {0.f, 0.f};              // this thread's share; quad-summed at the end
 
-  // Masks, exponentiates S in place, packs P as the A operand of P V (the accumulator of
-  // keys 16j..16j+15 is the register fragment of a k16 A tile), and returns the factor
-  // by which O must be rescaled.
+  // Masks, exponentiates S in place, packs P as the A operand of P V (Pack), and returns the
+  // factor by which O must be rescaled.
   __device__ __forceinline__ void Step(float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
                                        float (&correction)[2], bool needs_mask, int key_start,
                                        int first_row, int lane, int seqlen_k, bool causal,
                                        int diagonal, float scale_log2) {
+    Exponentiate(s, correction, needs_mask, key_start, first_row, lane, seqlen_k, causal, diagonal,
+                 scale_log2);
+    Pack(s, p);
+  }
+
+  // Step without the packing: S holds the block's unnormalised probabilities (hd256 packs them
+  // once the previous block's P V, which reads its one P buffer, has landed).
+  __device__ __forceinline__ void Exponentiate(float (&s)[kBlockN / 2], float (&correction)[2],
+                                               bool needs_mask, int key_start, int first_row,
+                                               int lane, int seqlen_k, bool causal, int diagonal,
+                                               float scale_log2) {
     const int quad_col = 2 * (lane % 4);
     if (needs_mask) {
 #pragma unroll
@@ -209,6 +223,12 @@ struct OnlineSoftmax {
         }
       row_sum[h] = row_sum[h] * correction[h] + sum;
     }
+  }
+
+  // P as the A operand of P V: the accumulator of keys 16j..16j+15 is the register fragment of a
+  // k16 A tile.
+  static __device__ __forceinline__ void Pack(const float (&s)[kBlockN / 2],
+                                              uint32_t (&p)[kBlockN / 16][4]) {
 #pragma unroll
     for (int j = 0; j < kBlockN / 16; ++j)
 #pragma unroll
@@ -273,6 +293,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 #endif
 
   const int warpgroup = threadIdx.x / 128;
+  // hd256: one P buffer, packed once the previous P V has landed (see the key loop), as a second
+  // one overflows the consumers' 232 registers.
+  constexpr bool kOneP = kHeadDimV > 128;
 
   // The windowed tile plan needs a few more registers in the producer (48), taken from the
   // consumers (224): the CTA's pool is full at 40 / 232 (CtaRegisterPool).
@@ -306,8 +329,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       int row = block * kBlockN, batch = work.batch;
       if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
-      // MLA's three K slices, unrolled, hold one register too many for the 40-register producer
-      // (ptxas spilled the next tile's index); as a loop they spill nothing. One or two stay unrolled.
+      // MLA's three K slices and hd256's four, unrolled, hold too many registers for the 40-register
+      // producer (ptxas spilled the next tile's index); as a loop they spill nothing. One or two stay
+      // unrolled.
 #pragma unroll(Tile::kQKSlices > 2 ? 1 : Tile::kQKSlices)
       for (int s = 0; s < Tile::kQKSlices; ++s)
         ptx::tma_load_4d(smem_k(stage) + s * Tile::kKVSliceBytes, &tmap_k, bar, s * 64, row,
@@ -317,6 +341,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       int row = block * kBlockN, batch = work.batch;
       if constexpr (kWindow) row += work.first_block * kBlockN;
       if constexpr (kVarlen) row += work.k_offset, batch = 0;
+#pragma unroll(Tile::kVSlices > 2 ? 1 : Tile::kVSlices)  // hd256's four: as for K
       for (int s = 0; s < Tile::kVSlices; ++s)
         ptx::tma_load_4d(smem_v(stage) + s * Tile::kKVSliceBytes, &tmap_v, bar, s * 64, row,
                          work.kv_head, batch);
@@ -397,7 +422,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     float o[kHeadDimV / 2];
 #pragma unroll
     for (int i = 0; i < kHeadDimV / 2; ++i) o[i] = 0.f;
-    OnlineSoftmax<Element, kBlockN> softmax;
+    using Softmax = OnlineSoftmax<Element, kBlockN>;
+    Softmax softmax;
 
     if (work.num_blocks == 0) {
       release(bars.q_empty);
@@ -427,8 +453,13 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, seqlen_k,
-                       args.causal, work.diagonal, args.scale_log2);
+          if constexpr (kOneP) {  // the caller packs P
+            softmax.Exponentiate(s, correction, needs_mask, key_start, first_row, lane, seqlen_k,
+                                 args.causal, work.diagonal, args.scale_log2);
+          } else {
+            softmax.Step(s, p, correction, needs_mask, key_start, first_row, lane, seqlen_k,
+                         args.causal, work.diagonal, args.scale_log2);
+          }
         }
       };
       // Q is free once the tile's last S = Q K^T has landed.
@@ -441,6 +472,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       // P lives in two register buffers that alternate: the one P V reads stays untouched
       // while the softmax writes the other. (Copying one into the other instead lets ptxas
       // give both the same registers, and it then serializes every wgmma, warning C7513.)
+      // hd256 (kOneP) has room for one only: p_even, packed from S once P V has landed.
       uint32_t p_even[kBlockN / 16][4], p_odd[kBlockN / 16][4];
       float correction[2];
 
@@ -454,6 +486,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       FenceRegisters(s_acc);
       after_qk(0, first.stage);
       softmax_step(s_acc, p_even, correction, 0);
+      if constexpr (kOneP) Softmax::Pack(s_acc, p_even);
 
       // Block b: S_b and P_{b-1} V_{b-1} go to the tensor cores, then softmax(S_b) runs
       // while P V is in flight; O is rescaled once P V has landed.
@@ -479,6 +512,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);
         timeline.Mark(kOutputLanded);
+        if constexpr (kOneP) Softmax::Pack(s_acc, p_next);  // P V has read p_prev, the same buffer
         release(bars.v_empty[prev.stage]);
         // Rescale O only where some row's maximum grew (multiplying by 1 is exact anyway:
         // this saves the work, never changes a bit). The branch is warp-uniform.
@@ -490,16 +524,21 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         timeline.Next();
       };
       for (int block = 1; block < work.num_blocks; block += 2) {
-        iteration(block, p_even, p_odd);
-        if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+        if constexpr (kOneP) {
+          iteration(block, p_even, p_even);
+          if (block + 1 < work.num_blocks) iteration(block + 1, p_even, p_even);
+        } else {
+          iteration(block, p_even, p_odd);
+          if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+        }
       }
 
-      // The last block's P V: its P is in p_even when the block index is even.
+      // The last block's P V: its P is in p_even when the block index is even (always at hd256).
       const int last_block = work.num_blocks - 1;
       const Slot last(ring + last_block);
       ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
       begin_turn();
-      if (last_block % 2 == 0) {
+      if (kOneP || last_block % 2 == 0) {
         issue_pv(o, p_even, last.stage);
       } else {
         issue_pv(o, p_odd, last.stage);

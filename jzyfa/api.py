@@ -97,12 +97,46 @@ def _mla_gate_problem() -> str:
 WINDOW_KERNEL_MAX_TOKENS = 1 << 30
 
 
+# The 16-bit kernel's head-dim-256 instantiation (dense batches, causal or no mask; 64-key blocks,
+# ffi/flash_fwd_kernel.cuh) has not run on a GPU yet: until tests/test_hd256_kernel_gpu.py passes on an
+# H200, implementation=None keeps head dim 256 on the pure-JAX path and implementation="kernel" needs the
+# variable below.
+HD256_KERNEL_VERIFIED = False
+UNVERIFIED_HD256_KERNEL_ENV = "JZYFA_UNVERIFIED_HD256_KERNEL"
+HD256 = 256
+
+
+def hd256_kernel_enabled() -> bool:
+    return HD256_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_HD256_KERNEL_ENV) == "1"
+
+
+def _hd256_problem(sliding: bool) -> str | None:
+    """None when the kernel may serve a head-dim-256 call with this mask, else why not."""
+    if sliding:
+        # Its windowed instantiation is neither built nor tested: the hd256 consumers hold O in 128 of
+        # their 232 registers, and the window's masks and tile plan have not been fitted next to it.
+        return (
+            "the kernel serves head_dim 256 with causal or no mask only: sliding windows at head_dim 256 "
+            "run on the pure-JAX path (use implementation=None or 'xla')"
+        )
+    if not hd256_kernel_enabled():
+        return (
+            "the kernel's head_dim 256 is switched off until verified on a Hopper GPU "
+            "(jzyfa.api.HD256_KERNEL_VERIFIED is False): it runs on the kernel only with "
+            f"{UNVERIFIED_HD256_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
+        )
+    return None
+
+
 def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
-    """None when the kernel serves this validated non-FP8 call, else why not (windows and MLA need their
-    gates on)."""
+    """None when the kernel serves this validated non-FP8 call, else why not (windows, MLA and head dim
+    256 need their gates on)."""
     if problem := kernel_config_problem(q, k, v, softmax_scale):
         return problem
-    if kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None:
+    sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
+    if q.shape[-1] == HD256 and (problem := _hd256_problem(sliding)):
+        return problem
+    if sliding:
         if is_mla(q, v):
             return (
                 f"MLA's head dims {MLA_HEAD_DIMS} (q/k, v) have no sliding-window kernel (only causal or no "
@@ -134,11 +168,13 @@ def choose_path(
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
     # implementation=None keeps sliding windows on the pure-JAX path while the windowed kernels are switched
-    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA likewise (MLA_KERNEL_VERIFIED).
+    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA and head dim 256 likewise.
+    unverified_hd256 = q.shape[-1] == HD256 and not HD256_KERNEL_VERIFIED
     if (
         config_problem
         or (sliding and not WINDOW_KERNEL_VERIFIED)
         or (is_mla(q, v) and not MLA_KERNEL_VERIFIED)
+        or unverified_hd256
     ):
         return Path.REFERENCE
     if backend == "cpu" or _platform.kernel_available():
@@ -390,7 +426,10 @@ def flash_attention(
         the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1. MLA's head dims (192
         for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) run on the kernel's MLA
         instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
-        kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`).
+        kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). Head dim 256
+        (causal or no mask) has a kernel instantiation not yet verified on a GPU: while
+        `jzyfa.api.HD256_KERNEL_VERIFIED` is False None runs it on the pure-JAX path and "kernel"
+        needs JZYFA_UNVERIFIED_HD256_KERNEL=1.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -469,8 +508,9 @@ def flash_attention_varlen(
         layout: heads first, then packed tokens).
       implementation: as in `flash_attention`: None uses the 16-bit kernel's varlen instantiation
         where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask; MLA's head
-        dims have no varlen instantiation) and the pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel"
-        raises a ValueError naming what the kernel cannot serve; "xla" always uses the pure-JAX path.
+        dims and head_dim 256 have no varlen instantiation) and the pure-JAX path (`jzyfa.varlen`)
+        elsewhere; "kernel" raises a ValueError naming what the kernel cannot serve; "xla" always uses
+        the pure-JAX path.
         The varlen kernel was verified on an H200 on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64
         passed; its sliding windows in tests/test_window_kernel_gpu.py, 127 passed).
         `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is its kill switch: None then runs the pure-JAX

@@ -29,7 +29,10 @@ from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-KERNEL_HEAD_DIMS = (64, 128)  # q, k and v alike
+# Head dims of q, k and v alike; 256 for the dense kernel only (jzyfa.varlen_primitive has its own list),
+# causal and unmasked calls (no windowed instantiation), behind jzyfa.api.HD256_KERNEL_VERIFIED until
+# verified on a GPU.
+KERNEL_HEAD_DIMS = (64, 128, 256)
 # MLA's head dims (q/k, v): the dense kernel's own instantiation, causal or no mask only (no sliding
 # window, no varlen), verified on an H200 on 2026-11-30 (kill switch: jzyfa.api.MLA_KERNEL_VERIFIED).
 MLA_HEAD_DIMS = (192, 128)

@@ -161,7 +161,9 @@ mlir.register_lowering(flash_attention_varlen_p, mlir.lower_fun(_reference_fallb
 mlir.register_lowering(flash_attention_varlen_p, _cuda_lowering, platform="cuda")
 
 
-# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu).
+# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu). Head dim 256 has a dense
+# instantiation only: varlen calls at 256 run on the pure-JAX path.
+KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_MAX_TOKENS = 1 << 30
 KERNEL_MAX_TILES = 1 << 30
 
@@ -172,6 +174,11 @@ def varlen_kernel_config_problem(
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
     if problem := element_problem(q, v, softmax_scale, serves_mla=False):
         return problem
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return (
+            f"the varlen kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]} (head_dim 256 "
+            "runs on the dense kernel only: no varlen instantiation is built or tested at 256 yet)"
+        )
     if q.shape[0] == 0 or k.shape[0] == 0:
         return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"
     if max(q.shape[0], k.shape[0]) > KERNEL_MAX_TOKENS:

@@ -132,7 +132,7 @@ def test_kernel_demanded_on_cpu_fails_to_compile(rng, cpu_backend):
 
 @pytest.mark.parametrize(
     "head_dim,dtype,message",
-    [(96, jnp.bfloat16, "head_dim in \\(64, 128\\), got 96"), (64, jnp.float32, "bf16 or f16")],
+    [(96, jnp.bfloat16, "head_dim in \\(64, 128, 256\\), got 96"), (64, jnp.float32, "bf16 or f16")],
 )
 def test_kernel_demanded_for_unsupported_config(rng, head_dim, dtype, message):
     q, k, v = random_qkv(rng, seq_q=4, head_dim=head_dim, dtype=dtype)

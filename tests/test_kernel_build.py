@@ -97,7 +97,7 @@ def test_no_spills_and_no_wgmma_serialization(compiled):
 def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdKernel" in name}
-    assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
+    assert len(found) == 6, list(found)  # {bf16, f16} x {64, 128, 256}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
         fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
@@ -106,6 +106,24 @@ def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
         # code would show one fence per HGMMA.
         assert fences * 3 < hgmma, f"{name}: {fences} fences for {hgmma} HGMMA"
         assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+
+
+def test_head_dim_256_kernels_use_64_key_blocks_in_their_registers(compiled):
+    """The hd256 instantiations (plain only: no windowed or varlen one): S = Q K^T on 64x64x16 (64-key
+    blocks, 16 k-steps per batch), P V on 64x256x16 (4 k-steps per batch), the producer at 40 and the
+    consumers at 232 registers, no local memory (the spill check above covers ptxas's report)."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "Li256E" in name}
+    assert sorted(name.split("Kernel")[0] for name in found) == ["_ZN5jzyfa14FlashFwd"] * 2, list(found)
+    for name, text in found.items():
+        qk = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
+        pv = len(re.findall(r"\bHGMMA\.64x256x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
+        assert qk >= 16 and qk % 16 == 0, f"{name}: {qk} Q K^T HGMMA"
+        assert pv >= 4 and pv % 4 == 0, f"{name}: {pv} P V HGMMA"
+        assert not re.search(r"\bHGMMA\.64x128x16\b", text), name
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers off 232"
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
 
 

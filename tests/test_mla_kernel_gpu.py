@@ -163,7 +163,7 @@ def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():
     assert relative_l2(np.asarray(lse), want_lse) < LSE_TOLERANCE
     with pytest.raises(Exception, match="sliding windows have no kernel at MLA's head dims"):
         jax.block_until_ready(handler_call(q, k, v, window=(16, 0)))
-    with pytest.raises(Exception, match="head_dim must be 64 or 128 .* got 192 for q and k, 64 for v"):
+    with pytest.raises(Exception, match="head_dim must be 64, 128 or 256 .* got 192 for q and k, 64 for v"):
         jax.block_until_ready(handler_call(q, k, v[..., :64]))
-    with pytest.raises(Exception, match="head_dim must be 64 or 128 .* got 128 for q and k, 64 for v"):
+    with pytest.raises(Exception, match="head_dim must be 64, 128 or 256 .* got 128 for q and k, 64 for v"):
         jax.block_until_ready(handler_call(q[..., :128], k[..., :128], v[..., :64]))

@@ -201,8 +201,8 @@ def test_varlen_mla_stays_on_the_pure_jax_path(rng):
     [
         (128, 64, r"v's head_dim equal to q's and k's \(128\), got 64; of unequal head dims it has MLA's"),
         (64, 128, r"v's head_dim equal to q's and k's \(64\), got 128"),
-        (192, 192, r"head_dim in \(64, 128\), got 192 \(and MLA's \(192, 128\) for q/k and v\)"),
-        (192, 64, r"head_dim in \(64, 128\), got 192 \(and MLA's \(192, 128\) for q/k and v\)"),
+        (192, 192, r"head_dim in \(64, 128, 256\), got 192 \(and MLA's \(192, 128\) for q/k and v\)"),
+        (192, 64, r"head_dim in \(64, 128, 256\), got 192 \(and MLA's \(192, 128\) for q/k and v\)"),
         (128, 192, r"v's head_dim equal to q's and k's \(128\), got 192"),
     ],
 )

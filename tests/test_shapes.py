@@ -313,7 +313,8 @@ def test_head_dim_256_on_the_pure_jax_path(rng, cpu_backend, dtype, causal):
     got = jax.jit(fn)(q, k, v)
     want = naive_attention_f64(*(np.asarray(x, np.float32) for x in (q, k, v)), causal=causal)
     assert_matches_f64(got, want, atol=2e-2)
-    with pytest.raises(ValueError, match="head_dim in \\(64, 128\\), got 256"):
+    # The kernel's hd256 instantiation is gated until verified (tests/test_hd256_kernel_path.py).
+    with pytest.raises(ValueError, match="head_dim 256 is switched off .*JZYFA_UNVERIFIED_HD256_KERNEL=1"):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
 
 
