@@ -20,6 +20,7 @@ from test_kernel_gpu import attention_float64, relative_l2
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_primitive import FFI_TARGET_FP8
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -33,19 +34,27 @@ def allow_unverified_kernel(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
 
 
-def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p):
+def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None):
     """The kernel's emulation on the CPU, as NumPy (out float32, lse): XLA's GPU backend may keep
     excess precision across the emulation's f32 -> e4m3 -> f32 rounding, so the oracle runs where
     every rounding is honoured."""
     cpu = jax.devices("cpu")[0]
     args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
     with jax.default_device(cpu):
-        out, lse = attention_fp8_emulated(*args, causal=causal, lean_p=lean_p, integer_reference=True)
+        out, lse = attention_fp8_emulated(
+            *args, causal=causal, window=window, lean_p=lean_p, integer_reference=True
+        )
     return np.asarray(out, np.float32), np.asarray(lse)
 
 
-def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
+def run_poisoned(q8, k8, v8, descales, *, causal, lean_p, window=None):
     """The kernel writing into NaN-filled, donated buffers; (out, lse) as NumPy float32."""
+    out, lse, _ = run_poisoned_call(q8, k8, v8, descales, causal=causal, lean_p=lean_p, window=window)
+    return out, lse
+
+
+def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
+    """run_poisoned, and the HLO line of the kernel's custom call."""
 
     def call(q8, k8, v8, dq, dk, dv, out_poison, lse_poison):
         del out_poison, lse_poison
@@ -57,6 +66,7 @@ def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
             descale_k=dk,
             descale_v=dv,
             causal=causal,
+            window=window,
             lean_p=lean_p,
             return_lse=True,
             implementation="kernel",
@@ -66,10 +76,10 @@ def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
     poison = (jnp.full((b, sq, hq, d), jnp.nan, jnp.bfloat16), jnp.full((b, hq, sq), jnp.nan, jnp.float32))
     fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
     hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
-    assert "jzyfa_flash_attention_fp8_fwd" in hlo
     assert "input_output_alias" in hlo
+    (custom_call,) = [line for line in hlo.splitlines() if FFI_TARGET_FP8 in line and "custom-call(" in line]
     out, lse = fn(q8, k8, v8, *descales, *poison)
-    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse), custom_call
 
 
 @pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])

@@ -12,19 +12,22 @@ the kill switches say (jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is True since this f
 import math
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_fp8_qkv
 from gpu_utils import requires_hopper
-from test_fp8_kernel_gpu import EMULATION_TOLERANCE, FLOAT64_TOLERANCE, LSE_TOLERANCE
+from test_fp8_kernel_gpu import (
+    EMULATION_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    LSE_TOLERANCE,
+    emulated_on_cpu,
+    run_poisoned,
+    run_poisoned_call,
+)
 from test_kernel_gpu import relative_l2
 
-import jzyfa
 from jzyfa import _validation, api
-from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_primitive import FFI_TARGET_FP8
 
 ONE_CODE_LSE = math.log(1 + 2**-3) + 1e-3  # one e4m3 code of a row's largest probability
 
@@ -37,52 +40,11 @@ def allow_unverified_kernels(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, "1")
 
 
-def emulated_on_cpu(q8, k8, v8, descales, *, causal, window, lean_p):
-    """The emulation with the window, on the CPU (every e4m3 rounding honoured), as NumPy."""
-    cpu = jax.devices("cpu")[0]
-    args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
-    with jax.default_device(cpu):
-        out, lse = attention_fp8_emulated(
-            *args, causal=causal, window=window, lean_p=lean_p, integer_reference=True
-        )
-    return np.asarray(out, np.float32), np.asarray(lse)
-
-
 def window_attributes(call: str) -> tuple[int, int]:
     left = re.search(r"window_left\s*=\s*(-?\d+)", call)
     right = re.search(r"window_right\s*=\s*(-?\d+)", call)
     assert left and right, call
     return int(left.group(1)), int(right.group(1))
-
-
-def run_poisoned(q8, k8, v8, descales, *, causal, window, lean_p):
-    """The kernel writing into NaN-filled, donated buffers: (out, lse) as NumPy float32, and the
-    window attributes of its custom call."""
-
-    def call(q8, k8, v8, dq, dk, dv, out_poison, lse_poison):
-        del out_poison, lse_poison
-        return jzyfa.flash_attention(
-            q8,
-            k8,
-            v8,
-            descale_q=dq,
-            descale_k=dk,
-            descale_v=dv,
-            causal=causal,
-            window=window,
-            lean_p=lean_p,
-            return_lse=True,
-            implementation="kernel",
-        )
-
-    b, sq, hq, d = q8.shape
-    poison = (jnp.full((b, sq, hq, d), jnp.nan, jnp.bfloat16), jnp.full((b, hq, sq), jnp.nan, jnp.float32))
-    fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
-    hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
-    assert "input_output_alias" in hlo
-    (custom_call,) = [line for line in hlo.splitlines() if FFI_TARGET_FP8 in line and "custom-call(" in line]
-    out, lse = fn(q8, k8, v8, *descales, *poison)
-    return np.asarray(out.astype(jnp.float32)), np.asarray(lse), window_attributes(custom_call)
 
 
 def dequantized(x8, d, heads):
@@ -102,7 +64,8 @@ def check_window(rng, *, batch, seq_q, seq_k, heads_q, heads_kv, window, causal=
         heads_kv=heads_kv,
         granularity=granularity,
     )
-    out, lse, attributes = run_poisoned(q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p)
+    out, lse, custom_call = run_poisoned_call(q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p)
+    attributes = window_attributes(custom_call)
     # The window reached the windowed kernel (not folded into causal or none by the launch).
     mask = _validation.canonical_window(_validation.mask_window(causal, window), seq_q, seq_k)
     assert mask not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW), "pick a real sliding window"
