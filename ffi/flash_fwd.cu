@@ -134,11 +134,6 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
   const std::string error =
       ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  // The windowed kernel's positions, keys and bounds stay below 2^30 in magnitude (int32 masks).
-  if (mask.windowed && p.seqlen_q + p.seqlen_k > (int64_t{1} << 30)) {
-    return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
-           std::to_string(p.seqlen_q + p.seqlen_k);
-  }
   if (mask.windowed && mla) {
     return "sliding windows have no kernel at MLA's head dims (192, 128), only causal or no mask";
   }
@@ -167,6 +162,11 @@ std::string ResolveMask(bool causal, int64_t left, int64_t right, int64_t seqlen
   if (left < 0 && right <= 0) {
     plan->causal = right == 0;
   } else {
+    // The windowed kernels' positions, keys and bounds stay below 2^30 in magnitude (int32 masks).
+    if (seqlen_q + seqlen_k > (int64_t{1} << 30)) {
+      return "sliding windows need seqlen_q + seqlen_k <= 2^30, got " +
+             std::to_string(seqlen_q + seqlen_k);
+    }
     plan->windowed = true;
     plan->window_left = static_cast<int>(left);  // < seqlen_k <= 2^30
     plan->window_right = static_cast<int>(right);

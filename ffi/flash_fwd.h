@@ -117,7 +117,8 @@ struct MaskPlan {
 // The plan for `causal` and the window (left, right) over queries of at most seqlen_q and keys of
 // at most seqlen_k tokens: (-1, -1) leaves `causal` as it is; otherwise causal sets the right bound
 // to 0, bounds that exclude no key (left >= seqlen_k - 1, right >= seqlen_q - 1) become -1, and
-// what is left is none, causal (-1, 0) or a window. Returns an error for bounds below -1.
+// what is left is none, causal (-1, 0) or a window. Returns an error for bounds below -1, and for a
+// window over seqlen_q + seqlen_k > 2^30 tokens (the windowed kernels compute positions in int32).
 std::string ResolveMask(bool causal, int64_t window_left, int64_t window_right, int64_t seqlen_q,
                         int64_t seqlen_k, MaskPlan* plan);
 
