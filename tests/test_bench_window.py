@@ -15,7 +15,7 @@ from attention_oracle import naive_attention_f64, random_qkv, visible_f64
 from bench_helpers import quick_options, record_flash_attention, resolve_config
 
 import jzyfa
-from jzyfa import _timing, bench, peers
+from jzyfa import _timing, api, bench, peers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -241,10 +241,13 @@ def test_jzyfa_peers_pass_the_window(monkeypatch):
 
 
 @pytest.mark.parametrize("allow", [False, True])
-def test_fp8_window_has_no_kernel(monkeypatch, cpu_backend, allow):
-    """On a GPU (faked) the FP8 kernel has no sliding window: unsupported, or with --allow_xla_fallback
-    the pure-JAX FP8 path as jzyfa_fp8[xla-fallback]; against the windowed reference."""
+def test_fp8_window_with_its_kernel_switched_off(monkeypatch, cpu_backend, allow):
+    """On a GPU (faked), with the FP8 kernel's sliding windows switched off (their kill switch): unsupported,
+    or with --allow_xla_fallback the pure-JAX FP8 path as jzyfa_fp8[xla-fallback]; against the windowed
+    reference."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(api, "FP8_WINDOW_KERNEL_VERIFIED", False)
+    monkeypatch.delenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, raising=False)
     problem = bench.Problem(1, 128, 128, 2, 2, 128, True, "fp8", (16, 0))
     sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)
     ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)

@@ -114,11 +114,14 @@ def test_kernel_gate(rng, monkeypatch):
     "shapes, kwargs, message",
     [
         (((1, 16, 2, 64), (1, 16, 2, 64)), {}, "head dim 128"),
-        (((1, 16, 2, 128), (1, 16, 2, 128)), {"window": (4, 0)}, "sliding windows"),
+        # With the windows' kill switch off (tests/test_fp8_window_kernel_path.py has the rest).
+        (((1, 16, 2, 128), (1, 16, 2, 128)), {"window": (4, 0)}, "sliding windows are switched off"),
     ],
 )
 def test_kernel_refuses_what_it_cannot_serve(rng, monkeypatch, shapes, kwargs, message):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+    monkeypatch.setattr(api, "FP8_WINDOW_KERNEL_VERIFIED", False)
+    monkeypatch.delenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, raising=False)
     q_shape, kv_shape = shapes
     q8, dq = fp8_quantize(jnp.asarray(rng.standard_normal(q_shape), jnp.float32))
     k8, dk = fp8_quantize(jnp.asarray(rng.standard_normal(kv_shape), jnp.float32))
