@@ -152,9 +152,9 @@ def _rules_on_codes(top_code, r, options: Fp8Options):
     on its packed codes): raise iff it rounds past the code of 2^(E + tau) (126 = 448 with E + tau =
     8.75: the code 127 would be NaN), fall iff it is below the code of 2^(E - H) (64 = 2^1 with E = 7,
     H = 6: neither high bit set in any code). r = -inf (no visible key yet): raise."""
-    top = options.p_exponent
-    raise_code = np.rint(e4m3_codes.CODE_OF_ONE + e4m3_codes.CODE_SLOPE * (top + options.lazy_rescale_threshold))
-    fall_code = e4m3_codes.CODE_OF_ONE + e4m3_codes.CODE_SLOPE * (top - options.block_scale_hysteresis)
+    top, slope = options.p_exponent, e4m3_codes.CODE_SLOPE
+    raise_code = np.rint(e4m3_codes.CODE_OF_ONE + slope * (top + options.lazy_rescale_threshold))
+    fall_code = e4m3_codes.CODE_OF_ONE + slope * (top - options.block_scale_hysteresis)
     raise_ = (top_code > raise_code) | ~jnp.isfinite(r)
     fall = top_code < fall_code
     return raise_, fall

@@ -16,8 +16,8 @@ from attention_oracle import naive_attention_f64
 import jzyfa
 from jzyfa import e4m3_codes
 from jzyfa.fp8_emulation import (
-    FIXED_OFFSET_OPTIONS,
     BLOCK_SCALE_HYSTERESIS,
+    FIXED_OFFSET_OPTIONS,
     LAZY_RESCALE_THRESHOLD,
     P_EXPONENT,
     attention_fp8_emulated,

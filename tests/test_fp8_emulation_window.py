@@ -17,8 +17,8 @@ from test_fp8_emulation import dequantized, quantize_all, relative_error
 
 from jzyfa import _validation
 from jzyfa.fp8_emulation import (
-    P_EXPONENT,
     BLOCK_N,
+    P_EXPONENT,
     Fp8Options,
     _next_reference,
     _rules_on_codes,
