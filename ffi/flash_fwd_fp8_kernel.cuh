@@ -108,15 +108,10 @@ struct Fp8Softmax {
   // (2^7, 2^8] and 0.75): jzyfa/fp8_emulation.py, docs/fp8.md section 1.
   static constexpr float kPExponent = 7.f;
   static constexpr float kLazyThreshold = 1.75f;
-  static constexpr float kHysteresis = 6.f;        // r falls only below P~ = 2^1
+  static constexpr float kHysteresis = 4.f;        // r falls only below P~ = 2^3
   static constexpr float kMaxBlockExponent = 32.f;  // r stays within 2^32 of the running max's
   static constexpr float kCodeSlope = 8.f;         // e4m3 codes per doubling
   static constexpr float kCodeOfOne = 56.f;        // 0x38
-  // Lean P decides on the codes written with the current r (jzyfa/fp8_emulation.py,
-  // _rules_on_codes): raise iff some code passes 126 (= 448; kCodeOfOne + kCodeSlope (E + tau)),
-  // fall iff every code is below 64 (= 2^1; kCodeOfOne + kCodeSlope (E - H)), so one bit test each.
-  static constexpr uint32_t kRaiseIfCarry = 0x01010101u;  // code + 1 reaches bit 7 iff code >= 127
-  static constexpr uint32_t kFallUnlessBits = 0xC0C0C0C0u;  // some code >= 64
   // Lean P in two FFMAs, both on the FMA pipe (the ALU pipe, at half the issue rate, held the clamp
   // and the byte packing before): y = saturate((8 s' + 56 - 8 r) / 128) clamps codes below 0 to 0,
   // then y * 128 + magic rounds to the code (an integer in [2^23, 2^24)). The packing adds the
@@ -127,20 +122,14 @@ struct Fp8Softmax {
   static constexpr float kPackMagicThird = 8434944.f;  // 2^23 + 0xB500, bits 0x4B00B500
 };
 
-static_assert(Fp8Softmax::kCodeOfOne + Fp8Softmax::kCodeSlope * (Fp8Softmax::kPExponent +
-                                                                   Fp8Softmax::kLazyThreshold) == 126.f &&
-                  Fp8Softmax::kCodeOfOne + Fp8Softmax::kCodeSlope * (Fp8Softmax::kPExponent -
-                                                                     Fp8Softmax::kHysteresis) == 64.f,
-              "the code tests above assume these thresholds");
-
-// r after a block whose largest score (log2 units) is block_max, given the rules' verdicts (on the
-// scores or on the codes); integers only, so exact.
-__device__ __forceinline__ float NextReference(float r, float running_max, float block_max, bool raise,
-                                               bool fall) {
+// r after a block whose largest score (log2 units) is block_max; integers only, so exact.
+__device__ __forceinline__ float NextReference(float r, float running_max, float block_max) {
   using C = Fp8Softmax;
   const float floor_r = ceilf(running_max) - C::kPExponent - C::kMaxBlockExponent;
   const float fresh = fmaxf(ceilf(block_max) - C::kPExponent, floor_r);
-  const bool change = (raise || (fall && fresh < r)) && block_max > -INFINITY;
+  bool change = block_max > r + C::kPExponent + C::kLazyThreshold;  // r = -inf: any visible key
+  change |= block_max < r + C::kPExponent - C::kHysteresis && fresh < r;
+  change &= block_max > -INFINITY;
   return change ? fresh : r;
 }
 
@@ -165,7 +154,7 @@ struct Fp8OnlineSoftmax {
   float r[2] = {-INFINITY, -INFINITY};            // reference exponents (integers)
   float running_max[2] = {-INFINITY, -INFINITY};  // log2 units
 
-  // The codes' affine map for the current r, kept by MoveReference for WriteCodes: lean, the
+  // The codes' affine map for the current r, kept by UpdateReference for WriteCodes: lean, the
   // code (scaled by 2^-7) is s * c1 + c0[h]; exact, P~ = 2^(s * c1 + c0[h]). While r = -inf the
   // map is that of r = 0 (a row with no visible key yet has only -inf scores: P~ = 0).
   float c1, c0[2];
@@ -195,145 +184,83 @@ struct Fp8OnlineSoftmax {
       }
   }
 
-  // Row h's largest score in this block (raw units; max commutes with the positive scale): a tree,
-  // not a chain (5 dependent FMNMX instead of 32), then the quad.
-  __device__ __forceinline__ static float BlockMax(const float (&s)[Fp8Tile::kBlockN / 2], int h) {
+  // Finds each row's block maximum, updates r and the codes' map; alpha is the factor O must be
+  // rescaled by. A dependency chain (max tree, two quad shuffles, the reference update).
+  __device__ __forceinline__ void UpdateReference(const float (&s)[Fp8Tile::kBlockN / 2],
+                                                  float (&alpha)[2], float row_scale) {
     constexpr int kChunks = Fp8Tile::kBlockN / 8;
-    static_assert(kChunks == 16);
-    float m[kChunks];
-#pragma unroll
-    for (int c = 0; c < kChunks; ++c) m[c] = fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]);
-#pragma unroll
-    for (int c = 0; c < 8; ++c) m[c] = fmaxf(m[c], m[c + 8]);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) m[c] = fmaxf(m[c], m[c + 4]);
-    return QuadMax(fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3])));
-  }
-
-  // Row h's r after a block (block_max in log2 units), the factor alpha O must be rescaled by, and
-  // the codes' map.
-  __device__ __forceinline__ void MoveReference(int h, float block_max, bool raise, bool fall,
-                                                float& alpha) {
-    const float new_r = NextReference(r[h], running_max[h], block_max, raise, fall);
-    alpha = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
-    r[h] = new_r;
-    // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
-    c0[h] = MapOffset(new_r == -INFINITY ? 0.f : new_r);
-  }
-
-  // The rules on the block maxima (exact P, and every row's first block): the max tree, two quad
-  // shuffles and the reference update, a dependency chain.
-  __device__ __forceinline__ void UpdateReferenceFromScores(const float (&s)[Fp8Tile::kBlockN / 2],
-                                                            float (&alpha)[2], float row_scale) {
-    using C = Fp8Softmax;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float block_max = BlockMax(s, h) * row_scale;
+      // A tree, not a chain: 5 dependent FMNMX instead of 32.
+      float m[kChunks];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) m[c] = fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]);
+      static_assert(kChunks == 16);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) m[c] = fmaxf(m[c], m[c + 8]);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) m[c] = fmaxf(m[c], m[c + 4]);
+      m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
+      const float block_max = QuadMax(m[0]) * row_scale;  // max commutes with the positive scale
       running_max[h] = fmaxf(running_max[h], block_max);
-      const bool raise = block_max > r[h] + C::kPExponent + C::kLazyThreshold;  // r = -inf: raise
-      const bool fall = block_max < r[h] + C::kPExponent - C::kHysteresis;
-      MoveReference(h, block_max, raise, fall, alpha[h]);
+      const float new_r = NextReference(r[h], running_max[h], block_max);
+      alpha[h] = r[h] == -INFINITY ? 0.f : Exp2Integer(r[h] - new_r);  // O is still 0 at -inf
+      r[h] = new_r;
+      // A row with no visible key yet has r = -inf and only -inf scores: any finite c0 works.
+      c0[h] = MapOffset(new_r == -INFINITY ? 0.f : new_r);
     }
-  }
-
-  // The rules on lean codes written with the current r, per row, OR-ed over the quad that shares
-  // the row: bit h is set iff row h has a code >= 64 (no fall), bit 2 + h iff one >= 127 (raise).
-  // A-fragment registers 2 half + h hold row h's codes (WriteCodes). Codes are at most 128, so
-  // adding 1 to every byte carries into no other byte.
-  __device__ __forceinline__ static uint32_t CodeVerdicts(const uint32_t (&p)[4][4]) {
-    using C = Fp8Softmax;
-    uint32_t verdicts = 0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t any = 0, carried = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          any |= p[j][2 * half + h];
-          carried |= p[j][2 * half + h] + C::kRaiseIfCarry;
-        }
-      verdicts |= ((any & C::kFallUnlessBits) != 0 ? 1u : 0u) << h;
-      verdicts |= ((carried & 0x80808080u) != 0 ? 1u : 0u) << (2 + h);
-    }
-    verdicts |= __shfl_xor_sync(0xffffffffu, verdicts, 1);
-    return verdicts | __shfl_xor_sync(0xffffffffu, verdicts, 2);
   }
 
   // P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that V^T's permuted keys line up),
-  // from S and the current map. S is kept (lean P may write the codes twice).
-  __device__ __forceinline__ void WriteCodes(const float (&s)[Fp8Tile::kBlockN / 2],
+  // from S and the current map. S is overwritten.
+  __device__ __forceinline__ void WriteCodes(float (&s)[Fp8Tile::kBlockN / 2],
                                              uint32_t (&p)[4][4]) const {
     using C = Fp8Softmax;
     // P~ per element: lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's low byte, codes
-    // below 0 saturated to 0 and above 128 to 128 (raised past 126 before they are used; 0x7F is
-    // NaN); exact, 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an
-    // integer): it differs from one rounding only within 2^-17 of a half-integer code.
-    auto code = [&](int i) {
+    // below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F); exact,
+    // 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
+    // differs from one rounding only within 2^-17 of a half-integer code.
+#pragma unroll
+    for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
       const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
       if (kLeanP) {
         const float magic = (i % 8 == 4 || i % 8 == 6) ? C::kPackMagicThird : C::kPackMagic;
-        return fmaf(__saturatef(x), 128.f, magic);
+        s[i] = fmaf(__saturatef(x), 128.f, magic);
+      } else {
+        s[i] = ptx::ex2_approx(x);
       }
-      return ptx::ex2_approx(x);
-    };
+    }
     // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
     // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+      const float* t = s + 16 * j;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int u = 16 * j + 8 * half;
+        const float* u = t + 8 * half;
         if (kLeanP) {
-          p[j][2 * half + 0] = PackCodes(code(u), code(u + 1), code(u + 4), code(u + 5));
-          p[j][2 * half + 1] = PackCodes(code(u + 2), code(u + 3), code(u + 6), code(u + 7));
+          p[j][2 * half + 0] = PackCodes(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = PackCodes(u[2], u[3], u[6], u[7]);
         } else {
-          p[j][2 * half + 0] = ptx::pack4_e4m3(code(u), code(u + 1), code(u + 4), code(u + 5));
-          p[j][2 * half + 1] = ptx::pack4_e4m3(code(u + 2), code(u + 3), code(u + 6), code(u + 7));
+          p[j][2 * half + 0] = ptx::pack4_e4m3(u[0], u[1], u[4], u[5]);
+          p[j][2 * half + 1] = ptx::pack4_e4m3(u[2], u[3], u[6], u[7]);
         }
       }
     }
   }
 
   // One block: S masked as needed, r updated (alpha: O's rescale factor), P~'s A fragments.
-  // Lean P after a row's first block: the codes are written with the current r and the rules read
-  // on them (CodeVerdicts); only a warp where some row must raise or may fall finds the exact
-  // maxima, and writes the codes again if some r moved (jzyfa/fp8_emulation.py, decide_on_codes:
-  // the running maximum follows those rows' blocks only). This saves the max tree and the
-  // reference chain in most blocks: the softmax's cost is its instruction count
-  // (docs/fp8.md 10.8-10.9). Exact P, and the first block, take the rules on the scores.
-  template <bool kFirstBlock, typename Timeline>
+  // (Writing the codes with the old r before the block's maxima are known, and again where r moved,
+  // measured no faster: docs/benchmarks.md, "speculative codes".)
+  template <typename Timeline>
   __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
                                        float (&alpha)[2], float row_scale, bool needs_mask,
                                        int key_start, int first_row, int lane, int seqlen_k,
                                        bool causal, int diagonal, Timeline& timeline) {
     if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
-    if constexpr (kFirstBlock || !kLeanP) {
-      // Every row's r is -inf in its first block: both rules raise wherever a key is visible.
-      UpdateReferenceFromScores(s, alpha, row_scale);
-      timeline.Mark(kReferenceKnown);
-      WriteCodes(s, p);
-    } else {
-      WriteCodes(s, p);
-      timeline.Mark(kReferenceKnown);  // here: the codes with the current r are known
-      const uint32_t verdicts = CodeVerdicts(p);
-      bool raise[2], fall[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        raise[h] = ((verdicts >> (2 + h)) & 1u) != 0 || r[h] == -INFINITY;
-        fall[h] = ((verdicts >> h) & 1u) == 0;
-      }
-      alpha[0] = alpha[1] = 1.f;
-      if (__any_sync(0xffffffffu, raise[0] || raise[1] || fall[0] || fall[1])) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float block_max = BlockMax(s, h) * row_scale;
-          if (raise[h] || fall[h]) running_max[h] = fmaxf(running_max[h], block_max);
-          MoveReference(h, block_max, raise[h], fall[h], alpha[h]);
-        }
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) WriteCodes(s, p);
-      }
-    }
+    UpdateReference(s, alpha, row_scale);
+    timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
+    WriteCodes(s, p);
   }
 };
 
@@ -573,8 +500,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       release(bars.q_empty);
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
-                              int block, auto first_block) {
-        constexpr bool kFirst = decltype(first_block)::value;
+                              int block) {
         if constexpr (kWindow) {
           // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
           // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
@@ -591,15 +517,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
             MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, args.seqlen_k,
                                            work.diagonal, left, right);
           }
-          softmax.template Step<kFirst>(s, p, alpha, row_scale, false, key_start, first_row, lane,
-                                        args.seqlen_k, false, work.diagonal, timeline);
+          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, args.seqlen_k,
+                       false, work.diagonal, timeline);
         } else {
           const int key_start = block * kBlockN;
           const bool needs_mask =
               key_start + kBlockN > args.seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          softmax.template Step<kFirst>(s, p, alpha, row_scale, needs_mask, key_start, first_row,
-                                        lane, args.seqlen_k, args.causal, work.diagonal, timeline);
+          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane,
+                       args.seqlen_k, args.causal, work.diagonal, timeline);
         }
       };
       auto after_qk = [&](int block, int stage) {
@@ -619,7 +545,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
       after_qk(0, first.stage);
-      softmax_step(s_acc, p_even, alpha, 0, std::true_type{});  // O is 0: nothing to rescale
+      softmax_step(s_acc, p_even, alpha, 0);  // O is 0: nothing to rescale
 
       auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
@@ -640,7 +566,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         FenceRegisters(s_acc);
         timeline.Mark(kScoresLanded);
         after_qk(block, cur.stage);
-        softmax_step(s_acc, p_next, alpha, block, std::false_type{});
+        softmax_step(s_acc, p_next, alpha, block);
         timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);

@@ -33,7 +33,7 @@ enum TimelineEvent : int {
   kTurnHeld = 2,        // this consumer's wgmma turn begins
   kIssued = 3,          // Q K^T and P V issued, turn handed over
   kScoresLanded = 4,    // Q K^T of block b complete
-  kReferenceKnown = 5,  // FP8 lean P: codes with the current r written; exact P: r known (not 16-bit)
+  kReferenceKnown = 5,  // FP8: the rows' maxima and reference exponents are known (not in 16-bit)
   kSoftmaxDone = 6,     // P of block b packed
   kOutputLanded = 7,    // P V of block b - 1 complete
   kIterationEnd = 8,    // after the rescale / bookkeeping

@@ -46,9 +46,8 @@ P_EXPONENT = 7
 # the same error on Gaussian inputs).
 LAZY_RESCALE_THRESHOLD = 1.75
 # Block scaling lowers the reference only when a block's largest probability would fall below
-# 2^(E - H): the scale of O then changes rarely on ordinary inputs, so O is rarely rescaled. With
-# the decisions taken on lean codes, E - H = 1 makes the test one bit per code: every code < 64.
-BLOCK_SCALE_HYSTERESIS = 6
+# 2^(E - H): the scale of O then changes rarely on ordinary inputs, so O is rarely rescaled.
+BLOCK_SCALE_HYSTERESIS = 4
 # The reference never goes further than this many doublings below the fresh reference of the row's
 # running maximum, so O (scaled by 2^-r) stays far from float32 overflow; keys more than about
 # 2^-47 below the row maximum flush to zero (without block scaling: 2^-15 for lean P, 2^-18 exact).
@@ -75,15 +74,10 @@ class Fp8Options:
     lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD
     block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS
     p_exponent: int = P_EXPONENT
-    decide_on_codes: bool | None = None
 
     def __post_init__(self):
         if self.integer_reference is None:  # the natural choice of each path (docs/fp8.md)
             object.__setattr__(self, "integer_reference", self.lean_p)
-        if self.decide_on_codes is None:  # what the kernel does: codes for lean P, scores for exact
-            object.__setattr__(self, "decide_on_codes", self.lean_p)
-        if self.decide_on_codes and not self.lean_p:
-            raise ValueError("decide_on_codes needs lean_p: the decisions read the lean codes")
         if self.lean_p and not self.integer_reference:
             raise ValueError(
                 "lean_p needs integer_reference: the one-FFMA code takes c0 = 56 - 8 r as an integer"
@@ -139,30 +133,8 @@ def _per_kv_head(descale: jax.Array) -> jax.Array:
     return descale[:, :, None, None]
 
 
-def _rules_on_scores(r, block_max, options: Fp8Options):
-    """(raise, fall) from the block maximum: past 2^(E + tau), below 2^(E - H) (r = -inf: raise)."""
-    top = options.p_exponent
-    raise_ = block_max > r + top + options.lazy_rescale_threshold
-    fall = block_max < r + top - options.block_scale_hysteresis
-    return raise_, fall
-
-
-def _rules_on_codes(top_code, r, options: Fp8Options):
-    """(raise, fall) from the largest lean code a block gets with the current r (the kernel's test
-    on its packed codes): raise iff it rounds past the code of 2^(E + tau) (126 = 448 with E + tau =
-    8.75: the code 127 would be NaN), fall iff it is below the code of 2^(E - H) (64 = 2^1 with E = 7,
-    H = 6: neither high bit set in any code). r = -inf (no visible key yet): raise."""
-    top, slope = options.p_exponent, e4m3_codes.CODE_SLOPE
-    raise_code = np.rint(e4m3_codes.CODE_OF_ONE + slope * (top + options.lazy_rescale_threshold))
-    fall_code = e4m3_codes.CODE_OF_ONE + slope * (top - options.block_scale_hysteresis)
-    raise_ = (top_code > raise_code) | ~jnp.isfinite(r)
-    fall = top_code < fall_code
-    return raise_, fall
-
-
-def _next_reference(r, running_max, block_max, raise_, fall, options: Fp8Options):
-    """The reference exponent after a block whose largest score (log2 units) is block_max, given the
-    rules' verdicts (`_rules_on_scores` or `_rules_on_codes`).
+def _next_reference(r, running_max, block_max, options: Fp8Options):
+    """The reference exponent after a block whose largest score (log2 units) is block_max.
 
     For an integer reference the decision takes comparisons only, against integers (plus tau), so
     no rounding enters it. Rows whose block is fully masked (block_max = -inf) keep r.
@@ -173,10 +145,10 @@ def _next_reference(r, running_max, block_max, raise_, fall, options: Fp8Options
         fresh, floor = block_max, running_max
     top = options.p_exponent
     fresh = fresh - top
-    change = raise_
+    change = block_max > r + top + options.lazy_rescale_threshold  # r = -inf before the first key
     if options.block_scaling:
         fresh = jnp.maximum(fresh, floor - top - MAX_BLOCK_EXPONENT)
-        change |= fall & (fresh < r)
+        change |= (block_max < r + top - options.block_scale_hysteresis) & (fresh < r)
     change &= block_max > -jnp.inf
     return jnp.where(change, fresh, r)
 
@@ -192,30 +164,14 @@ def _rescale_factor(r: jax.Array, new_r: jax.Array, options: Fp8Options) -> jax.
     return jnp.where(finite, factor, 0.0)
 
 
-def _lean_map(r, row_scale):
-    """The lean codes' FFMA constants (c1, c0) for reference r (r = -inf: that of r = 0)."""
-    finite_r = jnp.where(jnp.isfinite(r), r, 0.0)[..., None]
-    scale = row_scale[..., None]
-    return e4m3_codes.CODE_SLOPE * scale, e4m3_codes.CODE_OF_ONE - e4m3_codes.CODE_SLOPE * finite_r
-
-
-def _top_code(s, r, row_scale):
-    """The largest lean code of each row's block with the current r, unclamped above (the rounding
-    is monotonic, so it is the code of the largest score); 0 for a fully masked block."""
-    top = jnp.max(s, axis=-1, keepdims=True)
-    masked = top == -jnp.inf
-    c1, c0 = _lean_map(r, row_scale)
-    code = e4m3_codes.fused_round_to_integer(jnp.where(masked, 0.0, top), c1, c0)
-    return jnp.where(masked, 0.0, jnp.maximum(code, 0.0))[..., 0]
-
-
 def _block_probabilities(s, r, row_scale, options: Fp8Options):
     """(P~ as float32 e4m3 values, the unrounded 2^(t - r)) for scores s [..., Sq, N], r [..., Sq]."""
     finite_r = jnp.where(jnp.isfinite(r), r, 0.0)[..., None]  # rows with r = -inf have s = -inf
     scale = row_scale[..., None]
     exact = jnp.exp2(s * scale - finite_r)
     if options.lean_p:
-        c1, c0 = _lean_map(r, row_scale)  # c1 exact: a power-of-two multiple of the scale
+        c1 = e4m3_codes.CODE_SLOPE * scale  # exact: a power-of-two multiple
+        c0 = e4m3_codes.CODE_OF_ONE - e4m3_codes.CODE_SLOPE * finite_r
         rounded = e4m3_codes.decode(e4m3_codes.lean_codes(s, c1, c0))
     else:
         rounded = e4m3_codes.round_to_e4m3(exact)
@@ -257,15 +213,8 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_sca
         s = jnp.where(visible, s, -jnp.inf)
         # max commutes with the positive scale: one FMUL per row, as the kernel does it.
         block_max = jnp.max(s, axis=-1) * row_scale
-        if options.decide_on_codes:
-            # The kernel finds the exact maximum only where its codes call for a raise or a fall,
-            # so the running maximum (the floor's) follows those blocks only.
-            raise_, fall = _rules_on_codes(_top_code(s, r, row_scale), r, options)
-            running_max = jnp.where(raise_ | fall, jnp.maximum(running_max, block_max), running_max)
-        else:
-            raise_, fall = _rules_on_scores(r, block_max, options)
-            running_max = jnp.maximum(running_max, block_max)
-        new_r = _next_reference(r, running_max, block_max, raise_, fall, options)
+        running_max = jnp.maximum(running_max, block_max)
+        new_r = _next_reference(r, running_max, block_max, options)
         rescaled = (new_r != r) & jnp.isfinite(r)
         alpha = _rescale_factor(r, new_r, options)
         rounded, exact = _block_probabilities(s, new_r, row_scale, options)
@@ -357,7 +306,6 @@ def attention_fp8_emulated(
     lazy_rescale_threshold: float = LAZY_RESCALE_THRESHOLD,
     block_scale_hysteresis: int = BLOCK_SCALE_HYSTERESIS,
     p_exponent: int = P_EXPONENT,
-    decide_on_codes: bool | None = None,
     out_dtype=jnp.bfloat16,
 ) -> tuple[jax.Array, jax.Array]:
     """FP8 attention as the Hopper FP8 kernel computes it; returns (out, lse).
@@ -390,11 +338,6 @@ def attention_fp8_emulated(
       block_scale_hysteresis: H; block scaling lowers r only when a block's largest probability
         would fall below 2^(E - H).
       p_exponent: E, where a fresh reference puts the block's largest probability (at most 8).
-      decide_on_codes: take the raise and fall decisions on the block's largest lean code written
-        with the current r (raise iff it rounds past the code of 2^(E + tau), fall iff it is below
-        that of 2^(E - H)) instead of on the block maximum, and follow the running maximum (the
-        floor's) only in the blocks that raise or fall: what the kernel does for lean P, which
-        then finds the exact maximum only in those blocks. None (default): lean_p. Needs lean_p.
       out_dtype: bf16 like the kernel; float32 skips the final rounding (for merging tests).
 
     Returns:
@@ -421,6 +364,5 @@ def attention_fp8_emulated(
         lazy_rescale_threshold=lazy_rescale_threshold,
         block_scale_hysteresis=block_scale_hysteresis,
         p_exponent=p_exponent,
-        decide_on_codes=decide_on_codes,
     )
     return trace.out, trace.lse

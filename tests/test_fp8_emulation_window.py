@@ -17,12 +17,10 @@ from test_fp8_emulation import dequantized, quantize_all, relative_error
 
 from jzyfa import _validation
 from jzyfa.fp8_emulation import (
-    BLOCK_N,
     P_EXPONENT,
+    BLOCK_N,
     Fp8Options,
     _next_reference,
-    _rules_on_codes,
-    _rules_on_scores,
     attention_fp8_emulated,
     trace_attention_fp8_emulated,
 )
@@ -116,29 +114,20 @@ def test_rows_without_keys(rng):
         np.testing.assert_array_equal(as_f32(out)[:, : seq_q - seq_k], 0.0)
 
 
-@pytest.mark.parametrize("rules", ["scores", "codes", "scores, real reference"])
-def test_next_reference_keeps_r_on_a_fully_masked_block(rules):
+@pytest.mark.parametrize("integer_reference", [True, False])
+def test_next_reference_keeps_r_on_a_fully_masked_block(integer_reference):
     # A row whose r sits high (a large score earlier), then a block far below: block scaling lowers r
     # (hysteresis and the MAX_BLOCK_EXPONENT floor). A block with no visible key (block_max = -inf)
-    # would pass the same test (-inf < r + E - H; on codes, every code 0 < 64) and must not: the
-    # kernel's `change &= block_max > -INFINITY` (NextReference in ffi/flash_fwd_fp8_kernel.cuh).
-    integer_reference = rules != "scores, real reference"
+    # would pass the same test, -inf < r + E - H, and must not: the kernel's
+    # `change &= block_max > -INFINITY` (NextReference in ffi/flash_fwd_fp8_kernel.cuh).
     options = Fp8Options(lean_p=integer_reference, integer_reference=integer_reference)
-
-    def next_reference(r, running_max, block_max):
-        if rules == "codes":  # a tiny or masked block's codes are all 0 with this r
-            raise_, fall = _rules_on_codes(jnp.float32(0.0), r, options)
-        else:
-            raise_, fall = _rules_on_scores(r, block_max, options)
-        return _next_reference(r, running_max, block_max, raise_, fall, options)
-
     r, running_max = jnp.float32(12.0), jnp.float32(20.0)
-    low = next_reference(r, running_max, jnp.float32(-1e30))
+    low = _next_reference(r, running_max, jnp.float32(-1e30), options)
     assert float(low) < float(r)  # a visible but tiny block moves r down to the floor
     assert float(low) == float(jnp.ceil(running_max) if integer_reference else running_max) - P_EXPONENT - 32
-    masked = next_reference(r, running_max, jnp.float32(-jnp.inf))
+    masked = _next_reference(r, running_max, jnp.float32(-jnp.inf), options)
     assert float(masked) == float(r)
-    fresh = next_reference(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.float32(-jnp.inf))
+    fresh = _next_reference(jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), jnp.float32(-jnp.inf), options)
     assert float(fresh) == -math.inf  # before the first visible key too
 
 

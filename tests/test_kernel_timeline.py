@@ -50,7 +50,7 @@ def test_summary_recovers_the_phases(timeline):
     assert summary["period"] == sum(steps) + 5
     assert summary["tile_gaps"] == 4 * 4  # iterations 10, 20, 30, 40 of each (CTA, consumer)
     text = timeline.format_summary(summary, "fp8")
-    assert "softmax 1 (lean: codes; exact: row max, r)" in text and "528 per consumer" in text
+    assert "softmax: row max, r" in text and "528 per consumer" in text
 
 
 def test_an_event_the_kernel_leaves_out_merges_its_phases(timeline):

@@ -29,12 +29,12 @@ PHASES = (
     "wait for the wgmma turn",  # -> kTurnHeld
     "issue Q K^T, P V (+ promotion)",  # -> kIssued
     "wait for S",  # -> kScoresLanded
-    "softmax 1 (lean: codes; exact: row max, r)",  # -> kReferenceKnown (FP8 only)
-    "softmax 2 (lean: verdicts, slow path; exact: codes)",  # -> kSoftmaxDone
+    "softmax: row max, r",  # -> kReferenceKnown (FP8 only)
+    "softmax: codes",  # -> kSoftmaxDone
     "wait for P V",  # -> kOutputLanded
     "rescale, bookkeeping",  # -> kIterationEnd
 )
-MERGED = {PHASES[4:6]: "softmax"}
+MERGED = {("softmax: row max, r", "softmax: codes"): "softmax"}
 ISSUE = "issue Q K^T, P V (+ promotion)"
 # Dense tensor-core FLOPs per SM per clock on Hopper (H100/H200 SXM datasheet rates / 132 SMs / clock).
 FLOPS_PER_CLOCK = {"fp8": 8192, "bf16": 4096}
