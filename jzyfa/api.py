@@ -98,12 +98,11 @@ WINDOW_KERNEL_MAX_TOKENS = 1 << 30
 
 
 # The 16-bit kernel's head-dim-256 instantiation (dense batches, causal or no mask; 64-key blocks,
-# ffi/flash_fwd_kernel.cuh): 44 of tests/test_hd256_kernel_gpu.py's 49 tests passed on an H200 on
-# 2026-11-30 (every length/mask/dtype case against float64 and the pure-JAX path, 4 of 6 GQA cases), the
-# rest not reached before the call's time limit (2 GQA cases, rows with no key, bitwise reruns, the
-# handler's refusal). Until the whole file passes, implementation=None keeps head dim 256 on the pure-JAX
-# path and implementation="kernel" needs the variable below.
-HD256_KERNEL_VERIFIED = False
+# ffi/flash_fwd_kernel.cuh): tests/test_hd256_kernel_gpu.py passed whole on an H200 on 2026-12-01 (49
+# tests: lengths, masks, dtypes and GQA against float64 and the pure-JAX path, rows with no key, bitwise
+# reruns, the handler's refusal of windows). A kill switch: False keeps head dim 256 on the pure-JAX path
+# for implementation=None, and implementation="kernel" then needs the variable below.
+HD256_KERNEL_VERIFIED = True
 UNVERIFIED_HD256_KERNEL_ENV = "JZYFA_UNVERIFIED_HD256_KERNEL"
 HD256 = 256
 
@@ -123,7 +122,7 @@ def _hd256_problem(sliding: bool) -> str | None:
         )
     if not hd256_kernel_enabled():
         return (
-            "the kernel's head_dim 256 is switched off until verified on a Hopper GPU "
+            "the kernel's head_dim 256 is switched off "
             "(jzyfa.api.HD256_KERNEL_VERIFIED is False): it runs on the kernel only with "
             f"{UNVERIFIED_HD256_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
         )
@@ -429,9 +428,9 @@ def flash_attention(
         for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) run on the kernel's MLA
         instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
         kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). Head dim 256
-        (causal or no mask) has a kernel instantiation not yet verified on a GPU: while
-        `jzyfa.api.HD256_KERNEL_VERIFIED` is False None runs it on the pure-JAX path and "kernel"
-        needs JZYFA_UNVERIFIED_HD256_KERNEL=1.
+        (bf16/f16, causal or no mask, no sliding window) runs on the kernel's hd256 instantiation,
+        verified on an H200 on 2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill
+        switch; "kernel" then needs JZYFA_UNVERIFIED_HD256_KERNEL=1).
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.

@@ -1,5 +1,5 @@
-"""Head dim 256 on the 16-bit kernel, the JAX side on the CPU: the gate (HD256_KERNEL_VERIFIED, off until
-tests/test_hd256_kernel_gpu.py passes on an H200, and JZYFA_UNVERIFIED_HD256_KERNEL=1), the CUDA custom call
+"""Head dim 256 on the 16-bit kernel, the JAX side on the CPU: the gate (HD256_KERNEL_VERIFIED, on since
+tests/test_hd256_kernel_gpu.py passed on an H200; a kill switch, with JZYFA_UNVERIFIED_HD256_KERNEL=1), the CUDA custom call
 it lowers to, and what stays on the pure-JAX path (sliding windows, varlen). (The kernel itself:
 tests/test_hd256_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
@@ -35,14 +35,16 @@ def cuda_hlo(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
-def test_gate_is_off_until_verified():
-    assert api.HD256_KERNEL_VERIFIED is False
+def test_gate_is_on_since_verified():
+    assert api.HD256_KERNEL_VERIFIED is True  # tests/test_hd256_kernel_gpu.py on an H200, 2026-12-01
     assert api.UNVERIFIED_HD256_KERNEL_ENV == "JZYFA_UNVERIFIED_HD256_KERNEL"
-    assert not api.hd256_kernel_enabled()
+    assert api.hd256_kernel_enabled()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_gate_off_falls_back_and_kernel_raises(rng, causal):
+def test_gate_off_falls_back_and_kernel_raises(rng, monkeypatch, causal):
+    """The kill switch off: implementation=None falls back, "kernel" names the gate and its variable."""
+    monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", False)
     q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=256)
     assert api.choose_path(q, k, v, 0.0625, causal, None, None) is api.Path.REFERENCE
     fn = functools.partial(jzyfa.flash_attention, causal=causal)
@@ -59,8 +61,9 @@ def test_gate_off_falls_back_and_kernel_raises(rng, causal):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_variable_lets_kernel_lower_to_the_custom_call(monkeypatch, dtype, causal):
-    """With the variable, implementation="kernel" lowers to the 16-bit custom call at hd256; None still
-    takes the pure-JAX path until HD256_KERNEL_VERIFIED (as the windows' gate does)."""
+    """With the kill switch off, the variable still lets implementation="kernel" lower to the 16-bit
+    custom call at hd256, while None takes the pure-JAX path (as the windows' gate does)."""
+    monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", False)
     monkeypatch.setenv(api.UNVERIFIED_HD256_KERNEL_ENV, "1")
     q = jax.ShapeDtypeStruct(Q.shape, dtype)
     kv = jax.ShapeDtypeStruct(KV.shape, dtype)
@@ -80,8 +83,7 @@ def test_variable_lets_kernel_lower_to_the_custom_call(monkeypatch, dtype, causa
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_verified_gate_sends_the_default_path_to_the_kernel(monkeypatch, causal):
-    monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", True)
+def test_verified_gate_sends_the_default_path_to_the_kernel(causal):
     assert api.choose_path(Q, KV, KV, 0.0625, causal, None, None) is api.Path.PRIMITIVE
     (call,) = custom_call_lines(
         cuda_hlo(functools.partial(jzyfa.flash_attention, causal=causal), Q, KV, KV), FFI_TARGET

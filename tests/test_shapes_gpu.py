@@ -167,7 +167,7 @@ def binds_kernel(fn, *args) -> bool:
         (dict(window=(4096, 0)), dict(head_dim=128), True),  # wider than the keys: causal
         (dict(causal=True, window=(16, 16)), dict(head_dim=64), True),  # the windowed kernel, (16, 0)
         (dict(causal=True), dict(head_dim=192, head_dim_v=128), False),  # MLA
-        (dict(causal=True), dict(head_dim=256), False),
+        (dict(causal=True), dict(head_dim=256), True),  # verified 2026-12-01
     ],
     ids=["window", "wide_window", "causal_window", "mla", "head_dim_256"],
 )
