@@ -149,9 +149,10 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
     return ffi::Error::InvalidArgument(
         name + "q, k and v must be packed [total_tokens, heads, head_dim]");
   }
-  if (!std::equal(kd.begin(), kd.end(), vd.begin())) {
+  // v may have a head dim of its own (MLA: 128 where q and k have 192).
+  if (vd[0] != kd[0] || vd[1] != kd[1]) {
     return ffi::Error::InvalidArgument(name + "k " + ShapeString(kd) + " and v " +
-                                       ShapeString(vd) + " differ");
+                                       ShapeString(vd) + " disagree on tokens or heads");
   }
   if (kd[2] != qd[2]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " +
@@ -163,9 +164,11 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
                                        " and cu_seqlens_k " + ShapeString(ckd) +
                                        " must both be int32 [num_seqs + 1], num_seqs >= 1");
   }
-  if (od.size() != qd.size() || !std::equal(od.begin(), od.end(), qd.begin())) {
+  if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
+      od.back() != vd[2]) {
     return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
-                                       " must have the shape of q " + ShapeString(qd));
+                                       " must have the shape of q " + ShapeString(qd) +
+                                       " with head_dim " + std::to_string(vd[2]));
   }
   if (ld.size() != 2 || ld[0] != qd[1] || ld[1] != qd[0]) {
     return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
@@ -192,6 +195,7 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
   p.heads_q = qd[1];
   p.heads_kv = kd[1];
   p.head_dim = qd[2];
+  p.head_dim_v = vd[2];
   p.softmax_scale = softmax_scale;
   p.causal = causal;
   p.window_left = window_left;

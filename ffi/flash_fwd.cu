@@ -1,6 +1,6 @@
 // Launch planning for the forward kernel: validation, TMA tensor maps, the persistent grid,
-// and the explicit instantiations (bf16/f16 x head dim 64/128, plain and windowed; head dim 256,
-// plain only).
+// and the explicit instantiations (bf16/f16 x head dims 64, 128, 256 and MLA's (192, 128), plain
+// and windowed).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -16,15 +16,12 @@
 namespace jzyfa {
 namespace {
 
-// MLA's head dims: q and k 192, v and out 128.
-constexpr int kMlaHeadDimQK = 192;
-constexpr int kMlaHeadDimV = 128;
-
-// The plain kernel, the sliding-window one, or MLA's (two head dims, no window).
+// The plain kernel, the sliding-window one, or MLA's (two head dims), plain or windowed.
 template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
 constexpr auto ForwardKernel() {
-  static_assert(!(kWindow && kHeadDimQK != kHeadDimV), "no sliding-window MLA kernel");
-  if constexpr (kWindow) {
+  if constexpr (kWindow && kHeadDimQK != kHeadDimV) {
+    return FlashFwdMlaVariantKernel<Element, kHeadDimQK, kHeadDimV, WindowedArgs<FwdArgs>>;
+  } else if constexpr (kWindow) {
     return FlashFwdWindowKernel<Element, kHeadDimQK>;
   } else if constexpr (kHeadDimQK != kHeadDimV) {
     return FlashFwdMlaKernel<Element, kHeadDimQK, kHeadDimV>;
@@ -40,11 +37,7 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
   if constexpr (!Tile::kFitsSharedMemory) {
     // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 or -DJZYFA_EPILOGUE_TMA=1 (FwdTile).
     (void)p, (void)mask, (void)stream;
-    return "head dims (" + std::to_string(kHeadDimQK) + ", " + std::to_string(kHeadDimV) +
-           ") need " + std::to_string(Tile::kDynamicSmemBytes) +
-           " bytes of shared memory in this build (JZYFA_KV_STAGES=" + std::to_string(Tile::kStages) +
-           ", JZYFA_EPILOGUE_TMA=" + std::to_string(JZYFA_EPILOGUE_TMA) + "), more than the " +
-           std::to_string(Tile::kMaxDynamicSmemBytes) + " a block can have";
+    return TileTooLarge<Tile>(kHeadDimQK, kHeadDimV, JZYFA_EPILOGUE_TMA);
   } else {
     constexpr auto kernel = ForwardKernel<Element, kHeadDimQK, kHeadDimV, kWindow>();
     const DeviceInfo* info = nullptr;
@@ -97,18 +90,22 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
 
 }  // namespace
 
+std::string CheckHeadDims(int64_t head_dim, int64_t head_dim_v, const std::string& kernel) {
+  const bool mla = head_dim == kMlaHeadDimQK && head_dim_v == kMlaHeadDimV;
+  const bool equal =
+      (head_dim == 64 || head_dim == 128 || head_dim == 256) && head_dim_v == head_dim;
+  if (mla || equal) return "";
+  return "head_dim must be 64, 128 or 256 for " + kernel +
+         " (q, k and v alike), or 192 for q and k with 128 for v (MLA); got " +
+         std::to_string(head_dim) + " for q and k, " + std::to_string(head_dim_v) + " for v";
+}
+
 std::string ValidateFlashFwd(const FlashFwdParams& p) {
   if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
     return "q, k and v need batch, sequence and head counts of at least 1";
   }
-  const bool mla = p.head_dim == kMlaHeadDimQK && p.head_dim_v == kMlaHeadDimV;
-  const bool equal = (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
-                     p.head_dim_v == p.head_dim;
-  if (!mla && !equal) {
-    return "head_dim must be 64, 128 or 256 for the jzyfa kernel (q, k and v alike), or 192 for q "
-           "and k with 128 for v (MLA); got " + std::to_string(p.head_dim) + " for q and k, " +
-           std::to_string(p.head_dim_v) + " for v";
-  }
+  std::string error = CheckHeadDims(p.head_dim, p.head_dim_v, "the jzyfa kernel");
+  if (!error.empty()) return error;
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
@@ -131,18 +128,7 @@ std::string ValidateFlashFwd(const FlashFwdParams& p) {
     return "softmax_scale must be a positive finite number";
   }
   MaskPlan mask;
-  const std::string error =
-      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
-  if (!error.empty()) return error;
-  if (mask.windowed && mla) {
-    return "sliding windows have no kernel at MLA's head dims (192, 128), only causal or no mask";
-  }
-  // Only the plain kernel has an hd256 instantiation (no windowed one is built or tested yet).
-  if (mask.windowed && p.head_dim == 256) {
-    return "sliding windows (other than causal) need head_dim 64 or 128 in the jzyfa kernel, "
-           "got 256";
-  }
-  return "";
+  return ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
 }
 
 std::string ResolveMask(bool causal, int64_t left, int64_t right, int64_t seqlen_q,
@@ -187,17 +173,25 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
   const bool bf16 = p.element_type == ElementType::kBF16;
-  if (p.head_dim == kMlaHeadDimQK) {  // head_dim_v is kMlaHeadDimV, the mask not windowed (above)
-    return bf16 ? Launch<__nv_bfloat16, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream)
-                : Launch<__half, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream);
-  }
   if (mask.windowed) {
+    if (p.head_dim == kMlaHeadDimQK) {  // head_dim_v is kMlaHeadDimV (ValidateFlashFwd)
+      return bf16 ? Launch<__nv_bfloat16, kMlaHeadDimQK, kMlaHeadDimV, true>(p, mask, stream)
+                  : Launch<__half, kMlaHeadDimQK, kMlaHeadDimV, true>(p, mask, stream);
+    }
     if (p.head_dim == 64) {
       return bf16 ? Launch<__nv_bfloat16, 64, 64, true>(p, mask, stream)
                   : Launch<__half, 64, 64, true>(p, mask, stream);
     }
+    if (p.head_dim == 256) {
+      return bf16 ? Launch<__nv_bfloat16, 256, 256, true>(p, mask, stream)
+                  : Launch<__half, 256, 256, true>(p, mask, stream);
+    }
     return bf16 ? Launch<__nv_bfloat16, 128, 128, true>(p, mask, stream)
                 : Launch<__half, 128, 128, true>(p, mask, stream);
+  }
+  if (p.head_dim == kMlaHeadDimQK) {
+    return bf16 ? Launch<__nv_bfloat16, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream)
+                : Launch<__half, kMlaHeadDimQK, kMlaHeadDimV, false>(p, mask, stream);
   }
   if (p.head_dim == 64) {
     return bf16 ? Launch<__nv_bfloat16, 64, 64, false>(p, mask, stream)

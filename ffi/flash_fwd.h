@@ -13,11 +13,15 @@ namespace jzyfa {
 
 enum class ElementType { kBF16, kF16 };
 
+// MLA's head dims, the one unequal pair the 16-bit kernels serve: q and k 192, v and out 128.
+constexpr int kMlaHeadDimQK = 192;
+constexpr int kMlaHeadDimV = 128;
+
 // One forward call. Tensors are dense row-major:
 //   q: [batch, seqlen_q, heads_q, head_dim]; k: [batch, seqlen_k, heads_kv, head_dim];
 //   v: [batch, seqlen_k, heads_kv, head_dim_v]; out: [batch, seqlen_q, heads_q, head_dim_v];
 //   lse: [batch, heads_q, seqlen_q] float32, natural log.
-//   (head_dim, head_dim_v): (64, 64), (128, 128), or MLA's (192, 128) without a sliding window.
+//   (head_dim, head_dim_v): (64, 64), (128, 128), (256, 256) or MLA's (192, 128).
 //   tile_counter: one int32 of device scratch the launch zeroes and the kernel's tile
 //   scheduler counts in (the caller owns it so that concurrent launches never share one).
 struct FlashFwdParams {
@@ -74,8 +78,9 @@ struct FlashFwdFp8Params {
   bool lean_p = true;  // P's e4m3 codes from one FFMA; false: ex2 rounded to e4m3
 };
 
-// One forward call over a packed variable-length batch (bf16/f16, head dim 64 or 128):
-// q, out [total_q, heads_q, head_dim]; k, v [total_k, heads_kv, head_dim]; cu_seqlens_q and
+// One forward call over a packed variable-length batch (bf16/f16, head dims as in FlashFwdParams):
+// q [total_q, heads_q, head_dim]; k [total_k, heads_kv, head_dim]; v [total_k, heads_kv,
+// head_dim_v]; out [total_q, heads_q, head_dim_v]; cu_seqlens_q and
 // cu_seqlens_k int32 [num_seqs + 1] on the device (sequence s: q tokens cu_seqlens_q[s] ..
 // cu_seqlens_q[s + 1], likewise k/v), never read by the host; lse [heads_q, total_q] float32.
 // Causal masks are bottom-right per sequence. Tokens of no sequence (past cu_seqlens_q[num_seqs],
@@ -97,7 +102,8 @@ struct FlashFwdVarlenParams {
   int64_t max_seqlen_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // q's and k's
+  int64_t head_dim_v = 0;  // v's and out's
   float softmax_scale = 1.0f;
   bool causal = false;
   int64_t window_left = -1;  // as in FlashFwdParams, per sequence
@@ -121,6 +127,10 @@ struct MaskPlan {
 // window over seqlen_q + seqlen_k > 2^30 tokens (the windowed kernels compute positions in int32).
 std::string ResolveMask(bool causal, int64_t window_left, int64_t window_right, int64_t seqlen_q,
                         int64_t seqlen_k, MaskPlan* plan);
+
+// Empty when the 16-bit kernels have an instantiation for q/k head dim `head_dim` and v head dim
+// `head_dim_v`, else why not; `kernel` names the kernel in the message.
+std::string CheckHeadDims(int64_t head_dim, int64_t head_dim_v, const std::string& kernel);
 
 // Checks what the kernel can run; returns an empty string when it can, else a message
 // naming the offending argument.

@@ -96,6 +96,36 @@ __device__ __forceinline__ void WindowBlocks(int q_first, int q_last, int diagon
   num_blocks = (kv_end + kBlockN - 1) / kBlockN - first_block;
 }
 
+// A sliding window's mask on S in a wgmma m64nN accumulator (both kernels' layout: this thread's
+// values 4c + 2h + e at row first_row + 8h, key key_start + 8c + 2 (lane % 4) + e), before the
+// softmax step, which then masks nothing: row i, at i + diagonal, sees keys pos - left ..
+// pos + right (-1: unbounded) below seqlen_k; the others get -inf. The bounds are worked out once
+// per row, as the thread's visible columns lo <= 8c + e < hi (counted from its first column
+// key_start + 2 (lane % 4)), so an element costs two compares with constants: fewer live values
+// than the 16-bit kernel's per-key MaskWindow, which spills the consumers at their 232 registers
+// (FP8's; 16-bit at head dim 256 and MLA's). A block where a row sees no key leaves that row's
+// state as it was (block max -inf); a row that sees none at all ends with O = 0, LSE = -inf. No
+// overflow: the launch keeps seqlen_q + seqlen_k <= 2^30, so |pos| and the bounds stay below 2^30.
+template <int kBlockN>
+__device__ __forceinline__ void MaskWindowByRowBounds(float (&s)[kBlockN / 2], int key_start,
+                                                      int first_row, int lane, int seqlen_k,
+                                                      int diagonal, int left, int right) {
+  const int first_key = key_start + 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int pos = first_row + 8 * h + diagonal;
+    const int lo = (left < 0 ? 0 : pos - left) - first_key;
+    const int hi = (right < 0 ? seqlen_k : min(pos + right + 1, seqlen_k)) - first_key;
+#pragma unroll
+    for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int column = 8 * c + e;
+        if (!(lo <= column && column < hi)) s[4 * c + 2 * h + e] = -INFINITY;
+      }
+  }
+}
+
 // Tile order: heads fastest, then query tiles (longest first: under a causal mask the last
 // tiles see the most keys), then batch.
 // Args: any launch-argument struct with the fields read here.

@@ -277,35 +277,6 @@ struct Fp8OnlineSoftmax {
   }
 };
 
-// A sliding window's mask (before Fp8OnlineSoftmax::Step, which then masks nothing), on S in the
-// accumulator layout above: row i, at i + diagonal, sees keys pos - left .. pos + right (-1:
-// unbounded) below seqlen_k; the others get -inf. The bounds are worked out once per row, as the
-// thread's visible columns lo <= 8c + e < hi (e = 0, 1, counted from its first column
-// key_start + 2 (lane % 4)), so an element costs two compares with constants: fewer live values
-// than the 16-bit kernel's per-key MaskWindow, which spills the FP8 consumer (at its 232
-// registers). A block where a row sees no key leaves that row's state as it was (block max -inf:
-// r, the sums and O unchanged); a row that sees none at all ends with O = 0, LSE = -inf. No
-// overflow: the launch keeps seqlen_q + seqlen_k <= 2^30, so |pos| and the bounds stay below 2^30.
-template <int kBlockN>
-__device__ __forceinline__ void MaskWindowByRowBounds(float (&s)[kBlockN / 2], int key_start,
-                                                      int first_row, int lane, int seqlen_k,
-                                                      int diagonal, int left, int right) {
-  const int first_key = key_start + 2 * (lane % 4);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pos = first_row + 8 * h + diagonal;
-    const int lo = (left < 0 ? 0 : pos - left) - first_key;
-    const int hi = (right < 0 ? seqlen_k : min(pos + right + 1, seqlen_k)) - first_key;
-#pragma unroll
-    for (int c = 0; c < kBlockN / 8; ++c)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int column = 8 * c + e;
-        if (!(lo <= column && column < hi)) s[4 * c + 2 * h + e] = -INFINITY;
-      }
-  }
-}
-
 // The kernel's body, for Fp8Args (no mask, or causal) and WindowedArgs<Fp8Args> (a sliding window:
 // each tile visits only the key blocks its rows' windows reach, from work.first_block on).
 template <bool kLeanP, typename Args>

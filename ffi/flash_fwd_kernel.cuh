@@ -1,5 +1,5 @@
 // The Hopper forward kernel for 16-bit inputs (bf16, f16), head dims 64, 128 and 256, and MLA's
-// (q/k head dim 192, v head dim 128); hd256 and MLA for dense batches without a sliding window.
+// (q/k head dim 192, v head dim 128); every head dim dense or varlen, with or without a window.
 //
 // A persistent grid (one CTA per SM) works through tiles of 128 query rows of one
 // (batch, head), claimed in order from a global counter: longest tiles first inside a
@@ -294,8 +294,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
 
   const int warpgroup = threadIdx.x / 128;
   // hd256: one P buffer, packed once the previous P V has landed (see the key loop), as a second
-  // one overflows the consumers' 232 registers.
-  constexpr bool kOneP = kHeadDimV > 128;
+  // one overflows the consumers' 232 registers. MLA's windowed kernels likewise: with two P buffers
+  // (S 64 + O 64 + P 2 x 32) and the window's bounds they spill 8-28 bytes (ptxas); with one, none.
+  constexpr bool kOneP = kHeadDimV > 128 || (kWindow && kHeadDimQK != kHeadDimV);
+  // Head dim 256 and MLA's: the consumers' registers are full (O, S and P at 232).
+  constexpr bool kWideHeadDims = kHeadDimQK > 128;
 
   // The windowed tile plan needs a few more registers in the producer (48), taken from the
   // consumers (224): the CTA's pool is full at 40 / 232 (CtaRegisterPool).
@@ -444,10 +447,23 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
               (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
               (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
           if (needs_mask) {
-            softmax.MaskWindow(s, key_start, first_row, lane, seqlen_k, work.diagonal, left, right);
+            // The wide head dims' consumers have no registers left for MaskWindow's per-key
+            // bounds (they spill); bounds per row need fewer live values.
+            if constexpr (kWideHeadDims) {
+              MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, seqlen_k, work.diagonal,
+                                             left, right);
+            } else {
+              softmax.MaskWindow(s, key_start, first_row, lane, seqlen_k, work.diagonal, left,
+                                 right);
+            }
           }
-          softmax.Step(s, p, correction, false, key_start, first_row, lane, seqlen_k, false,
-                       0, args.scale_log2);
+          if constexpr (kOneP) {  // the caller packs P
+            softmax.Exponentiate(s, correction, false, key_start, first_row, lane, seqlen_k, false,
+                                 0, args.scale_log2);
+          } else {
+            softmax.Step(s, p, correction, false, key_start, first_row, lane, seqlen_k, false,
+                         0, args.scale_log2);
+          }
         } else {
           const int key_start = block * kBlockN;
           const bool needs_mask =
@@ -472,7 +488,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       // P lives in two register buffers that alternate: the one P V reads stays untouched
       // while the softmax writes the other. (Copying one into the other instead lets ptxas
       // give both the same registers, and it then serializes every wgmma, warning C7513.)
-      // hd256 (kOneP) has room for one only: p_even, packed from S once P V has landed.
+      // With kOneP (hd256, MLA windowed) there is room for one only: p_even, packed from S once
+      // P V has landed.
       uint32_t p_even[kBlockN / 16][4], p_odd[kBlockN / 16][4];
       float correction[2];
 
@@ -533,7 +550,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         }
       }
 
-      // The last block's P V: its P is in p_even when the block index is even (always at hd256).
+      // The last block's P V: its P is in p_even when the block index is even (always with kOneP).
       const int last_block = work.num_blocks - 1;
       const Slot last(ring + last_block);
       ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
@@ -659,7 +676,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
 
 // MLA's head dims (q/k 192, v 128: FwdTile), dense batches, causal or no mask. A kernel of its own
 // rather than a second head dim on FlashFwdKernel, so that the one-head-dim kernels keep their
-// symbols (and their SASS). Sliding windows and varlen batches have no MLA instantiation.
+// symbols (and their SASS). Sliding windows and varlen batches: FlashFwdMlaVariantKernel.
 template <typename Element, int kHeadDimQK, int kHeadDimV>
 __global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
     FlashFwdMlaKernel(const __grid_constant__ CUtensorMap tmap_q,
@@ -669,6 +686,26 @@ __global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
                       const __grid_constant__ CUtensorMap tmap_o,
 #endif
                       const FwdArgs args) {
+  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                                                tmap_o,
+#endif
+                                                args);
+}
+
+// MLA's head dims under a sliding window (WindowedArgs<FwdArgs>) or over packed variable-length
+// batches (VarlenFwdArgs, WindowedArgs<VarlenFwdArgs>; the varlen launch builds these with the
+// register epilogue). One template over the arguments, and not a second head dim on the kernels
+// below, so that those keep their symbols (and their SASS).
+template <typename Element, int kHeadDimQK, int kHeadDimV, typename Args>
+__global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
+    FlashFwdMlaVariantKernel(const __grid_constant__ CUtensorMap tmap_q,
+                             const __grid_constant__ CUtensorMap tmap_k,
+                             const __grid_constant__ CUtensorMap tmap_v,
+#if JZYFA_EPILOGUE_TMA
+                             const __grid_constant__ CUtensorMap tmap_o,
+#endif
+                             const Args args) {
   FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v,
 #if JZYFA_EPILOGUE_TMA
                                                 tmap_o,

@@ -1,6 +1,7 @@
 // Launch planning for the 16-bit forward kernel over packed variable-length batches: validation,
 // tensor maps over the packed tensors, the persistent grid, and the instantiations (bf16/f16 x
-// head dim 64/128). The kernel is flash_fwd_kernel.cuh's, with VarlenFwdArgs.
+// head dims 64, 128, 256 and MLA's (192, 128), plain and windowed). The kernel is
+// flash_fwd_kernel.cuh's, with VarlenFwdArgs.
 //
 // A TMA-store epilogue would write whole 64-row boxes, past a sequence's end into the next one,
 // so the varlen kernel always stores O from registers, whatever the build picks for dense calls.
@@ -21,20 +22,24 @@
 namespace jzyfa {
 namespace {
 
-// The plain varlen kernel, or the sliding-window one.
-template <typename Element, int kHeadDim, bool kWindow>
+// The plain varlen kernel, or the sliding-window one; MLA's (two head dims), either.
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
 constexpr auto VarlenKernel() {
-  if constexpr (kWindow) {
-    return FlashFwdVarlenWindowKernel<Element, kHeadDim>;
+  using Args = std::conditional_t<kWindow, WindowedArgs<VarlenFwdArgs>, VarlenFwdArgs>;
+  if constexpr (kHeadDimQK != kHeadDimV) {
+    return FlashFwdMlaVariantKernel<Element, kHeadDimQK, kHeadDimV, Args>;
+  } else if constexpr (kWindow) {
+    return FlashFwdVarlenWindowKernel<Element, kHeadDimQK>;
   } else {
-    return FlashFwdVarlenKernel<Element, kHeadDim>;
+    return FlashFwdVarlenKernel<Element, kHeadDimQK>;
   }
 }
 
-template <typename Element, int kHeadDim, bool kWindow>
-std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDim>;
-  constexpr auto kernel = VarlenKernel<Element, kHeadDim, kWindow>();
+// One instantiation's launch (its tile fits in shared memory).
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
+std::string LaunchTile(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  constexpr auto kernel = VarlenKernel<Element, kHeadDimQK, kHeadDimV, kWindow>();
   const DeviceInfo* info = nullptr;
   std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
@@ -42,11 +47,11 @@ std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStre
   CUtensorMap tmap_q, tmap_k, tmap_v;
   // Packed [total, heads, head_dim] tensors as batches of one; tokens past the end read as zeros.
   const bool bf16 = p.element_type == ElementType::kBF16;
-  if (!EncodeRowMap16(&tmap_q, p.q, bf16, 1, p.total_q, p.heads_q, kHeadDim,
+  if (!EncodeRowMap16(&tmap_q, p.q, bf16, 1, p.total_q, p.heads_q, kHeadDimQK,
                       Tile::kRowsPerConsumer, &error) ||
-      !EncodeRowMap16(&tmap_k, p.k, bf16, 1, p.total_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+      !EncodeRowMap16(&tmap_k, p.k, bf16, 1, p.total_k, p.heads_kv, kHeadDimQK, Tile::kBlockN,
                       &error) ||
-      !EncodeRowMap16(&tmap_v, p.v, bf16, 1, p.total_k, p.heads_kv, kHeadDim, Tile::kBlockN,
+      !EncodeRowMap16(&tmap_v, p.v, bf16, 1, p.total_k, p.heads_kv, kHeadDimV, Tile::kBlockN,
                       &error)) {
     return error;
   }
@@ -80,6 +85,40 @@ std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStre
   return "";
 }
 
+// q and k have head dim kHeadDimQK, v and out kHeadDimV.
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
+std::string Launch(const FlashFwdVarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  if constexpr (!Tile::kFitsSharedMemory) {
+    // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 (FwdTile).
+    (void)p, (void)mask, (void)stream;
+    return TileTooLarge<Tile>(kHeadDimQK, kHeadDimV, JZYFA_EPILOGUE_TMA);
+  } else {
+    return LaunchTile<Element, kHeadDimQK, kHeadDimV, kWindow>(p, mask, stream);
+  }
+}
+
+// The instantiation for the validated head dims and element type, plain or windowed.
+template <bool kWindow>
+std::string LaunchHeadDims(const FlashFwdVarlenParams& p, const MaskPlan& mask,
+                           cudaStream_t stream) {
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  switch (p.head_dim) {
+    case 64:
+      return bf16 ? Launch<__nv_bfloat16, 64, 64, kWindow>(p, mask, stream)
+                  : Launch<__half, 64, 64, kWindow>(p, mask, stream);
+    case 256:
+      return bf16 ? Launch<__nv_bfloat16, 256, 256, kWindow>(p, mask, stream)
+                  : Launch<__half, 256, 256, kWindow>(p, mask, stream);
+    case kMlaHeadDimQK:  // head_dim_v is kMlaHeadDimV (ValidateFlashFwdVarlen)
+      return bf16 ? Launch<__nv_bfloat16, kMlaHeadDimQK, kMlaHeadDimV, kWindow>(p, mask, stream)
+                  : Launch<__half, kMlaHeadDimQK, kMlaHeadDimV, kWindow>(p, mask, stream);
+    default:
+      return bf16 ? Launch<__nv_bfloat16, 128, 128, kWindow>(p, mask, stream)
+                  : Launch<__half, 128, 128, kWindow>(p, mask, stream);
+  }
+}
+
 }  // namespace
 
 std::string ValidateFlashFwdVarlen(const FlashFwdVarlenParams& p) {
@@ -95,11 +134,8 @@ std::string ValidateFlashFwdVarlen(const FlashFwdVarlenParams& p) {
   if (p.max_seqlen_q < 1 || p.max_seqlen_k < 1) {
     return "max_seqlen_q and max_seqlen_k must be at least 1";
   }
-  if (p.head_dim != 64 && p.head_dim != 128) {
-    // Head dim 256 has a dense instantiation only (flash_fwd.cu), none built or tested for varlen.
-    return "head_dim must be 64 or 128 for the jzyfa varlen kernel (256: dense batches only), " +
-           std::string("got ") + std::to_string(p.head_dim);
-  }
+  const std::string head_dims = CheckHeadDims(p.head_dim, p.head_dim_v, "the jzyfa varlen kernel");
+  if (!head_dims.empty()) return head_dims;
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
@@ -141,21 +177,8 @@ std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& p, cudaStream_t str
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.max_seqlen_q, p.max_seqlen_k,
                       &mask);
   if (!error.empty()) return error;
-  const bool bf16 = p.element_type == ElementType::kBF16;
-  if (mask.windowed) {
-    if (p.head_dim == 64) {
-      return bf16 ? Launch<__nv_bfloat16, 64, true>(p, mask, stream)
-                  : Launch<__half, 64, true>(p, mask, stream);
-    }
-    return bf16 ? Launch<__nv_bfloat16, 128, true>(p, mask, stream)
-                : Launch<__half, 128, true>(p, mask, stream);
-  }
-  if (p.head_dim == 64) {
-    return bf16 ? Launch<__nv_bfloat16, 64, false>(p, mask, stream)
-                : Launch<__half, 64, false>(p, mask, stream);
-  }
-  return bf16 ? Launch<__nv_bfloat16, 128, false>(p, mask, stream)
-              : Launch<__half, 128, false>(p, mask, stream);
+  return mask.windowed ? LaunchHeadDims<true>(p, mask, stream)
+                       : LaunchHeadDims<false>(p, mask, stream);
 }
 
 }  // namespace jzyfa

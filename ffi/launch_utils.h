@@ -87,6 +87,17 @@ void SetTileGeometry(Args& args, int64_t batch, int64_t seqlen_q, int64_t seqlen
   args.causal = causal ? 1 : 0;
 }
 
+// Why a 16-bit tile (FwdTile) of head dims (qk, v) is not instantiated in this build: its shared
+// memory is more than a block can have (MLA with JZYFA_KV_STAGES=3 or the TMA-store epilogue).
+template <typename Tile>
+std::string TileTooLarge(int head_dim_qk, int head_dim_v, int epilogue_tma) {
+  return "head dims (" + std::to_string(head_dim_qk) + ", " + std::to_string(head_dim_v) +
+         ") need " + std::to_string(Tile::kDynamicSmemBytes) +
+         " bytes of shared memory in this build (JZYFA_KV_STAGES=" + std::to_string(Tile::kStages) +
+         ", JZYFA_EPILOGUE_TMA=" + std::to_string(epilogue_tma) + "), more than the " +
+         std::to_string(Tile::kMaxDynamicSmemBytes) + " a block can have";
+}
+
 // Zeroes the tile counter on `stream` and returns the persistent grid's size (one CTA per SM,
 // or per tile if fewer) in *grid; or why it could not.
 std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,

@@ -100,8 +100,9 @@ WINDOW_KERNEL_MAX_TOKENS = 1 << 30
 # The 16-bit kernel's head-dim-256 instantiation (dense batches, causal or no mask; 64-key blocks,
 # ffi/flash_fwd_kernel.cuh): tests/test_hd256_kernel_gpu.py passed whole on an H200 on 2026-12-01 (49
 # tests: lengths, masks, dtypes and GQA against float64 and the pure-JAX path, rows with no key, bitwise
-# reruns, the handler's refusal of windows). A kill switch: False keeps head dim 256 on the pure-JAX path
-# for implementation=None, and implementation="kernel" then needs the variable below.
+# reruns). A kill switch: False keeps head dim 256 on the pure-JAX path for implementation=None, and
+# implementation="kernel" then needs the variable below. It gates head dim 256 as a whole: its sliding
+# windows and varlen batches also need the wide gates below.
 HD256_KERNEL_VERIFIED = True
 UNVERIFIED_HD256_KERNEL_ENV = "JZYFA_UNVERIFIED_HD256_KERNEL"
 HD256 = 256
@@ -111,15 +112,8 @@ def hd256_kernel_enabled() -> bool:
     return HD256_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_HD256_KERNEL_ENV) == "1"
 
 
-def _hd256_problem(sliding: bool) -> str | None:
-    """None when the kernel may serve a head-dim-256 call with this mask, else why not."""
-    if sliding:
-        # Its windowed instantiation is neither built nor tested: the hd256 consumers hold O in 128 of
-        # their 232 registers, and the window's masks and tile plan have not been fitted next to it.
-        return (
-            "the kernel serves head_dim 256 with causal or no mask only: sliding windows at head_dim 256 "
-            "run on the pure-JAX path (use implementation=None or 'xla')"
-        )
+def _hd256_problem() -> str | None:
+    """None when the kernel may serve a head-dim-256 call (its gate is on), else why not."""
     if not hd256_kernel_enabled():
         return (
             "the kernel's head_dim 256 is switched off "
@@ -129,27 +123,80 @@ def _hd256_problem(sliding: bool) -> str | None:
     return None
 
 
+# The wide head dims (256, and MLA's 192 for q/k with 128 for v) under sliding windows other than causal or
+# none (dense and varlen) and over varlen batches: instantiations built without spills (ffi/flash_fwd.cu,
+# ffi/flash_fwd_varlen.cu; the window mask by row bounds) but not yet run on a GPU
+# (tests/test_wide_kernels_gpu.py). While False, implementation=None keeps these calls on the pure-JAX path
+# and implementation="kernel" needs the variable (and, at head dim 256, HD256's gate as well).
+WIDE_WINDOW_KERNEL_VERIFIED = False
+UNVERIFIED_WIDE_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL"
+WIDE_VARLEN_KERNEL_VERIFIED = False
+UNVERIFIED_WIDE_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL"
+
+
+def is_wide(q, v) -> bool:
+    """Head dim 256 or MLA's head dims: the instantiations behind the wide gates."""
+    return q.shape[-1] == HD256 or is_mla(q, v)
+
+
+def wide_window_kernel_enabled() -> bool:
+    return WIDE_WINDOW_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_WIDE_WINDOW_KERNEL_ENV) == "1"
+
+
+def wide_varlen_kernel_enabled() -> bool:
+    return WIDE_VARLEN_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_WIDE_VARLEN_KERNEL_ENV) == "1"
+
+
+def _wide_gate_problem(what: str, flag: str, env: str) -> str:
+    return (
+        f"the kernel's {what} at the wide head dims (256, and MLA's {MLA_HEAD_DIMS}) are switched off until "
+        f"verified on a Hopper GPU (jzyfa.api.{flag} is False): they run on it only with {env}=1; or use "
+        "implementation=None or 'xla' for the pure-JAX path"
+    )
+
+
+def _head_dim_gates_problem(q, v, sliding: bool, varlen: bool) -> str | None:
+    """None when every gate of this call's head dims is on (set, or lifted by its variable), else why not:
+    head dim 256's and MLA's as a whole, and the wide ones for sliding windows and varlen batches."""
+    if q.shape[-1] == HD256 and (problem := _hd256_problem()):
+        return problem
+    if is_mla(q, v) and not mla_kernel_enabled():
+        return _mla_gate_problem()
+    if is_wide(q, v) and varlen and not wide_varlen_kernel_enabled():
+        return _wide_gate_problem(
+            "varlen batches", "WIDE_VARLEN_KERNEL_VERIFIED", UNVERIFIED_WIDE_VARLEN_KERNEL_ENV
+        )
+    if is_wide(q, v) and sliding and not wide_window_kernel_enabled():
+        return _wide_gate_problem(
+            "sliding windows", "WIDE_WINDOW_KERNEL_VERIFIED", UNVERIFIED_WIDE_WINDOW_KERNEL_ENV
+        )
+    return None
+
+
+def _head_dim_gates_verified(q, v, sliding: bool, varlen: bool) -> bool:
+    """Whether every gate of this call's head dims is set (implementation=None ignores the variables)."""
+    wide = is_wide(q, v)
+    return not (
+        (q.shape[-1] == HD256 and not HD256_KERNEL_VERIFIED)
+        or (is_mla(q, v) and not MLA_KERNEL_VERIFIED)
+        or (wide and sliding and not WIDE_WINDOW_KERNEL_VERIFIED)
+        or (wide and varlen and not WIDE_VARLEN_KERNEL_VERIFIED)
+    )
+
+
 def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str | None:
     """None when the kernel serves this validated non-FP8 call, else why not (windows, MLA and head dim
     256 need their gates on)."""
     if problem := kernel_config_problem(q, k, v, softmax_scale):
         return problem
     sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
-    if q.shape[-1] == HD256 and (problem := _hd256_problem(sliding)):
+    if problem := _head_dim_gates_problem(q, v, sliding, varlen=False):
         return problem
     if sliding:
-        if is_mla(q, v):
-            return (
-                f"MLA's head dims {MLA_HEAD_DIMS} (q/k, v) have no sliding-window kernel (only causal or no "
-                f"mask), so the window {_validation.mask_window(causal, window)} (left, right) runs on the "
-                "pure-JAX path"
-            )
         if not window_kernel_enabled():
             return _window_gate_problem(_validation.mask_window(causal, window))
         if q.shape[1] + k.shape[1] > WINDOW_KERNEL_MAX_TOKENS:
             return f"the kernel's sliding windows take seq_q + seq_k <= 2^30, got {q.shape[1] + k.shape[1]}"
-    if is_mla(q, v) and not mla_kernel_enabled():
-        return _mla_gate_problem()
     return None
 
 
@@ -169,13 +216,12 @@ def choose_path(
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
     # implementation=None keeps sliding windows on the pure-JAX path while the windowed kernels are switched
-    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA and head dim 256 likewise.
-    unverified_hd256 = q.shape[-1] == HD256 and not HD256_KERNEL_VERIFIED
+    # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA, head dim 256 and the wide gates
+    # likewise.
     if (
         config_problem
         or (sliding and not WINDOW_KERNEL_VERIFIED)
-        or (is_mla(q, v) and not MLA_KERNEL_VERIFIED)
-        or unverified_hd256
+        or not _head_dim_gates_verified(q, v, sliding, varlen=False)
     ):
         return Path.REFERENCE
     if backend == "cpu" or _platform.kernel_available():
@@ -270,6 +316,8 @@ def choose_varlen_path(
         return Path.REFERENCE
     problem = varlen_kernel_config_problem(q, k, v, num_seqs, max_seqlen_q, softmax_scale, window)
     sliding = window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW)
+    if problem is None:
+        problem = _head_dim_gates_problem(q, v, sliding, varlen=True)
     if problem is None and sliding and not window_kernel_enabled():
         problem = _window_gate_problem(window)
     if problem is None and sliding and q.shape[0] + k.shape[0] > WINDOW_KERNEL_MAX_TOKENS:
@@ -289,7 +337,12 @@ def choose_varlen_path(
         if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    if problem or not VARLEN_KERNEL_VERIFIED or (sliding and not WINDOW_KERNEL_VERIFIED):
+    if (
+        problem
+        or not VARLEN_KERNEL_VERIFIED
+        or (sliding and not WINDOW_KERNEL_VERIFIED)
+        or not _head_dim_gates_verified(q, v, sliding, varlen=True)
+    ):
         return Path.REFERENCE
     if not _platform.kernel_available():
         return Path.REFERENCE
@@ -428,9 +481,12 @@ def flash_attention(
         for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) run on the kernel's MLA
         instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
         kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). Head dim 256
-        (bf16/f16, causal or no mask, no sliding window) runs on the kernel's hd256 instantiation,
-        verified on an H200 on 2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill
-        switch; "kernel" then needs JZYFA_UNVERIFIED_HD256_KERNEL=1).
+        (bf16/f16, causal or no mask) runs on the kernel's hd256 instantiation, verified on an H200 on
+        2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill switch; "kernel" then needs
+        JZYFA_UNVERIFIED_HD256_KERNEL=1). Sliding windows (other than causal or none) at head dim 256
+        and MLA's head dims have instantiations too, not yet run on a GPU: behind
+        `jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED` (False: None runs them on the pure-JAX path and
+        "kernel" needs JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL=1).
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -508,10 +564,13 @@ def flash_attention_varlen(
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
       implementation: as in `flash_attention`: None uses the 16-bit kernel's varlen instantiation
-        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask; MLA's head
-        dims and head_dim 256 have no varlen instantiation) and the pure-JAX path (`jzyfa.varlen`)
-        elsewhere; "kernel" raises a ValueError naming what the kernel cannot serve; "xla" always uses
-        the pure-JAX path.
+        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask) and the
+        pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel" raises a ValueError naming what the kernel
+        cannot serve; "xla" always uses the pure-JAX path. Head dim 256 and MLA's head dims (192 for
+        q/k, 128 for v) have varlen instantiations not yet run on a GPU, behind
+        `jzyfa.api.WIDE_VARLEN_KERNEL_VERIFIED` (False: None runs them on the pure-JAX path and
+        "kernel" needs JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL=1; a sliding window also needs
+        JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL=1, and head dim 256 JZYFA_UNVERIFIED_HD256_KERNEL=1).
         The varlen kernel was verified on an H200 on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64
         passed; its sliding windows in tests/test_window_kernel_gpu.py, 127 passed).
         `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is its kill switch: None then runs the pure-JAX

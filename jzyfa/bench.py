@@ -27,6 +27,11 @@ pairs, sum over rows of max(0, min(p + R, Sk - 1) - max(p - L, 0) + 1) (`visible
 the window; no halving convention, so --window -1,0 counts the S(S+1)/2 pairs of causal exactly.
 Windowed runs check against a windowed float64 reference; peers that have no such window say so.
 
+MLA's head dims: --head_dim 192 --v_head_dim 128 gives v (and the output) a head dim of its own. A
+visible pair then costs 2 * (D + Dv) FLOPs (Q K^T and P V), which the counts above take as 4 * D with D
+the mean of the two. Peers with one head dim for q, k and v say why not (jax.nn.dot_product_attention
+checks that v has k's shape, so cuDNN through it is not applicable: it gets no figure).
+
 Variable-length (packed) batches: --varlen 8192,4096,...,64 (Sq = Sk per sequence, or Lq:Lk items)
 replaces --shapes with ONE packed batch: q [total_q, Hq, D], k and v [total_k, Hkv, D] with
 cu_seqlens, each sequence's inputs generated on their own (positions restart per sequence). jzyfa and
@@ -99,7 +104,13 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("heads", 16, "Query heads (Hq).")
 flags.DEFINE_integer("kv_heads", None, "Key/value heads (Hkv, GQA/MQA); default: --heads.")
-flags.DEFINE_integer("head_dim", 128, "Head dimension D.")
+flags.DEFINE_integer("head_dim", 128, "Head dimension D (of q and k; of v too unless --v_head_dim).")
+flags.DEFINE_integer(
+    "v_head_dim",
+    None,
+    "v's (and the output's) head dimension Dv where it differs from --head_dim: MLA is --head_dim 192 "
+    "--v_head_dim 128. Peers with one head dim for q, k and v say so. Default: --head_dim.",
+)
 flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned); --nocausal for none.")
 flags.DEFINE_string(
     "window",
@@ -228,8 +239,14 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     sets = []
     for i in range(n_sets):
         q, k, v = realistic_inputs.make_qkv(kind, keys[i], **shape)
-        sets.append(peers.InputSet(*jax.block_until_ready((q, k, v))))
+        sets.append(peers.InputSet(*jax.block_until_ready((q, k, _v_columns(problem, v)))))
     return sets
+
+
+def _v_columns(problem: Problem, v):
+    """v made at q's head dim, cut to the problem's own (--v_head_dim): its first Dv columns, so that
+    activation-like inputs keep their structure there."""
+    return v[..., : problem.v_head_dim]
 
 
 def _packed_input_set(problem: Problem, kind: str, key) -> peers.InputSet:
@@ -248,7 +265,7 @@ def _packed_input_set(problem: Problem, kind: str, key) -> peers.InputSet:
             head_dim=problem.head_dim,
             dtype=problem.jnp_dtype,
         )
-        parts.append((q[0], k[0], v[0]))
+        parts.append((q[0], k[0], _v_columns(problem, v[0])))
     packed = [jax.numpy.concatenate([p[i] for p in parts]) for i in range(3)]
     return peers.InputSet(*jax.block_until_ready(packed))
 
@@ -276,7 +293,7 @@ def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
     elif requested > 0:
         n = min(requested, total)
     else:
-        per_pair = 4.0 * problem.head_dim * max(1, _visible_pairs_per_head(problem))
+        per_pair = 4.0 * problem.flops_head_dim * max(1, _visible_pairs_per_head(problem))
         n = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
     flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
     return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
@@ -307,7 +324,7 @@ def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) ->
     ks = take_pairs(k[None], np.zeros_like(heads), heads // group)
     vs = take_pairs(v[None], np.zeros_like(heads), heads // group)
     cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
-    out = np.zeros(qs.shape, np.float64)
+    out = np.zeros((*qs.shape[:-1], vs.shape[-1]), np.float64)  # v's head dim
     for s in range(problem.batch):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         for i in range(len(heads)):
@@ -546,6 +563,7 @@ def measure_peer(
         "heads_q": problem.heads_q,
         "heads_kv": problem.heads_kv,
         "head_dim": problem.head_dim,
+        "v_head_dim": problem.v_head_dim,
         "causal": problem.causal,
         # The (left, right) window of the mask, causal folded in (right 0 under --causal); None: no --window.
         "window": None if problem.window is None else list(problem.mask),
@@ -645,7 +663,7 @@ def measure_peer(
 
 
 def _out_bytes(problem: Problem) -> int:
-    return math.prod(problem.q_shape) * 2  # 16-bit outputs (bf16 for FP8 inputs)
+    return math.prod(problem.out_shape) * 2  # 16-bit outputs (bf16 for FP8 inputs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -676,7 +694,14 @@ def _shape_cells(r: dict[str, Any]) -> list[str]:
     mask = "yes" if r["causal"] else "no"
     if r.get("window") is not None:  # the window with causal folded in, one word: "win(1024,0)"
         mask = f"win({r['window'][0]},{r['window'][1]})"
-    return [str(r["batch"]), seq, heads, str(r["head_dim"]), mask]
+    return [str(r["batch"]), seq, heads, _head_dims_text(r), mask]
+
+
+def _head_dims_text(r: dict[str, Any]) -> str:
+    """D, or D/Dv where v's head dim differs (MLA: 192/128), of a result row or the config (older
+    reports, and a config without --v_head_dim, have one head dim)."""
+    v_head_dim = r.get("v_head_dim") or r["head_dim"]
+    return str(r["head_dim"]) if v_head_dim == r["head_dim"] else f"{r['head_dim']}/{v_head_dim}"
 
 
 TABLE_COLUMNS = [
@@ -758,7 +783,7 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
     kinds = list(dict.fromkeys(r.get("inputs") or "gaussian" for r in results))
     lines = [
         (
-            f"{env.get('date', '')} {header_line(env)}; {config['dtype']}, head dim {config['head_dim']}, "
+            f"{env.get('date', '')} {header_line(env)}; {config['dtype']}, head dim {_head_dims_text(config)}, "
             f"{_heads_text(config)}, {_mask_text(config)}; "
             f"median {' / '.join(_TIMING_TEXT.get(s, s) for s in source) or 'n/a'}, "
             f"{_flops_text(config)}; inputs: {', '.join(kinds)}{_varlen_text(config)}."
@@ -821,6 +846,16 @@ def _config_window(config: dict[str, Any]) -> _validation.Window | None:
     return int(window[0]), int(window[1])
 
 
+def _config_head_dim_v(config: dict[str, Any]) -> int | None:
+    """--v_head_dim where it differs from --head_dim, else None (one head dim)."""
+    v_head_dim = config.get("v_head_dim")
+    if v_head_dim is None or v_head_dim == config["head_dim"]:
+        return None
+    if v_head_dim < 1:
+        raise ValueError(f"--v_head_dim must be at least 1, got {v_head_dim}")
+    return int(v_head_dim)
+
+
 def _mask_text(config: dict[str, Any]) -> str:
     """'causal', 'non-causal', or with --window the mask's window: 'causal, window (1024, 0)'."""
     text = "causal" if config["causal"] else "non-causal"
@@ -856,7 +891,7 @@ def progress_line(r: dict[str, Any]) -> str:
         shape = f"{peers.varlen_label(r['varlen'])} (max Sq={r['seq_q']} Sk={r['seq_k']})"
     head = (
         f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} {shape} "
-        f"H={r['heads_q']}/{r['heads_kv']} D={r['head_dim']}"
+        f"H={r['heads_q']}/{r['heads_kv']} D={_head_dims_text(r)}"
         f"{' causal' if r['causal'] else ''}"
         f"{'' if r.get('window') is None else ' ' + window_text(r['window'])}"
     )
@@ -924,7 +959,7 @@ def write_plot(
         ylabel = "TFLOP/s (FLOPs of the visible pairs)"
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(
-        f"{env.get('device', '')}: attention forward, {config['dtype']}, head dim {config['head_dim']}, "
+        f"{env.get('device', '')}: attention forward, {config['dtype']}, head dim {_head_dims_text(config)}, "
         f"{_heads_text(config)}, {_mask_text(config)} ({env.get('date', '')[:10]})",
         fontsize="medium",
     )
@@ -957,6 +992,7 @@ def resolve_config() -> dict[str, Any]:
         "heads",
         "kv_heads",
         "head_dim",
+        "v_head_dim",
         "causal",
         "window",
         "dtype",
@@ -1025,11 +1061,13 @@ def run(config: dict[str, Any]) -> dict[str, Any]:
     if heads_q % heads_kv:
         raise ValueError(f"--heads ({heads_q}) must be a multiple of --kv_heads ({heads_kv})")
     dims = (heads_q, heads_kv, config["head_dim"], config["causal"], config["dtype"], window)
+    head_dim_v = _config_head_dim_v(config)
     if config.get("varlen"):
-        problems = [Problem.packed(config["varlen"], *dims)]
+        problems = [Problem.packed(config["varlen"], *dims, head_dim_v=head_dim_v)]
     else:
         problems = [
-            Problem(batch, seq_q, seq_k, *dims) for batch, seq_q, seq_k in parse_shapes(config["shapes"])
+            Problem(batch, seq_q, seq_k, *dims, head_dim_v=head_dim_v)
+            for batch, seq_q, seq_k in parse_shapes(config["shapes"])
         ]
 
     env = collect_env()

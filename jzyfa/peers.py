@@ -185,9 +185,14 @@ class Problem:
     # k and v [total_k, Hkv, D] with cu_seqlens; batch is the number of sequences, seq_q and seq_k the
     # longest ones (max_seqlen_q/k). None: a dense [B, S, H, D] problem.
     seqlens: tuple[tuple[int, int], ...] | None = None
+    # --v_head_dim: v's (and the output's) head dim where it differs from q's and k's (MLA: 128 with
+    # head_dim 192); None: head_dim.
+    head_dim_v: int | None = None
 
     @classmethod
-    def packed(cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None) -> Problem:
+    def packed(
+        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None
+    ) -> Problem:
         seqlens = tuple((int(q), int(k)) for q, k in seqlens)
         return cls(
             len(seqlens),
@@ -200,7 +205,18 @@ class Problem:
             dtype,
             window,
             seqlens,
+            head_dim_v,
         )
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def flops_head_dim(self) -> float:
+        """The head dim of the FLOP count: a visible pair costs 2 D (Q K^T) + 2 Dv (P V) FLOPs, the
+        4 D of attention_flops with D the mean of the two."""
+        return (self.head_dim + self.v_head_dim) / 2
 
     @property
     def varlen(self) -> bool:
@@ -263,28 +279,37 @@ class Problem:
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
+        """k's shape (and v's, but for its head dim: v_shape)."""
         if self.varlen:
             return (self.total_k, self.heads_kv, self.head_dim)
         return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
 
     @property
+    def v_shape(self) -> tuple[int, ...]:
+        return (*self.kv_shape[:-1], self.v_head_dim)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (*self.q_shape[:-1], self.v_head_dim)
+
+    @property
     def set_bytes(self) -> int:
         """Bytes a call reads and writes for one input set: q, k, v in the run's dtype, a 16-bit out."""
         itemsize = 1 if self.dtype == "fp8" else 2
-        return itemsize * (math.prod(self.q_shape) + 2 * math.prod(self.kv_shape)) + 2 * math.prod(
-            self.q_shape
-        )
+        inputs = math.prod(self.q_shape) + math.prod(self.kv_shape) + math.prod(self.v_shape)
+        return itemsize * inputs + 2 * math.prod(self.out_shape)
 
     @property
     def flops(self) -> float:
-        """attention_flops; for varlen the sum over sequences, each its own (bottom-right) problem."""
+        """attention_flops (at flops_head_dim); for varlen the sum over sequences, each its own
+        (bottom-right) problem."""
         if self.varlen:
             return sum(
-                attention_flops(1, q, k, self.heads_q, self.head_dim, self.causal, self.window)
+                attention_flops(1, q, k, self.heads_q, self.flops_head_dim, self.causal, self.window)
                 for q, k in self.seqlens
             )
         return attention_flops(
-            self.batch, self.seq_q, self.seq_k, self.heads_q, self.head_dim, self.causal, self.window
+            self.batch, self.seq_q, self.seq_k, self.heads_q, self.flops_head_dim, self.causal, self.window
         )
 
     @property
@@ -300,7 +325,7 @@ class Problem:
         qkv = (
             jax.ShapeDtypeStruct(self.q_shape, dtype),
             jax.ShapeDtypeStruct(self.kv_shape, dtype),
-            jax.ShapeDtypeStruct(self.kv_shape, dtype),
+            jax.ShapeDtypeStruct(self.v_shape, dtype),
         )
         if not self.varlen:
             return qkv
@@ -395,6 +420,13 @@ def _no_window_reason(problem: Problem, who: str) -> str | None:
 def _no_varlen_reason(problem: Problem, why: str) -> str | None:
     """'no varlen: ...' for a --varlen problem that this peer cannot take, else None."""
     return f"no varlen: {why}" if problem.varlen else None
+
+
+def _one_head_dim_reason(problem: Problem, why: str) -> str | None:
+    """Why a peer with one head dim for q, k and v cannot run a --v_head_dim problem (MLA), else None."""
+    if problem.v_head_dim != problem.head_dim:
+        return f"v's head dim {problem.v_head_dim} != q's and k's {problem.head_dim}: {why}"
+    return None
 
 
 def lse_from_btn(residual) -> jax.Array:
@@ -614,6 +646,16 @@ class JaxNn(Peer):
             + ("; cuDNN's own varlen is not reachable through it" if self.implementation == "cudnn" else ""),
         ):
             return reason
+        if reason := _one_head_dim_reason(
+            problem,
+            "jax.nn.dot_product_attention checks that v has k's shape"
+            + (
+                "; cuDNN's own unequal head dims are not reachable through it"
+                if self.implementation == "cudnn"
+                else ""
+            ),
+        ):
+            return reason
         if isinstance(mask := jax_nn_mask(problem, self.implementation), str):
             return mask
         if self.implementation == "cudnn" and (reason := _gpu_reason()):
@@ -705,6 +747,10 @@ class CudnnFp8(Peer):
             importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
         except Exception as e:  # noqa: BLE001 - a private module may move
             return f"cannot import JAX's cuDNN attention module: {e}"
+        if reason := _one_head_dim_reason(
+            problem, "JAX's cuDNN FP8 attention is not wired for unequal head dims"
+        ):
+            return reason
         if problem.head_dim > 256 or problem.head_dim % 16:
             return f"cuDNN FP8 inference needs head_dim <= 256 and a multiple of 16, got {problem.head_dim}"
         return _rectangular_causal_reason(problem, "cuDNN FP8 attention")
@@ -744,6 +790,8 @@ class Pallas(Peer):
         ):
             return reason
         if reason := _no_window_reason(problem, "Pallas attention_mgpu"):
+            return reason
+        if reason := _one_head_dim_reason(problem, "Pallas attention_mgpu takes one head dim for q, k and v"):
             return reason
         if reason := _gpu_reason():
             return reason
@@ -818,6 +866,10 @@ class TorchSdpa(Peer):
             return reason
         if reason := _no_window_reason(problem, "PyTorch SDPA (without an explicit mask)"):
             return reason
+        if reason := _one_head_dim_reason(
+            problem, "this peer is not wired for unequal head dims (untested without PyTorch)"
+        ):
+            return reason
         if reason := _torch_reason():
             return reason
         return _rectangular_causal_reason(problem, "PyTorch SDPA")
@@ -868,6 +920,15 @@ class FlashAttn(Peer):
             return reason
         # flash_attn_func has a window_size, not passed here yet (not measured): a sliding window is refused.
         if reason := _no_window_reason(problem, f"the {self.name} peer"):
+            return reason
+        # FlashAttention 3 takes v's own head dim ((192, 128) among them); FlashAttention 2 and FA3's FP8
+        # path are not known to.
+        one_head_dim = self.module != "flash_attn_interface" or self.precision == "fp8"
+        if one_head_dim and (
+            reason := _one_head_dim_reason(
+                problem, f"{self.module}.flash_attn_func ({self.precision}) needs one head dim"
+            )
+        ):
             return reason
         if reason := _torch_reason():
             return reason

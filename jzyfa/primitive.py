@@ -29,12 +29,13 @@ from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Head dims of q, k and v alike; 256 for the dense kernel only (jzyfa.varlen_primitive has its own list),
-# causal and unmasked calls (no windowed instantiation), behind jzyfa.api.HD256_KERNEL_VERIFIED until
-# verified on a GPU.
+# Head dims of q, k and v alike, dense and varlen (jzyfa.varlen_primitive), any mask; 256 behind
+# jzyfa.api.HD256_KERNEL_VERIFIED until verified on a GPU, and its sliding windows and varlen batches behind
+# the wide gates (jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED, WIDE_VARLEN_KERNEL_VERIFIED).
 KERNEL_HEAD_DIMS = (64, 128, 256)
-# MLA's head dims (q/k, v): the dense kernel's own instantiation, causal or no mask only (no sliding
-# window, no varlen), verified on an H200 on 2026-11-30 (kill switch: jzyfa.api.MLA_KERNEL_VERIFIED).
+# MLA's head dims (q/k, v): instantiations of their own, dense and varlen, any mask. Dense with causal or
+# no mask verified on an H200 on 2026-11-30 (kill switch: jzyfa.api.MLA_KERNEL_VERIFIED); sliding windows
+# and varlen batches behind the wide gates.
 MLA_HEAD_DIMS = (192, 128)
 
 flash_attention_fwd_p = Primitive(FFI_TARGET)
@@ -62,27 +63,22 @@ def is_mla(q: jax.Array, v: jax.Array) -> bool:
     return (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS
 
 
-def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float, *, serves_mla: bool) -> str | None:
-    """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None.
-
-    serves_mla: whether this kernel has MLA's head dims (the dense kernel; varlen has no such instantiation).
-    """
+def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
+    """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
     if is_mla(q, v):
-        if not serves_mla:
-            return (
-                f"MLA's head dims {MLA_HEAD_DIMS} (q/k, v) have a kernel for dense batches only (not for "
-                "varlen batches); they run on the pure-JAX path"
-            )
+        pass  # the one pair of unequal head dims with instantiations of its own
     elif q.shape[-1] not in KERNEL_HEAD_DIMS:
-        mla = f" (and MLA's {MLA_HEAD_DIMS} for q/k and v)" if serves_mla else ""
-        return f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]}{mla}"
-    elif v.shape[-1] != q.shape[-1]:
-        mla = f"; of unequal head dims it has MLA's {MLA_HEAD_DIMS} (q/k, v) only" if serves_mla else ""
         return (
-            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]}{mla} "
-            "(other shapes run on the pure-JAX path)"
+            f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]} (and MLA's {MLA_HEAD_DIMS} "
+            "for q/k and v)"
+        )
+    elif v.shape[-1] != q.shape[-1]:
+        return (
+            f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]}; of "
+            f"unequal head dims it has MLA's {MLA_HEAD_DIMS} (q/k, v) only (other shapes run on the pure-JAX "
+            "path)"
         )
     if softmax_scale <= 0:
         return f"the kernel needs softmax_scale > 0, got {softmax_scale}"
@@ -92,7 +88,7 @@ def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float, *, serves_
 def kernel_config_problem(q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float) -> str | None:
     """None when the kernel serves a validated call with these q, k, v (mask and MLA gate aside: see
     jzyfa.api.kernel_problem), else why not."""
-    if problem := element_problem(q, v, softmax_scale, serves_mla=True):
+    if problem := element_problem(q, v, softmax_scale):
         return problem
     if q.shape[0] > KERNEL_MAX_BATCH:
         return f"the kernel takes batch <= {KERNEL_MAX_BATCH}, got {q.shape[0]}"

@@ -1,8 +1,8 @@
 """The `jzyfa_flash_attention_varlen_fwd` primitive: the 16-bit kernel over packed variable-length batches.
 
-Operands q [total_q, Hq, D], k and v [total_k, Hkv, D] (bf16/f16, D 64 or 128), cu_seqlens_q and
-cu_seqlens_k int32 [num_seqs + 1] (on the device, never read by the host); results out [total_q, Hq, D]
-in q's dtype and lse float32 [Hq, total_q]. CUDA lowers to the XLA FFI handler of that name (contract
+Operands q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv, Dv] (bf16/f16; D = Dv in 64, 128,
+256, or MLA's D 192 with Dv 128), cu_seqlens_q and cu_seqlens_k int32 [num_seqs + 1] (on the device, never
+read by the host); results out [total_q, Hq, Dv] in q's dtype and lse float32 [Hq, total_q]. CUDA lowers to the XLA FFI handler of that name (contract
 in docs/architecture.md); every other platform lowers to the pure-JAX reference (`jzyfa.varlen`), unless
 the caller demanded the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform
 is an error.
@@ -161,9 +161,8 @@ mlir.register_lowering(flash_attention_varlen_p, mlir.lower_fun(_reference_fallb
 mlir.register_lowering(flash_attention_varlen_p, _cuda_lowering, platform="cuda")
 
 
-# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu). Head dim 256 has a dense
-# instantiation only: varlen calls at 256 run on the pure-JAX path.
-KERNEL_HEAD_DIMS = (64, 128)
+# Shape limits the launch code enforces (ffi/flash_fwd_varlen.cu); its head dims are the dense kernel's
+# (jzyfa.primitive.element_problem).
 KERNEL_MAX_TOKENS = 1 << 30
 KERNEL_MAX_TILES = 1 << 30
 
@@ -172,13 +171,8 @@ def varlen_kernel_config_problem(
     q, k, v, num_seqs: int, max_seqlen_q: int, softmax_scale: float, window: _validation.Window
 ) -> str | None:
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
-    if problem := element_problem(q, v, softmax_scale, serves_mla=False):
+    if problem := element_problem(q, v, softmax_scale):
         return problem
-    if q.shape[-1] not in KERNEL_HEAD_DIMS:
-        return (
-            f"the varlen kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]} (head_dim 256 "
-            "runs on the dense kernel only: no varlen instantiation is built or tested at 256 yet)"
-        )
     if q.shape[0] == 0 or k.shape[0] == 0:
         return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"
     if max(q.shape[0], k.shape[0]) > KERNEL_MAX_TOKENS:

@@ -1,7 +1,7 @@
 """The 16-bit kernel at head dim 256 (64-key blocks) on a Hopper GPU: bf16 and f16, causal and not,
 against float64 attention and the pure-JAX path on the GPU, outputs NaN-poisoned beforehand; rows that
-see no key give O = 0 and LSE = -inf; GQA; bitwise-identical reruns; the handler's refusal of sliding
-windows at 256.
+see no key give O = 0 and LSE = -inf; GQA; bitwise-identical reruns. (Its sliding windows and varlen
+batches: tests/test_wide_kernels_gpu.py.)
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
 with JZYFA_UNVERIFIED_HD256_KERNEL=1, so that it runs while jzyfa.api.HD256_KERNEL_VERIFIED is False;
@@ -20,7 +20,7 @@ from test_kernel_gpu import LSE_TOLERANCE, O_TOLERANCE, relative_l2, run_kernel_
 
 import jzyfa
 from jzyfa import api
-from jzyfa.primitive import FFI_TARGET, TILE_COUNTER
+from jzyfa.primitive import FFI_TARGET
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -140,26 +140,3 @@ def test_bitwise_identical_reruns():
         again = fn(q, k, v)
         for a, b in zip(first, again):
             np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
-
-
-def test_handler_refuses_sliding_windows_at_256():
-    """No windowed hd256 instantiation: the FFI handler answers InvalidArgument for one."""
-    q = jnp.ones((1, 8, 1, HEAD_DIM), jnp.bfloat16)
-    results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((1, 1, 8), jnp.float32),
-        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
-    )
-    call = jax.ffi.ffi_call(FFI_TARGET, results)
-    with pytest.raises(Exception, match="sliding windows .*need head_dim 64 or 128"):
-        jax.block_until_ready(
-            call(
-                q,
-                q,
-                q,
-                softmax_scale=np.float32(0.1),
-                causal=False,
-                window_left=np.int64(2),
-                window_right=np.int64(0),
-            )
-        )

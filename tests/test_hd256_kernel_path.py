@@ -1,7 +1,7 @@
 """Head dim 256 on the 16-bit kernel, the JAX side on the CPU: the gate (HD256_KERNEL_VERIFIED, on since
-tests/test_hd256_kernel_gpu.py passed on an H200; a kill switch, with JZYFA_UNVERIFIED_HD256_KERNEL=1), the CUDA custom call
-it lowers to, and what stays on the pure-JAX path (sliding windows, varlen). (The kernel itself:
-tests/test_hd256_kernel_gpu.py and tests/test_kernel_build.py.)"""
+tests/test_hd256_kernel_gpu.py passed on an H200; a kill switch, with JZYFA_UNVERIFIED_HD256_KERNEL=1) and the
+CUDA custom call it lowers to. (Its sliding windows and varlen batches: tests/test_wide_kernel_path.py. The
+kernel itself: tests/test_hd256_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
 
@@ -15,7 +15,6 @@ from hlo_utils import custom_call_lines
 import jzyfa
 from jzyfa import api
 from jzyfa.primitive import FFI_TARGET
-from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -95,18 +94,6 @@ def test_verified_gate_sends_the_default_path_to_the_kernel(causal):
     assert "causal = true" in call
 
 
-def test_sliding_windows_stay_on_the_pure_jax_path(monkeypatch):
-    """No windowed hd256 instantiation: sliding windows at 256 fall back, gate or not, with a reason."""
-    monkeypatch.setenv(api.UNVERIFIED_HD256_KERNEL_ENV, "1")
-    monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", True)
-    for causal, window in ((False, (8, 0)), (True, (16, 16)), (False, (-1, 5))):
-        assert api.choose_path(Q, KV, KV, 0.0625, causal, window, None) is api.Path.REFERENCE
-        fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window)
-        assert custom_call_lines(cuda_hlo(fn, Q, KV, KV), FFI_TARGET) == []
-        with pytest.raises(ValueError, match="head_dim 256 with causal or no mask only: sliding windows"):
-            api.choose_path(Q, KV, KV, 0.0625, causal, window, "kernel")
-
-
 def test_pure_jax_path_matches_the_kernel_path_lowered_for_cpu(rng, monkeypatch):
     """With the gate on, the primitive's CPU lowering (the reference) serves hd256 like the default path."""
     monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", True)
@@ -118,20 +105,3 @@ def test_pure_jax_path_matches_the_kernel_path_lowered_for_cpu(rng, monkeypatch)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
     assert np.isneginf(np.asarray(lse)[:, :, :37]).all()  # Sq > Sk: the first rows see no key
-
-
-def test_varlen_stays_at_64_and_128(monkeypatch):
-    """The varlen kernel has no hd256 instantiation: the default path falls back, "kernel" says why."""
-    monkeypatch.setenv(api.UNVERIFIED_HD256_KERNEL_ENV, "1")
-    monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", True)
-    monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
-    q = jax.ShapeDtypeStruct((100, 4, 256), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((120, 2, 256), jnp.bfloat16)
-    assert api.choose_varlen_path(q, kv, kv, 2, 60, 0.0625, (-1, 0), None) is api.Path.REFERENCE
-    with pytest.raises(
-        ValueError, match=r"varlen kernel supports head_dim in \(64, 128\), got 256 \(head_dim 256"
-    ):
-        api.choose_varlen_path(q, kv, kv, 2, 60, 0.0625, (-1, 0), "kernel")
-    cu = jax.ShapeDtypeStruct((3,), jnp.int32)
-    fn = functools.partial(jzyfa.flash_attention_varlen, max_seqlen_q=60, max_seqlen_k=70, causal=True)
-    assert custom_call_lines(cuda_hlo(fn, q, kv, kv, cu, cu), FFI_TARGET_VARLEN) == []

@@ -110,12 +110,15 @@ def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
 
 
 def test_head_dim_256_kernels_use_64_key_blocks_in_their_registers(compiled):
-    """The hd256 instantiations (plain only: no windowed or varlen one): S = Q K^T on 64x64x16 (64-key
+    """The hd256 instantiations (dense and varlen, plain and windowed): S = Q K^T on 64x64x16 (64-key
     blocks, 16 k-steps per batch), P V on 64x256x16 (4 k-steps per batch), the producer at 40 and the
     consumers at 232 registers, no local memory (the spill check above covers ptxas's report)."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "Li256E" in name}
-    assert sorted(name.split("Kernel")[0] for name in found) == ["_ZN5jzyfa14FlashFwd"] * 2, list(found)
+    kinds = sorted(re.match(r"_ZN5jzyfa\d+(\w+?Kernel)", name).group(1) for name in found)
+    assert kinds == sorted(
+        ["FlashFwdKernel", "FlashFwdWindowKernel", "FlashFwdVarlenKernel", "FlashFwdVarlenWindowKernel"] * 2
+    ), list(found)  # bf16, f16
     for name, text in found.items():
         qk = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
         pv = len(re.findall(r"\bHGMMA\.64x256x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
@@ -133,7 +136,7 @@ def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
     spill into the next sequence) and the offsets read from global memory."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdVarlenKernel" in name}
-    assert len(found) == 4, list(found)  # {bf16, f16} x {64, 128}
+    assert len(found) == 6, list(found)  # {bf16, f16} x {64, 128, 256}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
         fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
@@ -145,30 +148,51 @@ def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
         assert len(re.findall(r"\bUTMALDG\.4D\b", text)) >= 3, name  # Q, K, V
 
 
+def check_mla_kernel(name: str, text: str) -> None:
+    """An MLA instantiation's SASS: Q K^T in 12 k-steps of 64x128x16 (three 64-column slices), P V in 8 of
+    64x128x16 with V transposed (v's 128 columns), the same fences per batch, the producer at 40 registers
+    and the consumers at 232, no local memory, O stored from registers."""
+    assert "Li192ELi128E" in name, name
+    qk = len(re.findall(r"\bHGMMA\.64x128x16\.F32(\.BF16)? R\d+, gdesc", text))  # f16: no suffix
+    pv = len(re.findall(r"\bHGMMA\.64x128x16\.F32(\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
+    assert qk >= 12 and qk % 12 == 0, f"{name}: {qk} Q K^T HGMMA"
+    assert pv >= 8 and pv % 8 == 0, f"{name}: {pv} P V HGMMA"
+    assert not re.search(r"\bHGMMA\.64x192", text), name  # O is 128 wide, not 192
+    fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+    assert fences * 3 < qk + pv, f"{name}: {fences} fences for {qk + pv} HGMMA"
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+    assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+    assert "UTMASTG" not in text, name
+    assert len(re.findall(r"\bUTMALDG\.4D\b", text)) >= 3, name  # Q, K, V
+
+
 def test_mla_kernels_use_hgmma_in_batches_and_fit_the_registers(compiled):
-    """MLA's instantiation (q/k head dim 192, v 128; ffi/flash_fwd.cu), a kernel of its own: Q K^T in 12
-    k-steps of 64x128x16 (three 64-column slices), P V in 8 of 64x128x16 with V transposed (v's 128
-    columns), the same fences per batch, the producer at 40 registers and the consumers at 232, no local
-    memory (the producer's K-slice loop stays rolled for that), O stored from registers."""
+    """MLA's instantiation (q/k head dim 192, v 128; ffi/flash_fwd.cu), a kernel of its own (check_mla_kernel;
+    the producer's K-slice loop stays rolled for its 40 registers)."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdMlaKernel" in name}
     assert len(found) == 2, list(found)  # bf16, f16
     for name, text in found.items():
-        assert "Li192ELi128E" in name, name
-        qk = len(re.findall(r"\bHGMMA\.64x128x16\.F32(\.BF16)? R\d+, gdesc", text))  # f16: no suffix
-        pv = len(re.findall(r"\bHGMMA\.64x128x16\.F32(\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
-        assert qk >= 12 and qk % 12 == 0, f"{name}: {qk} Q K^T HGMMA"
-        assert pv >= 8 and pv % 8 == 0, f"{name}: {pv} P V HGMMA"
-        assert not re.search(r"\bHGMMA\.64x192", text), name  # O is 128 wide, not 192
-        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
-        assert fences * 3 < qk + pv, f"{name}: {fences} fences for {qk + pv} HGMMA"
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), (
-            f"{name}: consumers not at 232"
-        )
-        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
-        assert "UTMASTG" not in text, name
-        assert len(re.findall(r"\bUTMALDG\.4D\b", text)) >= 3, name  # Q, K, V
+        check_mla_kernel(name, text)
+
+
+def mla_variant(name: str) -> str:
+    """Which of FlashFwdMlaVariantKernel's arguments a kernel symbol has."""
+    if "WindowedArgsINS_13VarlenFwdArgs" in name:
+        return "windowed varlen"
+    return "windowed" if "WindowedArgs" in name else "varlen" if "VarlenFwdArgs" in name else name
+
+
+def test_mla_variant_kernels_fit_the_registers(compiled):
+    """MLA's windowed (dense and varlen) and varlen instantiations, FlashFwdMlaVariantKernel, built as the MLA
+    kernel is (check_mla_kernel): the windowed ones keep one P buffer and mask by row bounds for that."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdMlaVariantKernel" in name}
+    kinds = sorted(mla_variant(name) for name in found)
+    assert kinds == sorted(["windowed", "varlen", "windowed varlen"] * 2), list(found)  # bf16, f16
+    for name, text in found.items():
+        check_mla_kernel(name, text)
 
 
 def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
@@ -179,7 +203,7 @@ def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
     _, sass = compiled
     for kind in ("FlashFwdWindowKernel", "FlashFwdVarlenWindowKernel"):
         found = {name: text for name, text in kernels(sass).items() if kind in name}
-        assert len(found) == 4, (kind, list(found))  # {bf16, f16} x {64, 128}
+        assert len(found) == 6, (kind, list(found))  # {bf16, f16} x {64, 128, 256}
         for name, text in found.items():
             assert "WindowedArgs" in name, name
             hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -228,7 +252,9 @@ def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
         fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
         assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
         assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), (
+            f"{name}: consumers not at 232"
+        )
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
         if "ILb1E" in name:  # lean P
             assert not re.search(r"\bMUFU\.EX2\b", text), name
@@ -269,13 +295,13 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
 def test_timeline_variant_builds(tmp_path, source):
     """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
     sliding-window kernels and MLA's are built too but record nothing (their stamps' registers would
-    spill)."""
+    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel)."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     for name, text in kernels(sass).items():
-        if "WindowKernel" in name or "MlaKernel" in name:
+        if "WindowKernel" in name or "FlashFwdMla" in name:
             assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.

@@ -1,8 +1,9 @@
 """MLA's head dims (q/k 192, v 128) in the 16-bit kernel, the JAX side on the CPU: the gate
 (jzyfa.api.MLA_KERNEL_VERIFIED, on since tests/test_mla_kernel_gpu.py passed on an H200; a kill switch) and its
-variable, the CUDA custom call's operand and result shapes, what stays on the pure-JAX path (sliding
-windows, varlen batches, other head-dim pairs) and why, and the primitive's reference lowering. (The
-kernel itself: tests/test_mla_kernel_gpu.py and tests/test_kernel_build.py.)"""
+variable, the CUDA custom call's operand and result shapes, what stays on the pure-JAX path (other
+head-dim pairs) and why, and the primitive's reference lowering. (Its sliding windows and varlen batches:
+tests/test_wide_kernel_path.py. The kernel itself: tests/test_mla_kernel_gpu.py and
+tests/test_kernel_build.py.)"""
 
 import functools
 import re
@@ -17,7 +18,6 @@ from hlo_utils import custom_call_lines
 import jzyfa
 from jzyfa import api, primitive
 from jzyfa.primitive import FFI_TARGET
-from jzyfa.varlen_primitive import varlen_kernel_config_problem
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -152,47 +152,6 @@ def test_abstract_eval_vmap_and_grad_keep_v_head_dim(rng):
 
     hlo = cuda_hlo(jax.value_and_grad(loss), q)
     assert len(custom_call_lines(hlo, FFI_TARGET)) == 1  # the forward only
-
-
-@pytest.mark.usefixtures("mla_gate_variable")
-@pytest.mark.parametrize("implementation", [None, "kernel"])
-def test_sliding_windows_with_mla_stay_on_the_pure_jax_path(rng, monkeypatch, implementation):
-    """No sliding-window MLA kernel: windows other than causal or none say why; windows that come down to
-    causal or none over these lengths run the plain MLA kernel."""
-    monkeypatch.setattr(api, "MLA_KERNEL_VERIFIED", True)
-    q, k, v = random_qkv(rng, seq_q=40, seq_k=72, heads_q=4, heads_kv=2, head_dim=192, head_dim_v=128)
-    problem = api.kernel_problem(q, k, v, 0.1, False, (8, 0))
-    assert re.search(r"MLA's head dims \(192, 128\).*no sliding-window kernel.*\(8, 0\)", problem), problem
-    fn = functools.partial(jzyfa.flash_attention, window=(8, 0), implementation=implementation)
-    if implementation == "kernel":
-        with pytest.raises(
-            ValueError, match="cannot serve this call: MLA's head dims .* no sliding-window kernel"
-        ):
-            jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
-    else:
-        assert custom_call_lines(cuda_hlo(fn, Q, K, V), FFI_TARGET) == []
-    # (8192, 0) over 500 keys is causal: the plain MLA kernel.
-    call = kernel_call(
-        functools.partial(jzyfa.flash_attention, window=(8192, 0), implementation=implementation), Q, K, V
-    )
-    assert "causal = true" in call and "window_left = -1 : i64" in call
-
-
-@pytest.mark.usefixtures("mla_gate_variable")
-def test_varlen_mla_stays_on_the_pure_jax_path(rng):
-    """The varlen kernel has no MLA instantiation: the config problem says so, the default path is the
-    pure-JAX one, and implementation="kernel" raises with the reason."""
-    q = jnp.asarray(rng.standard_normal((30, 4, 192)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((50, 2, 192)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((50, 2, 128)), jnp.bfloat16)
-    cu_q, cu_k = jnp.asarray([0, 10, 30], jnp.int32), jnp.asarray([0, 20, 50], jnp.int32)
-    problem = varlen_kernel_config_problem(q, k, v, 2, 20, 0.1, (-1, 0))
-    assert re.search(r"MLA's head dims \(192, 128\).*dense batches only.*pure-JAX path", problem), problem
-    assert api.choose_varlen_path(q, k, v, 2, 20, 0.1, (-1, 0), None) is api.Path.REFERENCE
-    with pytest.raises(ValueError, match="cannot serve this varlen call: MLA's head dims"):
-        jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 20, 30, causal=True, implementation="kernel")
-    out = jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 20, 30, causal=True)
-    assert out.shape == (30, 4, 128)
 
 
 @pytest.mark.usefixtures("mla_gate_variable")

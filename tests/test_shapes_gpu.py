@@ -163,13 +163,15 @@ def binds_kernel(fn, *args) -> bool:
 @pytest.mark.parametrize(
     "options,shapes,kernel",
     [
-        (dict(window=(8, 0)), dict(head_dim=128), True),  # the windowed kernel
-        (dict(window=(4096, 0)), dict(head_dim=128), True),  # wider than the keys: causal
-        (dict(causal=True, window=(16, 16)), dict(head_dim=64), True),  # the windowed kernel, (16, 0)
-        (dict(causal=True), dict(head_dim=192, head_dim_v=128), False),  # MLA
-        (dict(causal=True), dict(head_dim=256), True),  # verified 2026-12-01
+        ({"window": (8, 0)}, {"head_dim": 128}, True),  # the windowed kernel
+        ({"window": (4096, 0)}, {"head_dim": 128}, True),  # wider than the keys: causal
+        ({"causal": True, "window": (16, 16)}, {"head_dim": 64}, True),  # the windowed kernel, (16, 0)
+        # MLA's causal kernel is the default since verified; its windows wait for the wide window gate.
+        ({"causal": True}, {"head_dim": 192, "head_dim_v": 128}, True),
+        ({"causal": True, "window": (16, 0)}, {"head_dim": 192, "head_dim_v": 128}, False),
+        ({"causal": True}, {"head_dim": 256}, True),  # verified 2026-12-01
     ],
-    ids=["window", "wide_window", "causal_window", "mla", "head_dim_256"],
+    ids=["window", "wide_window", "causal_window", "mla", "mla_window", "head_dim_256"],
 )
 def test_default_path_serves_what_the_kernel_lacks(options, shapes, kernel):
     rng = np.random.default_rng(5)

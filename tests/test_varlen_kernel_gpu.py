@@ -255,7 +255,9 @@ def test_handler_rejects_unsupported_head_dim():
         jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
     )
     call = jax.ffi.ffi_call(FFI_TARGET_VARLEN, results)
-    with pytest.raises(Exception, match="head_dim must be 64 or 128"):
+    with pytest.raises(
+        Exception, match="head_dim must be 64, 128 or 256 for the jzyfa varlen kernel .* got 96"
+    ):
         jax.block_until_ready(
             call(
                 q,
