@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "flash_fwd.h"
@@ -26,6 +27,32 @@ std::string ShapeString(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
+}
+
+// Every handler's end: the launch's own validation (InvalidArgument), the device check, the launch
+// (Internal), each error prefixed with `name`.
+template <typename Params>
+ffi::Error ValidateAndLaunch(const std::string& name, const Params& p,
+                             std::string (*validate)(const Params&),
+                             std::string (*launch)(const Params&, cudaStream_t),
+                             cudaStream_t stream) {
+  std::string error = validate(p);
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
+  error = launch(p, stream);
+  if (!error.empty()) return ffi::Error::Internal(name + error);
+  return ffi::Error::Success();
+}
+
+// The descale fields of the FP8 launches' parameters (dense and varlen).
+template <typename Params>
+void SetDescales(Params& p, const ffi::Buffer<ffi::F32>& dq, const ffi::Buffer<ffi::F32>& dk,
+                 const ffi::Buffer<ffi::F32>& dv) {
+  p.descale_q = dq.typed_data();
+  p.descale_k = dk.typed_data();
+  p.descale_v = dv.typed_data();
+  p.descale_count = static_cast<int64_t>(dq.element_count());
 }
 
 // out must have q's shape with v's head dim (out_head_dim; MLA: 128 where q has 192), lse be
@@ -117,13 +144,67 @@ ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   p.window_right = window_right;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
 
-  std::string error = ValidateFlashFwd(p);
-  if (!error.empty()) return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: " + error);
-  error = CheckDeviceSupport();
-  if (!error.empty()) return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: " + error);
-  error = LaunchFlashFwd(p, stream);
-  if (!error.empty()) return ffi::Error::Internal("jzyfa_flash_attention_fwd: " + error);
+  return ValidateAndLaunch("jzyfa_flash_attention_fwd: ", p, ValidateFlashFwd, LaunchFlashFwd, stream);
+}
+
+// The varlen handlers' (16-bit and FP8) shared checks of shapes beyond q, k and v: cu_seqlens int32
+// [num_seqs + 1] (num_seqs >= 1) alike, out with q's shape, lse [heads_q, total_q], one counter.
+ffi::Error CheckVarlenOperands(const std::string& name, ffi::Span<const int64_t> qd,
+                               int64_t head_dim_v, const ffi::Buffer<ffi::S32>& cu_seqlens_q,
+                               const ffi::Buffer<ffi::S32>& cu_seqlens_k,
+                               ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld,
+                               int64_t tile_counter_size) {
+  const auto cqd = cu_seqlens_q.dimensions(), ckd = cu_seqlens_k.dimensions();
+  if (cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
+    return ffi::Error::InvalidArgument(name + "cu_seqlens_q " + ShapeString(cqd) +
+                                       " and cu_seqlens_k " + ShapeString(ckd) +
+                                       " must both be int32 [num_seqs + 1], num_seqs >= 1");
+  }
+  if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
+      od.back() != head_dim_v) {
+    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
+                                       " must have the shape of q " + ShapeString(qd) +
+                                       " with head_dim " + std::to_string(head_dim_v));
+  }
+  if (ld.size() != 2 || ld[0] != qd[1] || ld[1] != qd[0]) {
+    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
+                                       " must be [heads_q, total_q]");
+  }
+  if (tile_counter_size != 1) {
+    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
+  }
   return ffi::Error::Success();
+}
+
+// The fields of FlashFwdVarlenParams both varlen handlers set alike (all but v and element_type).
+template <typename Out>
+void SetVarlenParams(FlashFwdVarlenParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                     const ffi::Buffer<ffi::S32>& cu_seqlens_q,
+                     const ffi::Buffer<ffi::S32>& cu_seqlens_k, Out& out,
+                     ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                     ffi::Result<ffi::Buffer<ffi::S32>>& tile_counter, float softmax_scale,
+                     bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t window_left,
+                     int64_t window_right) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.cu_seqlens_q = cu_seqlens_q.typed_data();
+  p.cu_seqlens_k = cu_seqlens_k.typed_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
+  p.num_seqs = cu_seqlens_q.dimensions()[0] - 1;
+  p.total_q = qd[0];
+  p.total_k = kd[0];
+  p.max_seqlen_q = max_seqlen_q;
+  p.max_seqlen_k = max_seqlen_k;
+  p.heads_q = qd[1];
+  p.heads_kv = kd[1];
+  p.head_dim = qd[2];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
 }
 
 ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -158,71 +239,41 @@ ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ff
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " +
                                        ShapeString(kd) + " disagree on head_dim");
   }
-  const auto cqd = cu_seqlens_q.dimensions(), ckd = cu_seqlens_k.dimensions();
-  if (cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
-    return ffi::Error::InvalidArgument(name + "cu_seqlens_q " + ShapeString(cqd) +
-                                       " and cu_seqlens_k " + ShapeString(ckd) +
-                                       " must both be int32 [num_seqs + 1], num_seqs >= 1");
-  }
-  if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
-      od.back() != vd[2]) {
-    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
-                                       " must have the shape of q " + ShapeString(qd) +
-                                       " with head_dim " + std::to_string(vd[2]));
-  }
-  if (ld.size() != 2 || ld[0] != qd[1] || ld[1] != qd[0]) {
-    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
-                                       " must be [heads_q, total_q]");
-  }
-  if (tile_counter->element_count() != 1) {
-    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
-  }
+  ffi::Error checked = CheckVarlenOperands(name, qd, vd[2], cu_seqlens_q, cu_seqlens_k, od, ld,
+                                          tile_counter->element_count());
+  if (checked.failure()) return checked;
 
   FlashFwdVarlenParams p;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
+  SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
+                  max_seqlen_q, max_seqlen_k, window_left, window_right);
   p.v = v.untyped_data();
-  p.cu_seqlens_q = cu_seqlens_q.typed_data();
-  p.cu_seqlens_k = cu_seqlens_k.typed_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
-  p.tile_counter = tile_counter->typed_data();
-  p.num_seqs = cqd[0] - 1;
-  p.total_q = qd[0];
-  p.total_k = kd[0];
-  p.max_seqlen_q = max_seqlen_q;
-  p.max_seqlen_k = max_seqlen_k;
-  p.heads_q = qd[1];
-  p.heads_kv = kd[1];
-  p.head_dim = qd[2];
   p.head_dim_v = vd[2];
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
-  p.window_left = window_left;
-  p.window_right = window_right;
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
 
-  std::string error = ValidateFlashFwdVarlen(p);
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = CheckDeviceSupport();
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = LaunchFlashFwdVarlen(p, stream);
-  if (!error.empty()) return ffi::Error::Internal(name + error);
-  return ffi::Error::Success();
+  return ValidateAndLaunch(name, p, ValidateFlashFwdVarlen, LaunchFlashFwdVarlen, stream);
 }
 
-// Descales: float32, one value or one per (batch, KV head); the same count for all three.
-ffi::Error CheckDescales(ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk,
-                         ffi::Buffer<ffi::F32> dv, int64_t batch, int64_t heads_kv) {
+// Descales: float32, one value or one per (batch or sequence, KV head); the same count for all
+// three. `batch` names what the first factor counts.
+ffi::Error CheckDescales(const std::string& name, ffi::Buffer<ffi::F32> dq,
+                         ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, const char* batch_name,
+                         int64_t batch, int64_t heads_kv) {
   const int64_t count = static_cast<int64_t>(dq.element_count());
   if (static_cast<int64_t>(dk.element_count()) != count ||
       static_cast<int64_t>(dv.element_count()) != count ||
       (count != 1 && count != batch * heads_kv)) {
     return ffi::Error::InvalidArgument(
-        "jzyfa_flash_attention_fp8_fwd: descale_q, descale_k and descale_v must each hold 1 or "
-        "batch * heads_kv (" + std::to_string(batch * heads_kv) + ") float32 values");
+        name + "descale_q, descale_k and descale_v must each hold 1 or " + batch_name +
+        " * heads_kv (" + std::to_string(batch * heads_kv) + ") float32 values");
   }
   return ffi::Error::Success();
+}
+
+// Whether q, k and vt are all e4m3.
+bool AllE4m3(std::initializer_list<const ffi::AnyBuffer*> buffers) {
+  return std::all_of(buffers.begin(), buffers.end(), [](const ffi::AnyBuffer* x) {
+    return x->element_type() == ffi::DataType::F8E4M3FN;
+  });
 }
 
 ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -235,10 +286,8 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     float softmax_scale, bool causal, int64_t window_left,
                                     int64_t window_right, bool lean_p) {
   const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
-  for (const ffi::AnyBuffer* x : {&q, &k, &vt}) {
-    if (x->element_type() != ffi::DataType::F8E4M3FN) {
-      return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
-    }
+  if (!AllE4m3({&q, &k, &vt})) {
+    return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
   }
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = vt.dimensions(),
              od = out->dimensions(), ld = lse->dimensions();
@@ -252,28 +301,60 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   }
   ffi::Error results = CheckResults(name, qd, od, ld, qd[3], tile_counter->element_count());
   if (results.failure()) return results;
-  ffi::Error descales = CheckDescales(descale_q, descale_k, descale_v, kd[0], kd[2]);
+  ffi::Error descales = CheckDescales(name, descale_q, descale_k, descale_v, "batch", kd[0], kd[2]);
   if (descales.failure()) return descales;
 
   FlashFwdFp8Params p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.vt = vt.untyped_data();
-  p.descale_q = descale_q.typed_data();
-  p.descale_k = descale_k.typed_data();
-  p.descale_v = descale_v.typed_data();
-  p.descale_count = descale_q.element_count();
+  SetDescales(p, descale_q, descale_k, descale_v);
   p.seqlen_k_padded = vd[3];
   p.window_left = window_left;
   p.window_right = window_right;
   p.lean_p = lean_p;
 
-  std::string error = ValidateFlashFwdFp8(p);
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = CheckDeviceSupport();
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = LaunchFlashFwdFp8(p, stream);
-  if (!error.empty()) return ffi::Error::Internal(name + error);
-  return ffi::Error::Success();
+  return ValidateAndLaunch(name, p, ValidateFlashFwdFp8, LaunchFlashFwdFp8, stream);
+}
+
+ffi::Error FlashAttentionFp8VarlenFwdImpl(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer vt,
+    ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k,
+    ffi::Buffer<ffi::F32> descale_q, ffi::Buffer<ffi::F32> descale_k,
+    ffi::Buffer<ffi::F32> descale_v, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+    ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+    float softmax_scale, bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    int64_t window_left, int64_t window_right) {
+  const std::string name = "jzyfa_flash_attention_fp8_varlen_fwd: ";
+  if (!AllE4m3({&q, &k, &vt})) {
+    return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = vt.dimensions(),
+             od = out->dimensions(), ld = lse->dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
+    return ffi::Error::InvalidArgument(
+        name + "q and k must be packed [total_tokens, heads, head_dim], vt [heads_kv, head_dim, keys]");
+  }
+  if (kd[2] != qd[2] || vd[0] != kd[1] || vd[1] != kd[2]) {
+    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
+                                       " and vt " + ShapeString(vd) + " disagree");
+  }
+  ffi::Error checked = CheckVarlenOperands(name, qd, vd[1], cu_seqlens_q, cu_seqlens_k, od, ld,
+                                          tile_counter->element_count());
+  if (checked.failure()) return checked;
+  const int64_t num_seqs = cu_seqlens_q.dimensions()[0] - 1;
+  ffi::Error descales =
+      CheckDescales(name, descale_q, descale_k, descale_v, "num_seqs", num_seqs, kd[1]);
+  if (descales.failure()) return descales;
+
+  FlashFwdFp8VarlenParams p;
+  SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
+                  max_seqlen_q, max_seqlen_k, window_left, window_right);
+  p.vt = vt.untyped_data();
+  p.head_dim_v = vd[1];
+  p.vt_keys = vd[2];
+  SetDescales(p, descale_q, descale_k, descale_v);
+
+  return ValidateAndLaunch(name, p, ValidateFlashFwdFp8Varlen, LaunchFlashFwdFp8Varlen, stream);
 }
 
 ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
@@ -310,13 +391,7 @@ ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
   p.head_dim = vd[3];
   p.seqlen_k_padded = td[3];
 
-  std::string error = ValidateFp8ValueOperand(p);
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = CheckDeviceSupport();
-  if (!error.empty()) return ffi::Error::InvalidArgument(name + error);
-  error = LaunchFp8ValueOperand(p, stream);
-  if (!error.empty()) return ffi::Error::Internal(name + error);
-  return ffi::Error::Success();
+  return ValidateAndLaunch(name, p, ValidateFp8ValueOperand, LaunchFp8ValueOperand, stream);
 }
 
 }  // namespace
@@ -374,6 +449,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Attr<int64_t>("window_left")  // -1: unbounded
                                   .Attr<int64_t>("window_right")
                                   .Attr<bool>("lean_p"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8VarlenFwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // q, e4m3 [total_q, Hq, 128]
+                                  .Arg<ffi::AnyBuffer>()  // k, e4m3 [total_k, Hkv, 128]
+                                  .Arg<ffi::AnyBuffer>()  // vt, e4m3 [Hkv, 128, keys] (fp8_layout.py)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out [total_q, Hq, 128]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [Hq, total_q]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_k")
+                                  .Attr<int64_t>("window_left")  // -1: unbounded
+                                  .Attr<int64_t>("window_right"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,

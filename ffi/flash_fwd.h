@@ -111,6 +111,26 @@ struct FlashFwdVarlenParams {
   ElementType element_type = ElementType::kBF16;
 };
 
+// One FP8 forward call over a packed variable-length batch (head dim 128): the fields of
+// FlashFwdVarlenParams, with q and k e4m3, out bf16 and `v` unused, plus vt, e4m3
+// [heads_kv, 128, vt_keys]: V^T with sequence s's keys from column roundup32(cu_seqlens_k[s]) + 32 s,
+// permuted inside each 32-key group, zeros between sequences, vt_keys = roundup32(total_k) +
+// 32 (num_seqs + 1) (jzyfa/fp8_layout.py, fp8_varlen_value_operand); and the descales, float32, each
+// one value or one per (sequence, KV head). P is always lean (FlashFwdFp8Params::lean_p).
+struct FlashFwdFp8VarlenParams : FlashFwdVarlenParams {
+  const void* vt = nullptr;
+  const float* descale_q = nullptr;
+  const float* descale_k = nullptr;
+  const float* descale_v = nullptr;
+  int64_t descale_count = 1;  // 1 or num_seqs * heads_kv, the same for all three
+  int64_t vt_keys = 0;
+};
+
+// vt's key columns for a varlen FP8 call (FlashFwdFp8VarlenParams).
+inline int64_t Fp8VarlenValueKeys(int64_t total_k, int64_t num_seqs) {
+  return (total_k + 31) / 32 * 32 + 32 * (num_seqs + 1);
+}
+
 // The mask a launch (16-bit or FP8) runs with: causal or not (the plain kernels), or a sliding
 // window (the windowed kernels, bounds in 0..2^30 or -1).
 struct MaskPlan {
@@ -150,6 +170,10 @@ std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& params, cudaStream_
 // The same for the FP8 kernel.
 std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& params);
 std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& params, cudaStream_t stream);
+
+// The same for the FP8 kernel over packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu).
+std::string ValidateFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& params);
+std::string LaunchFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& params, cudaStream_t stream);
 
 // The consumer-loop timestamps of the last runs (ffi/kernel_timeline.cuh, tools/kernel_timeline.py),
 // [cta][consumer][iteration][event] SM clocks, zeroed after reading; an error unless built with

@@ -34,8 +34,8 @@ constexpr int kPingPongBarrier = 1;
 // Named barriers 3 and 4: consumer c's 128 threads around its epilogue's shared-memory O tile.
 constexpr int kEpilogueBarrier = 3;
 
-// Launches of packed variable-length batches (the 16-bit kernel's VarlenFwdArgs and its window)
-// specialise this to true (flash_fwd_kernel.cuh).
+// Launches of packed variable-length batches (VarlenFwdArgs below, the FP8 kernel's Fp8VarlenArgs,
+// and their windows) specialise this to true.
 template <typename Args>
 constexpr bool kIsVarlen = false;
 
@@ -181,6 +181,88 @@ __device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& arg
     }
   }
   return w;
+}
+
+// Runtime arguments of a varlen launch: q [total_q, heads_q, D] and k, v [total_k, heads_kv, D]
+// packed, sequence s holding tokens cu_seqlens_q[s]..cu_seqlens_q[s + 1] of q (likewise of k, v).
+// The offsets live on the device and are read per tile; the host never reads them.
+struct VarlenFwdArgs {
+  void* out;          // [total_q, heads_q, D]
+  float* lse;         // [heads_q, total_q]
+  int* tile_counter;  // as in FwdArgs
+  int num_tiles;      // (num_seqs + 1) * m_tiles * heads_q: the last "sequence" is the tail
+  int m_tiles;        // ceil(max_seqlen_q / kBlockM)
+  int num_seqs;
+  int total_q;
+  int heads_q;
+  int heads_kv;
+  float scale_log2;
+  int causal;
+  const int* cu_seqlens_q;  // [num_seqs + 1]
+  const int* cu_seqlens_k;  // [num_seqs + 1]
+};
+
+// Varlen launches (the windowed PlanTile above reads their per-sequence lengths).
+template <>
+constexpr bool kIsVarlen<VarlenFwdArgs> = true;
+
+template <>
+constexpr bool kIsVarlen<WindowedArgs<VarlenFwdArgs>> = true;
+
+// The varlen tile order is the dense one with sequences as the batch: heads fastest, then query
+// tiles from the last (of max_seqlen_q) to the first, then sequences. With unequal lengths the
+// first query tiles are no longer the longest ones (a short sequence's last tiles are empty, and
+// cost one empty round each); the order stays simple. Lengths are clamped at 0, so bad offsets
+// give empty tiles, never out-of-range work; the epilogue checks every token it writes.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ VarlenWork PlanTile(int tile, const VarlenFwdArgs& args) {
+  VarlenWork w;
+  w.head = tile % args.heads_q;
+  const int rest = tile / args.heads_q;
+  w.q_start = (args.m_tiles - 1 - rest % args.m_tiles) * kBlockM;
+  w.batch = rest / args.m_tiles;
+  w.kv_head = w.head / (args.heads_q / args.heads_kv);
+  if (w.batch < args.num_seqs) {
+    w.q_offset = args.cu_seqlens_q[w.batch];
+    w.len_q = max(args.cu_seqlens_q[w.batch + 1] - w.q_offset, 0);
+    w.k_offset = args.cu_seqlens_k[w.batch];
+    w.len_k = max(args.cu_seqlens_k[w.batch + 1] - w.k_offset, 0);
+    w.row_stride = 0;
+    w.diagonal = w.len_k - w.len_q;
+    const int q_last = min(w.q_start + kBlockM, w.len_q) - 1;
+    const int kv_end = w.q_start >= w.len_q ? 0
+                       : args.causal        ? min(w.len_k, q_last + w.diagonal + 1)
+                                            : w.len_k;
+    w.num_blocks = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
+  } else {
+    // The tail: the tokens of no sequence, past cu_seqlens_q[num_seqs] and then (wrapping around)
+    // before cu_seqlens_q[0]; no keys, so O = 0 and LSE = -inf.
+    // (Clamped to total_q tokens, whatever the offsets hold.)
+    w.q_offset = args.cu_seqlens_q[args.num_seqs];
+    w.len_q = min(max(args.total_q - w.q_offset, 0) + max(args.cu_seqlens_q[0], 0), args.total_q);
+    w.k_offset = 0;
+    w.len_k = 0;
+    w.row_stride = args.m_tiles * kBlockM;
+    w.diagonal = 0;
+    w.num_blocks = 0;
+  }
+  return w;
+}
+
+// Calls store(token) (int64) for each packed token that row `row` of a varlen tile (`rows`, its
+// VarlenWork) stands for: the token q_offset + row of its sequence if row < len_q; for the tail,
+// every row_stride-th row from `row` on, wrapping around total_q. Every token is checked against
+// total_q, so bad offsets never write out of range. (The 16-bit kernel has this loop inline: written
+// through this helper, its verified kernels' registers moved.)
+template <typename Work, typename Store>
+__device__ __forceinline__ void ForEachVarlenToken(const Work& rows, int row, int total_q,
+                                                   Store store) {
+  for (int r = row; r < rows.len_q; r += rows.row_stride) {
+    int64_t token = static_cast<int64_t>(rows.q_offset) + r;
+    if (rows.row_stride != 0 && token >= total_q) token -= total_q;  // the tail
+    if (token >= 0 && token < total_q) store(token);
+    if (rows.row_stride == 0) break;
+  }
 }
 
 // Position of the ring's `n`-th block since the launch: its stage and the parity of

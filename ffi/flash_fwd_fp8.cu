@@ -51,10 +51,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   args.out = static_cast<__nv_bfloat16*>(p.out);
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
-  args.descale_q = p.descale_q;
-  args.descale_k = p.descale_k;
-  args.descale_v = p.descale_v;
-  args.descale_per_head = p.descale_count > 1 ? 1 : 0;
+  SetDescaleArgs(args, p);
   SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
                   Tile::kBlockM);
   // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.

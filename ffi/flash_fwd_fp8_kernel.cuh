@@ -52,6 +52,37 @@ struct Fp8Args {
   int causal;
 };
 
+// A packed variable-length batch (jzyfa.flash_attention_varlen with e4m3 inputs): the 16-bit
+// kernel's varlen arguments (q [total_q, heads_q, 128], k [total_k, heads_kv, 128], cu_seqlens on the
+// device, out bf16 [total_q, heads_q, 128], lse [heads_q, total_q]) plus the descales, one value or
+// one per (sequence, KV head). V^T is [heads_kv, 128, vt_keys] with sequence s's keys from column
+// Fp8VarlenValueColumn (jzyfa/fp8_layout.py, fp8_varlen_value_operand); exact P is not instantiated.
+struct Fp8VarlenArgs : VarlenFwdArgs {
+  const float* descale_q;
+  const float* descale_k;
+  const float* descale_v;
+  int descale_per_head;
+};
+
+template <>
+constexpr bool kIsVarlen<Fp8VarlenArgs> = true;
+
+template <>
+constexpr bool kIsVarlen<WindowedArgs<Fp8VarlenArgs>> = true;
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& args) {
+  return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));
+}
+
+// The V^T column of a sequence's first key, given its first key's token k_offset and its index:
+// roundup32(k_offset) + 32 seq, so every sequence starts on a 32-key group of the permuted layout and
+// no two overlap (jzyfa/fp8_layout.py). A windowed tile's k_offset moved by whole key blocks (multiples
+// of 32), which moves the column by as much.
+__device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
+  return ((k_offset + 31) & ~31) + 32 * seq;
+}
+
 struct Fp8Tile {
   static constexpr int kHeadDim = 128;
   static constexpr int kConsumers = 2;
@@ -277,12 +308,15 @@ struct Fp8OnlineSoftmax {
   }
 };
 
-// The kernel's body, for Fp8Args (no mask, or causal) and WindowedArgs<Fp8Args> (a sliding window:
-// each tile visits only the key blocks its rows' windows reach, from work.first_block on).
+// The kernel's body, for Fp8Args (no mask, or causal), WindowedArgs<Fp8Args> (a sliding window:
+// each tile visits only the key blocks its rows' windows reach, from work.first_block on), and
+// Fp8VarlenArgs and its window (packed sequences: a tile's rows and keys start at its sequence's
+// offsets, the tensor maps cover the packed tensors as one batch, O is stored per token).
 template <bool kLeanP, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                                  const CUtensorMap& tmap_vt, const Args& args) {
   constexpr bool kWindow = kHasWindow<Args>;
+  constexpr bool kVarlen = kIsVarlen<Args>;
   using Tile = Fp8Tile;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
@@ -319,26 +353,34 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_vt);
     // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T).
+    // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
+    // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
+    // stored, such keys are masked (P = 0).
     auto load_q = [&](const auto& work, uint32_t bar) {
+      int row = work.q_start, batch = work.batch;
+      if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
-        ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, work.q_start + c * Tile::kRowsPerConsumer,
-                         work.head, work.batch);
+        ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer, work.head,
+                         batch);
     };
-    // A window's tile starts at key block work.first_block.
+    // A window's tile starts at key block work.first_block (varlen: 0, its k_offset moved instead).
     auto first_key = [&](const auto& work, int block) {
       int key = block * kBlockN;
       if constexpr (kWindow) key += work.first_block * kBlockN;
       return key;
     };
     auto load_k = [&](const auto& work, int block, int stage, uint32_t bar) {
-      ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, first_key(work, block), work.kv_head,
-                       work.batch);
+      int key = first_key(work, block), batch = work.batch;
+      if constexpr (kVarlen) key += work.k_offset, batch = 0;
+      ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, key, work.kv_head, batch);
     };
     // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
-    // first key is a multiple of 128, so its box starts on a 32-key group of the permuted layout.
+    // first key is a multiple of 128, and a sequence's first column one of 32, so every box starts
+    // on a 32-key group of the permuted layout.
     auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
-      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, first_key(work, block), 0, work.kv_head,
-                       work.batch);
+      int column = first_key(work, block), batch = work.batch;
+      if constexpr (kVarlen) column += Fp8VarlenValueColumn(work.k_offset, work.batch), batch = 0;
+      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, column, 0, work.kv_head, batch);
     };
     ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
                                                    Tile::kVtBytes, load_q, load_k, load_vt);
@@ -395,8 +437,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels never record.
-  std::conditional_t<kWindow, NoTimeline, TimelineRecorder> timeline(consumer);
+  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed and varlen kernels never record.
+  std::conditional_t<kWindow || kVarlen, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -405,8 +447,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;
+    int seqlen_k, descale_batch = work.batch;  // this tile's keys; its descales' batch or sequence
+    if constexpr (kVarlen) {
+      seqlen_k = work.len_k;
+      descale_batch = min(work.batch, args.num_seqs - 1);  // the tail (no keys) reads any sequence's
+    } else {
+      seqlen_k = args.seqlen_k;
+    }
     const int descale_index =
-        args.descale_per_head ? work.batch * args.heads_kv + work.kv_head : 0;
+        args.descale_per_head ? descale_batch * args.heads_kv + work.kv_head : 0;
     // (descale_q * descale_k) * scale_log2, in the emulation's order.
     const float row_scale =
         (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
@@ -494,22 +543,22 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
           const int first_pos = rows_start + work.diagonal;
           const int left = args.window_left, right = args.window_right;
           const bool needs_mask =
-              key_start + kBlockN > args.seqlen_k ||
+              key_start + kBlockN > seqlen_k ||
               (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
               (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
           if (needs_mask) {
-            MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, args.seqlen_k,
-                                           work.diagonal, left, right);
+            MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, seqlen_k, work.diagonal,
+                                           left, right);
           }
-          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, args.seqlen_k,
-                       false, work.diagonal, timeline);
+          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
+                       work.diagonal, timeline);
         } else {
           const int key_start = block * kBlockN;
           const bool needs_mask =
-              key_start + kBlockN > args.seqlen_k ||
+              key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane,
-                       args.seqlen_k, args.causal, work.diagonal, timeline);
+          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
+                       args.causal, work.diagonal, timeline);
         }
       };
       auto after_qk = [&](int block, int stage) {
@@ -598,24 +647,38 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     // O = 0, LSE = -inf.
     const float descale_v = args.descale_v[descale_index];
     const int quad_col = 2 * (lane % 4);
+    // Row h of this thread to out[out_row ..] and lse[lse_index].
+    auto store_row = [&](int h, float total, float inv, int64_t out_row, int64_t lse_index) {
+      __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(args.out);
+#pragma unroll
+      for (int c = 0; c < Tile::kHeadDim / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+            PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+      }
+      if (lane % 4 == 0) {
+        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
+        args.lse[lse_index] = lse;
+      }
+    };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = o[Tile::kHeadDim / 2 + 2 * h];  // a sum column of row h
       const float inv = total > 0.f ? descale_v / total : 0.f;
       const int row = first_row + 8 * h;
-      if (row >= args.seqlen_q) continue;
-      const int64_t out_row =
-          ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-          Tile::kHeadDim;
-#pragma unroll
-      for (int c = 0; c < Tile::kHeadDim / 8; ++c) {
-        *reinterpret_cast<uint32_t*>(args.out + out_row + 8 * c + quad_col) =
-            PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-      }
-      if (lane % 4 == 0) {
-        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
-        args.lse[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q +
-                 row] = lse;
+      if constexpr (kVarlen) {
+        // The tile's offsets are planned again rather than held in registers through the key loop.
+        const auto rows = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+        ForEachVarlenToken(rows, row, args.total_q, [&](int64_t token) {
+          store_row(h, total, inv, (token * args.heads_q + rows.head) * Tile::kHeadDim,
+                    static_cast<int64_t>(rows.head) * args.total_q + token);
+        });
+      } else {
+        if (row >= args.seqlen_q) continue;
+        const int64_t out_row =
+            ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+            Tile::kHeadDim;
+        store_row(h, total, inv, out_row,
+                  (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row);
       }
     }
   }
@@ -637,6 +700,27 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_vt,
                             const WindowedArgs<Fp8Args> args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+}
+
+// Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps
+// cover [1, total, heads, 128] and V^T [1, heads_kv, 128, vt_keys]. Templates like the kernels above,
+// so that only the translation unit that launches them defines them.
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
+    FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
+                            const __grid_constant__ CUtensorMap tmap_k,
+                            const __grid_constant__ CUtensorMap tmap_vt, const Fp8VarlenArgs args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+}
+
+// The same with a sliding window that is neither causal nor none, per sequence.
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
+    FlashFwdFp8VarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
+                                  const __grid_constant__ CUtensorMap tmap_k,
+                                  const __grid_constant__ CUtensorMap tmap_vt,
+                                  const WindowedArgs<Fp8VarlenArgs> args) {
   FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
 }
 

@@ -59,18 +59,8 @@ std::string LaunchTile(const FlashFwdVarlenParams& p, const MaskPlan& mask, cuda
   args.out = p.out;
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;
-  args.m_tiles = static_cast<int>((p.max_seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM);
-  // One more "sequence" than there are: the tail, tokens past cu_seqlens_q[num_seqs] or before
-  // cu_seqlens_q[0] (O = 0, LSE = -inf).
-  args.num_tiles = static_cast<int>((p.num_seqs + 1) * args.m_tiles * p.heads_q);
-  args.num_seqs = static_cast<int>(p.num_seqs);
-  args.total_q = static_cast<int>(p.total_q);
-  args.heads_q = static_cast<int>(p.heads_q);
-  args.heads_kv = static_cast<int>(p.heads_kv);
+  SetVarlenGeometry(args, p, mask.causal, Tile::kBlockM);  // with the tail "sequence"
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  args.causal = mask.causal ? 1 : 0;
-  args.cu_seqlens_q = p.cu_seqlens_q;
-  args.cu_seqlens_k = p.cu_seqlens_k;
   if constexpr (kWindow) {
     args.window_left = mask.window_left;
     args.window_right = mask.window_right;

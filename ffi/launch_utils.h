@@ -98,6 +98,33 @@ std::string TileTooLarge(int head_dim_qk, int head_dim_v, int epilogue_tma) {
          std::to_string(Tile::kMaxDynamicSmemBytes) + " a block can have";
 }
 
+// The tile geometry and sequence fields of a varlen launch's arguments (VarlenFwdArgs's fields) from its
+// parameters (FlashFwdVarlenParams's): tiles of block_m rows over ceil(max_seqlen_q / block_m) query
+// tiles per sequence and head, for one more "sequence" than there are: the tail, tokens past
+// cu_seqlens_q[num_seqs] or before cu_seqlens_q[0] (O = 0, LSE = -inf).
+template <typename Args, typename Params>
+void SetVarlenGeometry(Args& args, const Params& p, bool causal, int block_m) {
+  args.m_tiles = static_cast<int>((p.max_seqlen_q + block_m - 1) / block_m);
+  args.num_tiles = static_cast<int>((p.num_seqs + 1) * args.m_tiles * p.heads_q);
+  args.num_seqs = static_cast<int>(p.num_seqs);
+  args.total_q = static_cast<int>(p.total_q);
+  args.heads_q = static_cast<int>(p.heads_q);
+  args.heads_kv = static_cast<int>(p.heads_kv);
+  args.causal = causal ? 1 : 0;
+  args.cu_seqlens_q = p.cu_seqlens_q;
+  args.cu_seqlens_k = p.cu_seqlens_k;
+}
+
+// The FP8 launches' descale fields (Fp8Args's, Fp8VarlenArgs's) from their parameters: one value
+// for all, or one per (batch or sequence, KV head).
+template <typename Args, typename Params>
+void SetDescaleArgs(Args& args, const Params& p) {
+  args.descale_q = p.descale_q;
+  args.descale_k = p.descale_k;
+  args.descale_v = p.descale_v;
+  args.descale_per_head = p.descale_count > 1 ? 1 : 0;
+}
+
 // Zeroes the tile counter on `stream` and returns the persistent grid's size (one CTA per SM,
 // or per tile if fewer) in *grid; or why it could not.
 std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,

@@ -29,6 +29,8 @@ NB_MODULE(_jzyfa_ffi, m) {
     targets["jzyfa_flash_attention_fwd"] = HandlerCapsule(jzyfa::FlashAttentionFwd);
     targets["jzyfa_flash_attention_varlen_fwd"] = HandlerCapsule(jzyfa::FlashAttentionVarlenFwd);
     targets["jzyfa_flash_attention_fp8_fwd"] = HandlerCapsule(jzyfa::FlashAttentionFp8Fwd);
+    targets["jzyfa_flash_attention_fp8_varlen_fwd"] =
+        HandlerCapsule(jzyfa::FlashAttentionFp8VarlenFwd);
     targets["jzyfa_fp8_value_operand"] = HandlerCapsule(jzyfa::Fp8ValueOperand);
     return targets;
   });

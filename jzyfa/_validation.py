@@ -17,6 +17,7 @@ NON_FP8_DTYPES = SIXTEEN_BIT_DTYPES + (jnp.dtype(jnp.float32),)
 FP8_DTYPES = (jnp.dtype(FP8_DTYPE),)
 IMPLEMENTATIONS = (None, "kernel", "xla")
 DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
+FP8_VARLEN_HEAD_DIM = 128
 
 
 def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
@@ -64,7 +65,8 @@ def check_qkv_heads(q, k, v, *, axes: str) -> None:
 
 
 def check_packed_qkv(q, k, v) -> None:
-    """Packed (varlen) layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]."""
+    """Packed (varlen) layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; FP8 inputs
+    need head_dim 128 (the FP8 kernel's, and the only one tested)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -73,8 +75,11 @@ def check_packed_qkv(q, k, v) -> None:
                 f"{name} must have rank 3 [total_tokens, heads, head_dim] (packed sequences), got shape {x.shape}"
             )
     check_qkv_heads(q, k, v, axes="[total_k, kv_heads]")
-    if is_fp8(q.dtype):
-        raise TypeError(f"flash_attention_varlen takes {_dtype_names(NON_FP8_DTYPES)} inputs, not FP8")
+    if is_fp8(q.dtype) and (q.shape[-1], v.shape[-1]) != (FP8_VARLEN_HEAD_DIM, FP8_VARLEN_HEAD_DIM):
+        raise ValueError(
+            f"flash_attention_varlen takes FP8 inputs with head_dim {FP8_VARLEN_HEAD_DIM} for q, k and v only, "
+            f"got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
+        )
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> None:
@@ -191,10 +196,13 @@ def canonical_window(window: Window, seq_q: int, seq_k: int) -> Window:
     return left, right
 
 
-def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:
+def check_descales(
+    q, k, descales: Sequence, *, per_head_shape: tuple[int, int] | None = None, per_head_axes: str = "batch"
+) -> tuple[jax.Array, ...] | None:
     """For FP8 inputs, returns the three float32 descales; for other inputs, insists there are none.
 
-    Each descale is a scalar (shape () or (1,)) or one value per (batch, kv_head), shape [B, Hkv].
+    Each descale is a scalar (shape () or (1,)) or one value per (batch, kv_head), shape [B, Hkv]; packed
+    (varlen) calls give per_head_shape (num_seqs, Hkv) and per_head_axes "num_seqs".
     """
     given = [name for name, d in zip(DESCALE_NAMES, descales) if d is not None]
     if not is_fp8(q.dtype):
@@ -206,7 +214,8 @@ def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:
     missing = [name for name, d in zip(DESCALE_NAMES, descales) if d is None]
     if missing:
         raise ValueError(f"FP8 inputs need descale_q, descale_k and descale_v; missing {', '.join(missing)}")
-    per_head_shape = (q.shape[0], k.shape[2])
+    if per_head_shape is None:
+        per_head_shape = (q.shape[0], k.shape[2])
     checked = []
     for name, d in zip(DESCALE_NAMES, descales):
         d = jnp.asarray(d, jnp.float32) if isinstance(d, (int, float)) else d
@@ -214,7 +223,8 @@ def check_descales(q, k, descales: Sequence) -> tuple[jax.Array, ...] | None:
             raise TypeError(f"{name} must be float32, got {d.dtype}")
         if d.shape not in ((), (1,), per_head_shape):
             raise ValueError(
-                f"{name} must have shape (), (1,) or [batch, kv_heads] = {list(per_head_shape)}, got {d.shape}"
+                f"{name} must have shape (), (1,) or [{per_head_axes}, kv_heads] = {list(per_head_shape)}, "
+                f"got {d.shape}"
             )
         checked.append(d)
     return tuple(checked)

@@ -13,10 +13,11 @@ import numpy as np
 
 from jzyfa import _platform, _validation
 from jzyfa.fp8_primitive import flash_attention_fp8_kernel, fp8_kernel_config_problem
+from jzyfa.fp8_varlen_primitive import flash_attention_fp8_varlen_fwd, fp8_varlen_kernel_config_problem
 from jzyfa.primitive import MLA_HEAD_DIMS, flash_attention_fwd, is_mla, kernel_config_problem
 from jzyfa.quantize import dequantize
 from jzyfa.reference import attention_reference
-from jzyfa.varlen import varlen_attention_reference
+from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
 from jzyfa.varlen_primitive import flash_attention_varlen_fwd, varlen_kernel_config_problem
 
 
@@ -200,6 +201,16 @@ def kernel_problem(q, k, v, softmax_scale: float, causal: bool, window) -> str |
     return None
 
 
+def _required_kernel_path(problem: str | None, what: str) -> Path:
+    """implementation="kernel", past its gates: raises naming what the kernel cannot serve in this `what`
+    call, or why it cannot run here (a GPU that is not Hopper); else Path.KERNEL_REQUIRED."""
+    if problem:
+        raise ValueError(f"implementation='kernel' cannot serve this {what}: {problem}")
+    if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
+        raise ValueError(f"implementation='kernel' cannot run here: {reason}")
+    return Path.KERNEL_REQUIRED
+
+
 def choose_path(
     q: jax.Array, k: jax.Array, v: jax.Array, softmax_scale: float, causal: bool, window, implementation
 ) -> Path:
@@ -210,11 +221,7 @@ def choose_path(
     backend = _platform.default_backend()
     sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
     if implementation == "kernel":
-        if config_problem:
-            raise ValueError(f"implementation='kernel' cannot serve this call: {config_problem}")
-        if backend == "gpu" and (reason := _platform.hopper_unavailable_reason()):
-            raise ValueError(f"implementation='kernel' cannot run here: {reason}")
-        return Path.KERNEL_REQUIRED
+        return _required_kernel_path(config_problem, "call")
     # implementation=None keeps sliding windows on the pure-JAX path while the windowed kernels are switched
     # off (WINDOW_KERNEL_VERIFIED False), whatever the variable says; MLA, head dim 256 and the wide gates
     # likewise.
@@ -281,11 +288,7 @@ def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
                 f"tests; set {UNVERIFIED_FP8_KERNEL_ENV}=1 to run it anyway, or use implementation=None "
                 "or 'xla' for the pure-JAX FP8 path"
             )
-        if problem:
-            raise ValueError(f"implementation='kernel' cannot serve this FP8 call: {problem}")
-        if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
-            raise ValueError(f"implementation='kernel' cannot run here: {reason}")
-        return Path.KERNEL_REQUIRED
+        return _required_kernel_path(problem, "FP8 call")
     # implementation=None keeps sliding windows on the pure-JAX path while FP8_WINDOW_KERNEL_VERIFIED is
     # False, whatever the variable says (as for the 16-bit kernel's windows).
     if problem or not FP8_KERNEL_VERIFIED or (sliding and not FP8_WINDOW_KERNEL_VERIFIED):
@@ -332,11 +335,7 @@ def choose_varlen_path(
                 f"{UNVERIFIED_VARLEN_KERNEL_ENV}=1 to run it anyway, or use implementation=None or 'xla' for "
                 "the pure-JAX path"
             )
-        if problem:
-            raise ValueError(f"implementation='kernel' cannot serve this varlen call: {problem}")
-        if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
-            raise ValueError(f"implementation='kernel' cannot run here: {reason}")
-        return Path.KERNEL_REQUIRED
+        return _required_kernel_path(problem, "varlen call")
     if (
         problem
         or not VARLEN_KERNEL_VERIFIED
@@ -345,6 +344,45 @@ def choose_varlen_path(
     ):
         return Path.REFERENCE
     if not _platform.kernel_available():
+        return Path.REFERENCE
+    return Path.PRIMITIVE
+
+
+# The FP8 kernel's variable-length instantiations (FlashFwdFp8VarlenKernel and its sliding window,
+# ffi/flash_fwd_fp8_varlen.cu) are built but not yet run on a GPU (tests/test_fp8_varlen_kernel_gpu.py).
+# Until they pass, implementation=None runs FP8 varlen calls on the pure-JAX path and
+# implementation="kernel" needs the variable below.
+FP8_VARLEN_KERNEL_VERIFIED = False
+UNVERIFIED_FP8_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL"
+
+
+def fp8_varlen_kernel_enabled() -> bool:
+    return FP8_VARLEN_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_VARLEN_KERNEL_ENV) == "1"
+
+
+def choose_fp8_varlen_path(q8, k8, num_seqs: int, max_seqlen_q: int, window, implementation) -> Path:
+    """Which path serves a validated FP8 varlen call (`window`: the kernel's mask, bounds that exclude no key
+    as -1); raises if the kernel is demanded but cannot serve. One gate, FP8_VARLEN_KERNEL_VERIFIED, covers
+    the plain and the sliding-window instantiation."""
+    if implementation == "xla":
+        return Path.REFERENCE
+    problem = fp8_varlen_kernel_config_problem(q8, k8, num_seqs, max_seqlen_q)
+    sliding = window not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW)
+    if problem is None and sliding and q8.shape[0] + k8.shape[0] > WINDOW_KERNEL_MAX_TOKENS:
+        problem = (
+            "the FP8 kernel's sliding windows take total_q + total_k <= 2^30, "
+            f"got {q8.shape[0] + k8.shape[0]}"
+        )
+    if implementation == "kernel":
+        if not fp8_varlen_kernel_enabled():
+            raise ValueError(
+                "implementation='kernel' cannot serve FP8 inputs in flash_attention_varlen yet: the FP8 "
+                "varlen kernel has not passed its GPU tests (jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED is False); "
+                f"set {UNVERIFIED_FP8_VARLEN_KERNEL_ENV}=1 to run it anyway, or use implementation=None or "
+                "'xla' for the pure-JAX path"
+            )
+        return _required_kernel_path(problem, "FP8 varlen call")
+    if problem or not FP8_VARLEN_KERNEL_VERIFIED or not _platform.kernel_available():
         return Path.REFERENCE
     return Path.PRIMITIVE
 
@@ -548,11 +586,15 @@ def flash_attention_varlen(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
+    descale_q: jax.Array | None = None,
+    descale_k: jax.Array | None = None,
+    descale_v: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a packed batch of sequences of different lengths (flash-attention's varlen).
 
     Args:
-      q: [total_q, heads_q, head_dim], the batch's query tokens back to back; bf16, f16 or float32.
+      q: [total_q, heads_q, head_dim], the batch's query tokens back to back; bf16, f16, float32 or
+        float8_e4m3fn (FP8: head_dim 128 only, with descales).
       k: [total_k, heads_kv, head_dim]; v: [total_k, heads_kv, head_dim_v]; q's dtype, GQA/MQA and
         MLA head dims as in `flash_attention`.
       cu_seqlens_q, cu_seqlens_k: int32 [num_seqs + 1] cumulative offsets: sequence s holds query
@@ -577,11 +619,18 @@ def flash_attention_varlen(
         path and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (with
         `WINDOW_KERNEL_VERIFIED = False`, sliding windows other than causal likewise need
         JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
+        FP8 inputs have the FP8 kernel's varlen instantiation (any mask, lean P), not yet verified on
+        a GPU: while `jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED` is False, None runs them on the pure-JAX
+        path (dequantize, exact attention, bf16 output) and "kernel" needs
+        JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1.
+      descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
+        others: shape () or (1,), or [num_seqs, heads_kv] (one per sequence and KV head; for q, one
+        per group of query heads sharing a KV head). The values used are x_fp8 * descale.
 
     Returns:
-      out [total_q, heads_q, head_dim_v] in q's dtype, or (out, lse). Queries that see no key (a
-      sequence with no keys, an empty window) and tokens past cu_seqlens_q[-1] give out = 0 and
-      lse = -inf.
+      out [total_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse). Queries
+      that see no key (a sequence with no keys, an empty window) and tokens past cu_seqlens_q[-1] give
+      out = 0 and lse = -inf.
     """
     _validation.check_packed_qkv(q, k, v)
     _validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
@@ -591,39 +640,79 @@ def flash_attention_varlen(
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    descales = _validation.check_descales(
+        q,
+        k,
+        (descale_q, descale_k, descale_v),
+        per_head_shape=(num_seqs, k.shape[1]),
+        per_head_axes="num_seqs",
+    )
     effective_window = _validation.mask_window(causal, window)
     # The kernel's mask: bounds that exclude no key of sequences up to the maxima as -1, so that windows
     # that come down to causal or none run the plain kernel.
     kernel_window = _validation.canonical_window(effective_window, max_seqlen_q, max_seqlen_k)
-    num_seqs = cu_seqlens_q.shape[0] - 1
+    kernel_causal = kernel_window == _validation.CAUSAL_WINDOW
+    # The plain kernel (causal or not) takes NO_WINDOW; other windows run the windowed instantiation.
+    plain = kernel_window in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW)
+    kernel_only_window = _validation.NO_WINDOW if plain else kernel_window
+    cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    if descales is not None:
+        path = choose_fp8_varlen_path(q, k, num_seqs, max_seqlen_q, kernel_window, implementation)
+        if path is Path.REFERENCE:
+            out, lse = fp8_varlen_attention_reference(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                descales,
+                max_seqlen_q,
+                max_seqlen_k,
+                window=effective_window,
+                softmax_scale=softmax_scale,
+            )
+        else:
+            out, lse = flash_attention_fp8_varlen_fwd(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                descales,
+                max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k,
+                softmax_scale=softmax_scale,
+                causal=kernel_causal,
+                kernel_required=path is Path.KERNEL_REQUIRED,
+                window=kernel_only_window,
+            )
+        return (out, lse) if return_lse else out
     path = choose_varlen_path(q, k, v, num_seqs, max_seqlen_q, softmax_scale, kernel_window, implementation)
     if path is Path.REFERENCE:
         out, lse = varlen_attention_reference(
             q,
             k,
             v,
-            jnp.asarray(cu_seqlens_q),
-            jnp.asarray(cu_seqlens_k),
+            cu_q,
+            cu_k,
             max_seqlen_q,
             max_seqlen_k,
             window=effective_window,
             softmax_scale=softmax_scale,
         )
     else:
-        kernel_causal = kernel_window == _validation.CAUSAL_WINDOW
-        if kernel_window in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW):
-            kernel_window = _validation.NO_WINDOW  # the plain kernel, causal or not
         out, lse = _differentiable_varlen_kernel(
             q,
             k,
             v,
-            jnp.asarray(cu_seqlens_q, jnp.int32),
-            jnp.asarray(cu_seqlens_k, jnp.int32),
+            cu_q,
+            cu_k,
             max_seqlen_q,
             max_seqlen_k,
             softmax_scale,
             kernel_causal,
             path is Path.KERNEL_REQUIRED,
-            kernel_window,
+            kernel_only_window,
         )
     return (out, lse) if return_lse else out

@@ -81,3 +81,45 @@ def value_from_operand(vt: jax.Array, seq_k: int) -> jax.Array:
     groups = vt.reshape(batch, heads_kv, head_dim, padded // KEY_GROUP, KEY_GROUP)
     restored = jnp.take(groups, jnp.argsort(_key_permutation()), axis=4)
     return restored.transpose(0, 3, 4, 1, 2).reshape(batch, padded, heads_kv, head_dim)[:, :seq_k]
+
+
+# Packed variable-length batches (`flash_attention_varlen` with e4m3 inputs). The kernel's key blocks start
+# at each sequence's first key, so each sequence's V^T must start on a 32-key group of its own: sequence s's
+# keys start at column roundup32(cu_seqlens_k[s]) + 32 s. These ranges never overlap (the next one starts at
+# least 32 columns past cu_seqlens_k[s + 1] - 1 + 32 s, this one ends before it), need no prefix sum, and
+# the columns between them are zeros (finite, so that a key past a sequence's end, whose probability is 0,
+# adds 0 * 0 to O).
+
+
+def varlen_padded_keys(total_k: int, num_seqs: int) -> int:
+    """Key columns of the varlen V^T: every sequence's columns with room for its 32-column offsets."""
+    return padded_keys(total_k) + KEY_GROUP * (num_seqs + 1)
+
+
+def varlen_value_columns(cu_seqlens_k: jax.Array) -> jax.Array:
+    """The V^T column of each sequence's first key, [num_seqs] (the kernel's Fp8VarlenValueColumn)."""
+    starts = cu_seqlens_k[:-1]
+    return -(-starts // KEY_GROUP) * KEY_GROUP + KEY_GROUP * jnp.arange(starts.shape[0], dtype=starts.dtype)
+
+
+def fp8_varlen_value_operand(v: jax.Array, cu_seqlens_k: jax.Array) -> jax.Array:
+    """Packed V [total_k, Hkv, D] (e4m3) as the varlen FP8 kernel reads it: [Hkv, D, W], W =
+    `varlen_padded_keys(total_k, num_seqs)`, sequence s's keys from column `varlen_value_columns(...)[s]`
+    on, permuted inside each 32-key group as `fp8_value_operand` does, zeros elsewhere.
+
+    One gather on the device: each column takes its source token, or none. cu_seqlens_k may be traced
+    (it must be non-decreasing, as everywhere).
+    """
+    if v.ndim != 3:
+        raise ValueError(f"v must be packed [total_k, heads_kv, head_dim], got shape {v.shape}")
+    cu_seqlens_k = jnp.asarray(cu_seqlens_k, jnp.int32)
+    total_k, num_seqs = v.shape[0], cu_seqlens_k.shape[0] - 1
+    starts = varlen_value_columns(cu_seqlens_k)
+    column = jnp.arange(varlen_padded_keys(total_k, num_seqs), dtype=jnp.int32)
+    group = column - column % KEY_GROUP
+    seq = jnp.searchsorted(starts, group, side="right").astype(jnp.int32) - 1  # the group's sequence
+    in_seq = jnp.clip(seq, 0, num_seqs - 1)
+    key = group - starts[in_seq] + physical_key(column % KEY_GROUP)  # the key this column holds
+    valid = (seq >= 0) & (key < cu_seqlens_k[in_seq + 1] - cu_seqlens_k[in_seq])
+    token = jnp.where(valid, cu_seqlens_k[in_seq] + key, total_k)  # total_k: past the end, a zero
+    return jnp.take(v, token, axis=0, mode="fill", fill_value=0).transpose(1, 2, 0)

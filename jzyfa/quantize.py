@@ -75,6 +75,19 @@ def dequantize(x_fp8: jax.Array, descale: jax.Array) -> jax.Array:
     return (grouped * descale[:, None, :, None, None]).reshape(xf.shape)
 
 
+def dequantize_varlen(x_fp8: jax.Array, descale: jax.Array, cu_seqlens: jax.Array) -> jax.Array:
+    """float32 values of packed x_fp8 [total, H, D] scaled by a descale of shape (), (1,) or [num_seqs, G],
+    G | H: token t of sequence s takes descale[s] (tokens of no sequence take the nearest sequence's)."""
+    descale = jnp.asarray(descale, jnp.float32)
+    if descale.ndim < 2:
+        return x_fp8.astype(jnp.float32) * descale.reshape(())
+    num_seqs = cu_seqlens.shape[0] - 1
+    tokens = jnp.arange(x_fp8.shape[0], dtype=cu_seqlens.dtype)
+    seq = jnp.clip(jnp.searchsorted(cu_seqlens, tokens, side="right") - 1, 0, num_seqs - 1)
+    # Each token as a batch of one: dequantize's [B, G] descales are then per token.
+    return dequantize(x_fp8[:, None], descale[seq])[:, 0]
+
+
 def hadamard_matrix(n: int) -> np.ndarray:
     """Normalised Sylvester Hadamard matrix of order n (a power of two): orthogonal, entries +-1/sqrt(n)."""
     if n < 1 or n & (n - 1):

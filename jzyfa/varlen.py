@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jzyfa._validation import Window
+from jzyfa.quantize import dequantize_varlen
 from jzyfa.reference import masked_attention, window_visible
 
 
@@ -86,3 +87,34 @@ def varlen_attention_reference(
     out = jnp.where(valid[:, None, None], out_pad[seq, pos], 0).astype(out_pad.dtype)
     lse = jnp.where(valid[:, None], lse_pad[seq, :, pos], -jnp.inf)
     return out, lse.T
+
+
+def fp8_varlen_attention_reference(
+    q8: jax.Array,
+    k8: jax.Array,
+    v8: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    descales: tuple[jax.Array, jax.Array, jax.Array],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    window: Window,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array]:
+    """The FP8 (e4m3) varlen call's pure-JAX path: q, k and v dequantized (descales of shape (), (1,) or
+    [num_seqs, Hkv]), exact attention as `varlen_attention_reference`, out in bf16."""
+    dequantized = [
+        dequantize_varlen(x, d, cu)
+        for x, d, cu in zip((q8, k8, v8), descales, (cu_seqlens_q, cu_seqlens_k, cu_seqlens_k))
+    ]
+    out, lse = varlen_attention_reference(
+        *dequantized,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        window=window,
+        softmax_scale=softmax_scale,
+    )
+    return out.astype(jnp.bfloat16), lse

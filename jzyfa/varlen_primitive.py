@@ -122,6 +122,19 @@ def _reference_fallback(
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET_VARLEN)
 
 
+def varlen_ffi_attributes(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window) -> dict:
+    """The varlen custom calls' attributes (16-bit and FP8). Their types are part of the FFI contract:
+    softmax_scale f32, causal bool, maxima and window bounds i64."""
+    return {
+        "softmax_scale": np.float32(softmax_scale),
+        "causal": bool(causal),
+        "max_seqlen_q": np.int64(max_seqlen_q),
+        "max_seqlen_k": np.int64(max_seqlen_k),
+        "window_left": np.int64(window[0]),
+        "window_right": np.int64(window[1]),
+    }
+
+
 def _cuda_lowering(
     ctx,
     q,
@@ -139,21 +152,8 @@ def _cuda_lowering(
 ):
     del kernel_required  # Only decides what non-CUDA platforms do.
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])  # the tile queue, dropped below
-    # Attribute types are part of the FFI contract: softmax_scale f32, causal bool, maxima and window i64.
-    out, lse, _ = _ffi_lowering(
-        ctx,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        softmax_scale=np.float32(softmax_scale),
-        causal=bool(causal),
-        max_seqlen_q=np.int64(max_seqlen_q),
-        max_seqlen_k=np.int64(max_seqlen_k),
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
-    )
+    attributes = varlen_ffi_attributes(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window)
+    out, lse, _ = _ffi_lowering(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, **attributes)
     return [out, lse]
 
 
@@ -173,6 +173,11 @@ def varlen_kernel_config_problem(
     """None when the varlen kernel serves a validated call, else why not. `window` is the effective mask."""
     if problem := element_problem(q, v, softmax_scale):
         return problem
+    return varlen_shape_problem(q, k, num_seqs, max_seqlen_q)
+
+
+def varlen_shape_problem(q, k, num_seqs: int, max_seqlen_q: int) -> str | None:
+    """The token and tile limits of both varlen launches (16-bit and FP8): None, or why not."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         return f"the kernel needs total_q and total_k >= 1, got {q.shape[0]} and {k.shape[0]}"
     if max(q.shape[0], k.shape[0]) > KERNEL_MAX_TOKENS:

@@ -56,6 +56,58 @@ def random_fp8_qkv(
     return (q8, k8, v8), (dq, dk, dv)
 
 
+def offsets(lengths) -> np.ndarray:
+    """cu_seqlens int32 [len(lengths) + 1] of sequences of these lengths."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def random_fp8_packed(
+    rng: np.random.Generator,
+    lengths_q,
+    lengths_k,
+    *,
+    heads_q: int = 4,
+    heads_kv: int = 2,
+    pad_q: int = 0,
+    per_head: bool = False,
+):
+    """Packed e4m3 q [total_q + pad_q, Hq, 128], k, v [total_k, Hkv, 128] of standard-normal values
+    quantized with power-of-two descales: ((q8, k8, v8), (dq, dk, dv), cu_q, cu_k). Descales are
+    float32 scalars, or [num_seqs, Hkv] (per_head: a different power of two per sequence and KV head,
+    q's shared by each KV head's query group); pad_q tokens past cu_seqlens_q[-1] belong to no sequence.
+    """
+    cu_q, cu_k = offsets(lengths_q), offsets(lengths_k)
+    num_seqs = len(lengths_q)
+
+    def quantize(total, heads, cu, descale):
+        x = rng.standard_normal((total, heads, 128))
+        if descale.ndim == 2:  # per token: its sequence's (the last one's past the end)
+            seq = np.clip(np.searchsorted(cu, np.arange(total), side="right") - 1, 0, num_seqs - 1)
+            scale = np.repeat(descale[seq], heads // descale.shape[1], axis=1)[:, :, None]
+        else:
+            scale = descale
+        return jnp.asarray(x / scale, jnp.float8_e4m3fn)
+
+    if per_head:
+        descales = [2.0 ** rng.integers(-3, 2, (num_seqs, heads_kv)).astype(np.float32) for _ in range(3)]
+    else:
+        descales = [np.float32(d) for d in (0.5, 0.25, 1.0)]
+    q8 = quantize(int(cu_q[-1]) + pad_q, heads_q, cu_q, np.asarray(descales[0]))
+    k8 = quantize(int(cu_k[-1]), heads_kv, cu_k, np.asarray(descales[1]))
+    v8 = quantize(int(cu_k[-1]), heads_kv, cu_k, np.asarray(descales[2]))
+    return (q8, k8, v8), tuple(jnp.asarray(d, jnp.float32) for d in descales), cu_q, cu_k
+
+
+def dequantized_f64(x8, descale, cu) -> np.ndarray:
+    """Packed e4m3 values times their sequence's descale (random_fp8_packed's layout), float64."""
+    x = np.asarray(x8.astype(jnp.float32), np.float64)
+    descale = np.asarray(descale, np.float64)
+    if descale.ndim < 2:
+        return x * descale
+    seq = np.clip(np.searchsorted(cu, np.arange(x.shape[0]), side="right") - 1, 0, len(cu) - 2)
+    return x * np.repeat(descale[seq], x.shape[1] // descale.shape[1], axis=1)[:, :, None]
+
+
 def visible_f64(seq_q: int, seq_k: int, *, causal: bool, window=None) -> np.ndarray:
     """[seq_q, seq_k] bool from the definition: query i sits at p = i + seq_k - seq_q and sees key j
     iff p - left <= j <= p + right (-1: unbounded); causal sets right to 0."""

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason
 
 
 # The translation units that hold kernels: the 16-bit forward, its variable-length instantiation, the
-# FP8 forward and the FP8 kernel's V-operand layout.
-KERNEL_SOURCES = ("flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8", "fp8_value_operand")
+# FP8 forward, its variable-length instantiation and the FP8 kernel's V-operand layout.
+KERNEL_SOURCES = (
+    "flash_fwd",
+    "flash_fwd_varlen",
+    "flash_fwd_fp8",
+    "flash_fwd_fp8_varlen",
+    "fp8_value_operand",
+)
 
 
 @pytest.fixture(scope="module")
@@ -247,17 +253,36 @@ def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
     assert len(found) == 2, list(found)  # lean P, exact P
     for name, text in found.items():
         assert "WindowedArgs" in name and "Fp8Args" in name, name
-        assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
-        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
-        fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
-        assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), (
-            f"{name}: consumers not at 232"
-        )
-        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
-        if "ILb1E" in name:  # lean P
-            assert not re.search(r"\bMUFU\.EX2\b", text), name
+        check_fp8_instantiation(name, text, lean="ILb1E" in name)
+
+
+def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
+    """An FP8 kernel built like FlashFwdFp8Kernel: QGMMA in batches, the producer at 40 registers and the
+    consumers at 232 (setmaxnreg), no local memory, lean P without MUFU."""
+    assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
+    assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+    fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
+    assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+    assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+    assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+    assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+    if lean:
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
+    """The FP8 kernel over packed batches (ffi/flash_fwd_fp8_varlen.cu: plain and sliding-window, lean P
+    only), kernels of their own, built like the dense ones; O stored from registers (no TMA store)."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Varlen" in name}
+    assert sorted(name.split("EEEv14CUtensorMap")[0] for name in found) == [
+        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1",  # <true>: lean P
+        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1",
+    ], list(found)
+    for name, text in found.items():
+        assert "Fp8VarlenArgs" in name, name
+        check_fp8_instantiation(name, text, lean=True)
+        assert "UTMASTG" not in text, name
 
 
 def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
@@ -291,17 +316,17 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == slices, name
 
 
-@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8"])
+@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8", "flash_fwd_fp8_varlen"])
 def test_timeline_variant_builds(tmp_path, source):
     """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
     sliding-window kernels and MLA's are built too but record nothing (their stamps' registers would
-    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel)."""
+    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel) and the FP8 varlen ones."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     for name, text in kernels(sass).items():
-        if "WindowKernel" in name or "FlashFwdMla" in name:
+        if "WindowKernel" in name or "FlashFwdMla" in name or "Fp8Varlen" in name:
             assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.

@@ -179,8 +179,8 @@ BAD_CALLS = [
     (
         {n: spec(GOOD[n].shape, jnp.float8_e4m3fn) for n in "qkv"},
         {},
-        TypeError,
-        "flash_attention_varlen takes bfloat16, float16, float32 inputs, not FP8",
+        ValueError,
+        "flash_attention_varlen takes FP8 inputs with head_dim 128 for q, k and v only",
     ),
     (dict(cu_q=spec((3,), jnp.uint32)), {}, TypeError, "cu_seqlens_q must be int32, got uint32"),
     (dict(cu_k=spec((3, 1), jnp.int32)), {}, ValueError, r"cu_seqlens_k must have shape \[num_seqs \+ 1\]"),
