@@ -305,15 +305,6 @@ __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float 
       : "f"(a), "f"(b), "f"(c), "f"(d));
   return packed;
 }
-// Four integers 0..255 (lean-P codes) to the bytes of one register, `a` in the lowest byte, in two
-// instructions: `cvt.pack.sat.u8.s32.b32 d, x, y, z` puts y in byte 0, x in byte 1 and z's low 16
-// bits above them (PTX ISA, cvt.pack).
-__device__ __forceinline__ uint32_t pack4_u8(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  uint32_t high, packed;
-  asm("cvt.pack.sat.u8.s32.b32 %0, %1, %2, 0;\n" : "=r"(high) : "r"(d), "r"(c));
-  asm("cvt.pack.sat.u8.s32.b32 %0, %1, %2, %3;\n" : "=r"(packed) : "r"(b), "r"(a), "r"(high));
-  return packed;
-}
 """
 
 

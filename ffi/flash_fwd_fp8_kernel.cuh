@@ -151,13 +151,6 @@ struct Fp8Softmax {
   static constexpr float kCodeScale = 1.f / 128.f;
   static constexpr float kPackMagic = 8388608.f;       // 2^23, bits 0x4B000000
   static constexpr float kPackMagicThird = 8434944.f;  // 2^23 + 0xB500, bits 0x4B00B500
-  // Or (JZYFA_FP8_PACK_I2IP): y * 2^-142 is a denormal whose bits are RNE(y * 128), the code as a
-  // plain integer, and two cvt.pack (I2IP) pack four of them: 2 instructions per 4 codes, not 3.
-#ifndef JZYFA_FP8_PACK_I2IP
-#define JZYFA_FP8_PACK_I2IP 1
-#endif
-  static constexpr bool kPackI2ip = JZYFA_FP8_PACK_I2IP;
-  static constexpr float kDenormalCode = 0x1p-142f;  // 128 * 2^-149: code 1 is the least denormal
 };
 
 // r after a block whose largest score (log2 units) is block_max; integers only, so exact.
@@ -261,9 +254,7 @@ struct Fp8OnlineSoftmax {
 #pragma unroll
     for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) {
       const float x = fmaf(s[i], c1, c0[(i >> 1) & 1]);
-      if (kLeanP && C::kPackI2ip) {
-        s[i] = __saturatef(x) * C::kDenormalCode;  // no flush to zero in this build
-      } else if (kLeanP) {
+      if (kLeanP) {
         const float magic = (i % 8 == 4 || i % 8 == 6) ? C::kPackMagicThird : C::kPackMagic;
         s[i] = fmaf(__saturatef(x), 128.f, magic);
       } else {
@@ -278,11 +269,7 @@ struct Fp8OnlineSoftmax {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const float* u = t + 8 * half;
-        if (kLeanP && C::kPackI2ip) {
-          auto bits = [](float code) { return __float_as_uint(code); };
-          p[j][2 * half + 0] = ptx::pack4_u8(bits(u[0]), bits(u[1]), bits(u[4]), bits(u[5]));
-          p[j][2 * half + 1] = ptx::pack4_u8(bits(u[2]), bits(u[3]), bits(u[6]), bits(u[7]));
-        } else if (kLeanP) {
+        if (kLeanP) {
           p[j][2 * half + 0] = PackCodes(u[0], u[1], u[4], u[5]);
           p[j][2 * half + 1] = PackCodes(u[2], u[3], u[6], u[7]);
         } else {

@@ -184,10 +184,6 @@ def test_kernel_lean_arithmetic_saturates_and_packs(rng):
     differ = kernel_codes != emulated
     assert np.all(np.abs(kernel_codes.astype(np.int64) - emulated) <= 1) and differ.mean() < 1e-3
     assert np.all(kernel_codes[:100] == 0) and kernel_codes.max() <= 0x7E
-    # The I2IP packing's codes (JZYFA_FP8_PACK_I2IP): y * 2^-142 is a denormal whose bits are the
-    # same RNE(y * 128), with no magic to cancel.
-    denormal_codes = (y * np.float32(2.0**-142)).astype(np.float32).view(np.uint32)
-    np.testing.assert_array_equal(denormal_codes, kernel_codes)
     # Packing: every quadruple of codes 0..126 comes out as its bytes, with no carries.
     codes = rng.integers(0, 127, (n, 4)).astype(np.uint32)
     codes[:3] = [[0, 0, 0, 0], [126, 126, 126, 126], [0, 126, 0, 126]]

@@ -123,14 +123,6 @@ def test_16_bit_wrappers_keep_their_transpose_immediates(op):
         assert operands == [f"%{op.num_acc}", f"%{op.num_acc + 1}", "p", "1", "1", "0", "0"]
 
 
-def test_pack4_u8_puts_a_in_the_lowest_byte():
-    header = gen_ptx.render_header()
-    assert "uint32_t pack4_u8(uint32_t a, uint32_t b, uint32_t c, uint32_t d)" in header
-    # cvt.pack...u8 d, x, y, z: y in byte 0, x in byte 1, z's low half above.
-    assert '"cvt.pack.sat.u8.s32.b32 %0, %1, %2, 0;\\n" : "=r"(high) : "r"(d), "r"(c)' in header
-    assert '"cvt.pack.sat.u8.s32.b32 %0, %1, %2, %3;\\n" : "=r"(packed) : "r"(b), "r"(a), "r"(high)' in header
-
-
 def test_pack4_e4m3_swaps_the_cvt_operands():
     header = gen_ptx.render_header()
     assert "#include <cuda_fp8.h>" in header
@@ -186,10 +178,6 @@ PACK_KERNEL = r"""
 __global__ void probe_pack4_e4m3(uint32_t* out, const float4* in) {
   const float4 x = in[threadIdx.x];
   out[threadIdx.x] = pack4_e4m3(x.x, x.y, x.z, x.w);
-}
-__global__ void probe_pack4_u8(uint32_t* out, const uint4* in) {
-  const uint4 x = in[threadIdx.x];
-  out[threadIdx.x] = pack4_u8(x.x, x.y, x.z, x.w);
 }
 """
 
@@ -260,7 +248,7 @@ def test_compiles_to_gmma_for_sm90a(tmp_path):
     ).stdout
     probes = sass_by_probe(sass)
     ops = gen_ptx.all_wgmma_ops()
-    assert sorted(probes) == sorted([op.name for op in ops] + ["pack4_e4m3", "pack4_u8"])
+    assert sorted(probes) == sorted([op.name for op in ops] + ["pack4_e4m3"])
     for op in ops:
         assert re.search(expected_gmma(op), probes[op.name]), f"{op.name}:\n{probes[op.name]}"
     assert "HGMMA.64x256x16.F32.BF16" in sass and "QGMMA.64x256x32.F32.E4M3.E4M3" in sass
@@ -269,8 +257,4 @@ def test_compiles_to_gmma_for_sm90a(tmp_path):
     # 16 bits (ptxas 13: F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C), and no byte shuffling.
     pack = probes["pack4_e4m3"]
     assert len(re.findall(r"\bF2FP\.SATFINITE\.E4M3\.F32\.PACK_AB\w*", pack)) == 2, pack
-    assert "PRMT" not in pack, pack
-    # pack4_u8: two I2IP, the second taking the first's 16 bits as its upper half.
-    pack = probes["pack4_u8"]
-    assert len(re.findall(r"\bI2IP\.U8\.S32\.SAT\b", pack)) == 2, pack
     assert "PRMT" not in pack, pack
