@@ -126,12 +126,12 @@ def _hd256_problem() -> str | None:
 
 # The wide head dims (256, and MLA's 192 for q/k with 128 for v) under sliding windows other than causal or
 # none (dense and varlen) and over varlen batches: instantiations built without spills (ffi/flash_fwd.cu,
-# ffi/flash_fwd_varlen.cu; the window mask by row bounds) but not yet run on a GPU
-# (tests/test_wide_kernels_gpu.py). While False, implementation=None keeps these calls on the pure-JAX path
-# and implementation="kernel" needs the variable (and, at head dim 256, HD256's gate as well).
-WIDE_WINDOW_KERNEL_VERIFIED = False
+# ffi/flash_fwd_varlen.cu; the window mask by row bounds). tests/test_wide_kernels_gpu.py (38) passed on an
+# H200 on 2026-12-01. Kill switches: False keeps these calls on the pure-JAX path for implementation=None,
+# and implementation="kernel" then needs the variable (at head dim 256, HD256's gate as well).
+WIDE_WINDOW_KERNEL_VERIFIED = True
 UNVERIFIED_WIDE_WINDOW_KERNEL_ENV = "JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL"
-WIDE_VARLEN_KERNEL_VERIFIED = False
+WIDE_VARLEN_KERNEL_VERIFIED = True
 UNVERIFIED_WIDE_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL"
 
 
@@ -150,8 +150,8 @@ def wide_varlen_kernel_enabled() -> bool:
 
 def _wide_gate_problem(what: str, flag: str, env: str) -> str:
     return (
-        f"the kernel's {what} at the wide head dims (256, and MLA's {MLA_HEAD_DIMS}) are switched off until "
-        f"verified on a Hopper GPU (jzyfa.api.{flag} is False): they run on it only with {env}=1; or use "
+        f"the kernel's {what} at the wide head dims (256, and MLA's {MLA_HEAD_DIMS}) are switched off "
+        f"(jzyfa.api.{flag} is False): they run on it only with {env}=1; or use "
         "implementation=None or 'xla' for the pure-JAX path"
     )
 
@@ -349,10 +349,10 @@ def choose_varlen_path(
 
 
 # The FP8 kernel's variable-length instantiations (FlashFwdFp8VarlenKernel and its sliding window,
-# ffi/flash_fwd_fp8_varlen.cu) are built but not yet run on a GPU (tests/test_fp8_varlen_kernel_gpu.py).
-# Until they pass, implementation=None runs FP8 varlen calls on the pure-JAX path and
-# implementation="kernel" needs the variable below.
-FP8_VARLEN_KERNEL_VERIFIED = False
+# ffi/flash_fwd_fp8_varlen.cu): tests/test_fp8_varlen_kernel_gpu.py passed on an H200 on 2026-12-01. A
+# kill switch: False runs FP8 varlen calls on the pure-JAX path for implementation=None, and
+# implementation="kernel" then needs the variable below.
+FP8_VARLEN_KERNEL_VERIFIED = True
 UNVERIFIED_FP8_VARLEN_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL"
 
 
@@ -376,8 +376,8 @@ def choose_fp8_varlen_path(q8, k8, num_seqs: int, max_seqlen_q: int, window, imp
     if implementation == "kernel":
         if not fp8_varlen_kernel_enabled():
             raise ValueError(
-                "implementation='kernel' cannot serve FP8 inputs in flash_attention_varlen yet: the FP8 "
-                "varlen kernel has not passed its GPU tests (jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED is False); "
+                "implementation='kernel' cannot serve FP8 inputs in flash_attention_varlen: the FP8 "
+                "varlen kernel is switched off (jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED is False); "
                 f"set {UNVERIFIED_FP8_VARLEN_KERNEL_ENV}=1 to run it anyway, or use implementation=None or "
                 "'xla' for the pure-JAX path"
             )
@@ -522,9 +522,8 @@ def flash_attention(
         (bf16/f16, causal or no mask) runs on the kernel's hd256 instantiation, verified on an H200 on
         2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill switch; "kernel" then needs
         JZYFA_UNVERIFIED_HD256_KERNEL=1). Sliding windows (other than causal or none) at head dim 256
-        and MLA's head dims have instantiations too, not yet run on a GPU: behind
-        `jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED` (False: None runs them on the pure-JAX path and
-        "kernel" needs JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL=1).
+        and MLA's head dims run on their windowed instantiations, verified on an H200 on 2026-12-01
+        (`jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED = False` is their kill switch).
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -606,23 +605,22 @@ def flash_attention_varlen(
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
         layout: heads first, then packed tokens).
       implementation: as in `flash_attention`: None uses the 16-bit kernel's varlen instantiation
-        where it can (Hopper GPU, bf16/f16, head_dim 64 or 128 for q, k and v, any mask) and the
-        pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel" raises a ValueError naming what the kernel
-        cannot serve; "xla" always uses the pure-JAX path. Head dim 256 and MLA's head dims (192 for
-        q/k, 128 for v) have varlen instantiations not yet run on a GPU, behind
-        `jzyfa.api.WIDE_VARLEN_KERNEL_VERIFIED` (False: None runs them on the pure-JAX path and
-        "kernel" needs JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL=1; a sliding window also needs
-        JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL=1, and head dim 256 JZYFA_UNVERIFIED_HD256_KERNEL=1).
+        where it can (Hopper GPU, bf16/f16, head dims 64, 128, 256 or MLA's 192/128, any mask; e4m3 at
+        128) and the pure-JAX path (`jzyfa.varlen`) elsewhere; "kernel" raises a ValueError naming
+        what the kernel cannot serve; "xla" always uses the pure-JAX path. Head dim 256 and MLA's
+        varlen instantiations were verified on an H200 on 2026-12-01
+        (`jzyfa.api.WIDE_VARLEN_KERNEL_VERIFIED = False` is their kill switch; "kernel" then needs
+        JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL=1).
         The varlen kernel was verified on an H200 on 2026-11-30 (tests/test_varlen_kernel_gpu.py, 64
         passed; its sliding windows in tests/test_window_kernel_gpu.py, 127 passed).
         `jzyfa.api.VARLEN_KERNEL_VERIFIED = False` is its kill switch: None then runs the pure-JAX
         path and "kernel" raises unless JZYFA_UNVERIFIED_VARLEN_KERNEL=1 (with
         `WINDOW_KERNEL_VERIFIED = False`, sliding windows other than causal likewise need
         JZYFA_UNVERIFIED_WINDOW_KERNEL=1).
-        FP8 inputs have the FP8 kernel's varlen instantiation (any mask, lean P), not yet verified on
-        a GPU: while `jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED` is False, None runs them on the pure-JAX
-        path (dequantize, exact attention, bf16 output) and "kernel" needs
-        JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1.
+        FP8 inputs run on the FP8 kernel's varlen instantiation (any mask, lean P), verified on an
+        H200 on 2026-12-01; `jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED = False` is its kill switch (None
+        then runs the pure-JAX path: dequantize, exact attention, bf16 output; "kernel" needs
+        JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1).
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [num_seqs, heads_kv] (one per sequence and KV head; for q, one
         per group of query heads sharing a KV head). The values used are x_fp8 * descale.

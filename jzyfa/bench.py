@@ -35,7 +35,8 @@ checks that v has k's shape, so cuDNN through it is not applicable: it gets no f
 Variable-length (packed) batches: --varlen 8192,4096,...,64 (Sq = Sk per sequence, or Lq:Lk items)
 replaces --shapes with ONE packed batch: q [total_q, Hq, D], k and v [total_k, Hkv, D] with
 cu_seqlens, each sequence's inputs generated on their own (positions restart per sequence). jzyfa and
-jzyfa_xla call `jzyfa.flash_attention_varlen`; the other peers say why not ("no varlen: ..."). The
+jzyfa_xla call `jzyfa.flash_attention_varlen`, and in --dtype fp8 runs jzyfa_fp8 and jzyfa_fp8_xla on the
+e4m3 inputs with descales; the other peers say why not ("no varlen: ..."). The
 mask (causal, --window) applies per sequence, bottom-right aligned; FLOPs are the sum over sequences
 of each one's dense count above (`attention_flops(1, Lq, Lk, ...)`). The float64 reference covers
 every sequence on a few query heads. The rows hold the lengths ("varlen": [[Lq, Lk], ...]; batch is

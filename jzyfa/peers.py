@@ -10,9 +10,9 @@ Each peer is a small adapter:
   for --varlen problems) for the error check, outside the timed call;
 - `notes`: what it computes in, when that differs from the run's dtype.
 
-Variable-length (packed) problems (`Problem.packed`, --varlen): jzyfa's 16-bit peers call
-`jzyfa.flash_attention_varlen` with (q, k, v, cu_seqlens_q, cu_seqlens_k); every other peer says
-why not ("no varlen: ...").
+Variable-length (packed) problems (`Problem.packed`, --varlen): jzyfa's peers call
+`jzyfa.flash_attention_varlen` with (q, k, v, cu_seqlens_q, cu_seqlens_k), its FP8 peers also with the
+descales (lean P only: jzyfa_fp8_exact_p says why not); every other peer says why not ("no varlen: ...").
 
 JAX peers are jitted and timed with CUPTI; PyTorch peers (`framework == "torch"`) get DLPack views
 of the same device buffers and are timed with CUDA events.
@@ -520,18 +520,18 @@ class Jzyfa(Peer):
                 f"an FP8-kernel variant (lean_p={self.lean_p}) that runs only with --dtype fp8; this run is "
                 f"{problem.dtype}"
             )
-        if self.precision == "fp8" and problem.varlen:
-            return (
-                "no varlen: jzyfa's FP8 path (kernel and pure-JAX) has no variable-length entry point; "
-                "flash_attention_varlen takes 16-bit inputs (the bf16 jzyfa peer times it)"
-            )
+        if self.precision == "fp8" and problem.varlen and self.lean_p is False:
+            return "no varlen: flash_attention_varlen's FP8 path is lean P only (jzyfa_fp8 times it)"
         return None
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
-        if problem.varlen and self.precision != "fp8":
-            cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (problem.cu_seqlens_q, problem.cu_seqlens_k))
-            return (inputs.q, inputs.k, inputs.v, cu_q, cu_k)
-        return super().arguments(problem, inputs)
+        if not problem.varlen:
+            return super().arguments(problem, inputs)
+        cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (problem.cu_seqlens_q, problem.cu_seqlens_k))
+        if self.precision == "fp8":  # descales after the offsets, as varlen_fn takes them
+            f = inputs.fp8()
+            return (f.q, f.k, f.v, cu_q, cu_k, f.descale_q, f.descale_k, f.descale_v)
+        return (inputs.q, inputs.k, inputs.v, cu_q, cu_k)
 
     def _call(self, problem: Problem, implementation: str | None) -> Callable:
         import jzyfa
@@ -543,11 +543,12 @@ class Jzyfa(Peer):
         }
         if problem.window is not None:
             kwargs["window"] = problem.window
-        if problem.varlen:  # 16-bit only (supports); max_seqlen_q/k are the longest sequences
+        if problem.varlen:  # max_seqlen_q/k are the longest sequences; FP8: lean P, the only varlen path
             max_q, max_k = problem.seq_q, problem.seq_k
 
-            def varlen_fn(q, k, v, cu_q, cu_k):
-                return jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+            def varlen_fn(q, k, v, cu_q, cu_k, *descales):
+                named = dict(zip(("descale_q", "descale_k", "descale_v"), descales))
+                return jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **named, **kwargs)
 
             return varlen_fn
         if self.precision == "fp8":

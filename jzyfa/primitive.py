@@ -29,9 +29,9 @@ from jzyfa.reference import attention_reference
 
 FFI_TARGET = "jzyfa_flash_attention_fwd"
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Head dims of q, k and v alike, dense and varlen (jzyfa.varlen_primitive), any mask; 256 behind
-# jzyfa.api.HD256_KERNEL_VERIFIED until verified on a GPU, and its sliding windows and varlen batches behind
-# the wide gates (jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED, WIDE_VARLEN_KERNEL_VERIFIED).
+# Head dims of q, k and v alike, dense and varlen (jzyfa.varlen_primitive), any mask; 256's kill switch is
+# jzyfa.api.HD256_KERNEL_VERIFIED, and its sliding windows' and varlen batches' the wide gates
+# (jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED, WIDE_VARLEN_KERNEL_VERIFIED).
 KERNEL_HEAD_DIMS = (64, 128, 256)
 # MLA's head dims (q/k, v): instantiations of their own, dense and varlen, any mask. Dense with causal or
 # no mask verified on an H200 on 2026-11-30 (kill switch: jzyfa.api.MLA_KERNEL_VERIFIED); sliding windows

@@ -195,7 +195,7 @@ def test_varlen_reference_budget_counts_every_sequence():
 # ---- Peers
 
 
-VARLEN_PEERS = ["jzyfa", "jzyfa_xla"]
+VARLEN_PEERS = ["jzyfa", "jzyfa_xla"]  # 16-bit; jzyfa_fp8 times flash_attention_varlen's FP8 path
 
 
 def test_peers_without_varlen_say_so():
@@ -203,7 +203,7 @@ def test_peers_without_varlen_say_so():
     for name, peer in peers.PEERS.items():
         for dtype in ("bf16", "fp8"):
             reason = peer.supports(dataclasses.replace(problem, dtype=dtype))
-            if name in VARLEN_PEERS:
+            if name in VARLEN_PEERS or name in ("jzyfa_fp8", "jzyfa_fp8_xla"):
                 assert reason is None, (name, dtype, reason)
             elif name == "jzyfa_fp8_exact_p" and dtype == "bf16":
                 assert "--dtype fp8" in reason
@@ -216,7 +216,8 @@ def test_peers_without_varlen_say_so():
         "flash_attn_varlen_func" in reasons["flash_attn"]
         and "flash_attn_varlen_func" in reasons["flash_attn3"]
     )
-    assert "FP8 path" in peers.PEERS["jzyfa_fp8"].supports(dataclasses.replace(problem, dtype="fp8"))
+    exact_p = peers.PEERS["jzyfa_fp8_exact_p"].supports(dataclasses.replace(problem, dtype="fp8"))
+    assert "lean P only" in exact_p
     # Dense problems are unchanged.
     dense = bench.Problem(1, 64, 64, 4, 4, 128, True, "bf16")
     assert all("varlen" not in (peers.PEERS[n].supports(dense) or "") for n in peers.PEERS)
@@ -242,6 +243,14 @@ def test_jzyfa_peers_call_flash_attention_varlen(monkeypatch):
         assert (cu_q, cu_k, max_q, max_k) == ([0, 40, 48], [0, 50, 58], 40, 50)
         assert kwargs["causal"] is True and kwargs["window"] == (4, 4)
         assert kwargs["implementation"] == implementation
+    # FP8: e4m3 q/k/v, the offsets, then the three descales as keywords.
+    peer = peers.PEERS["jzyfa_fp8"]
+    args = peer.arguments(problem, inputs)
+    assert len(args) == 8 and args[0].dtype == jnp.float8_e4m3fn and args[3].dtype == jnp.int32
+    peer.build(problem, peers.Options()).fn(*args)
+    *_, kwargs = calls.pop()
+    for name, value in zip(("descale_q", "descale_k", "descale_v"), args[5:]):
+        assert kwargs[name] is value
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (False, (3, 2))])
@@ -268,11 +277,12 @@ def test_jzyfa_varlen_matches_the_reference(causal, window):
 
 def test_jzyfa_varlen_on_a_gpu_traces_the_kernel(monkeypatch, cpu_backend):
     """On a GPU (faked) the peer checks the varlen kernel with its five abstract arguments: it serves
-    head dim 128 as "kernel"; head dim 256 is an error, or with --allow_xla_fallback the pure-JAX path."""
+    head dim 128 as "kernel"; head dim 96 (no instantiation) is an error, or with --allow_xla_fallback the
+    pure-JAX path."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
     built = peers.PEERS["jzyfa"].build(_packed([(200, 200), (64, 64)]), peers.Options())
     assert built.path == "kernel"
-    wide = _packed([(64, 64), (16, 16)], heads_q=2, heads_kv=2, head_dim=256)
+    wide = _packed([(64, 64), (16, 16)], heads_q=2, heads_kv=2, head_dim=96)
     sets = bench.make_input_sets(wide, "gaussian", 2, seed=0)
     ref = bench.compute_reference(wide, sets[0].q, sets[0].k, sets[0].v, 0)
     peer = peers.PEERS["jzyfa"]
@@ -357,5 +367,7 @@ def test_smoke_run_with_varlen(tmp_path):
             assert r["reference_pairs"] == 4  # smoke: --ref_pairs 0, every head
             if not ON_GPU:
                 assert r["path"] == ("pure-JAX" if peer == "jzyfa_xla" else "pure-JAX (no GPU)")
+        elif peer == "jzyfa_fp8":  # FP8 error, on e4m3 inputs quantized from the bf16 ones
+            assert r["status"] == "ok" and r["rel_err"] < 8e-2 and r["tflops"] > 0, r
         else:
             assert r["status"] == "unsupported" and r["message"].startswith("no varlen: "), r

@@ -194,9 +194,10 @@ def test_cuda_lowering_is_the_fp8_varlen_custom_call(monkeypatch, per_head, wind
 
 
 def test_gate(rng, monkeypatch):
-    """FP8_VARLEN_KERNEL_VERIFIED is False until the GPU tests pass: implementation=None then runs the
-    pure-JAX path (kernel or not), and "kernel" needs the variable."""
-    assert not api.FP8_VARLEN_KERNEL_VERIFIED
+    """FP8_VARLEN_KERNEL_VERIFIED is on since the GPU tests passed; its kill switch off, implementation=None
+    runs the pure-JAX path (kernel or not), and "kernel" needs the variable."""
+    assert api.FP8_VARLEN_KERNEL_VERIFIED  # tests/test_fp8_varlen_kernel_gpu.py on an H200, 2026-12-01
+    monkeypatch.setattr(api, "FP8_VARLEN_KERNEL_VERIFIED", False)
     (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(rng, [7, 0, 12], [7, 3, 12])
     monkeypatch.delenv(api.UNVERIFIED_FP8_VARLEN_KERNEL_ENV, raising=False)
     monkeypatch.setattr(api._platform, "kernel_available", lambda: True)

@@ -166,12 +166,13 @@ def binds_kernel(fn, *args) -> bool:
         ({"window": (8, 0)}, {"head_dim": 128}, True),  # the windowed kernel
         ({"window": (4096, 0)}, {"head_dim": 128}, True),  # wider than the keys: causal
         ({"causal": True, "window": (16, 16)}, {"head_dim": 64}, True),  # the windowed kernel, (16, 0)
-        # MLA's causal kernel is the default since verified; its windows wait for the wide window gate.
+        # MLA and head dim 256, windows included, are the default since verified (2026-11-30, 12-01).
         ({"causal": True}, {"head_dim": 192, "head_dim_v": 128}, True),
-        ({"causal": True, "window": (16, 0)}, {"head_dim": 192, "head_dim_v": 128}, False),
-        ({"causal": True}, {"head_dim": 256}, True),  # verified 2026-12-01
+        ({"causal": True, "window": (16, 0)}, {"head_dim": 192, "head_dim_v": 128}, True),
+        ({"causal": True}, {"head_dim": 256}, True),
+        ({"causal": True}, {"head_dim": 96}, False),  # no instantiation: the pure-JAX path on the GPU
     ],
-    ids=["window", "wide_window", "causal_window", "mla", "mla_window", "head_dim_256"],
+    ids=["window", "wide_window", "causal_window", "mla", "mla_window", "head_dim_256", "head_dim_96"],
 )
 def test_default_path_serves_what_the_kernel_lacks(options, shapes, kernel):
     rng = np.random.default_rng(5)

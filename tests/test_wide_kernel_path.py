@@ -1,6 +1,6 @@
 """The wide head dims (256, and MLA's 192 for q/k with 128 for v) under sliding windows and over varlen
-batches, the JAX side on the CPU: their gates (WIDE_WINDOW_KERNEL_VERIFIED and WIDE_VARLEN_KERNEL_VERIFIED, off
-until tests/test_wide_kernels_gpu.py passes on an H200, and their variables), head dim 256's own gate over all
+batches, the JAX side on the CPU: their gates (WIDE_WINDOW_KERNEL_VERIFIED and WIDE_VARLEN_KERNEL_VERIFIED, on
+since tests/test_wide_kernels_gpu.py passed on an H200; kill switches, with their variables), head dim 256's own gate over all
 of it, the CUDA custom calls they lower to, and the primitives' reference lowerings. (The kernels themselves:
 tests/test_wide_kernels_gpu.py and tests/test_kernel_build.py.)"""
 
@@ -30,14 +30,17 @@ WIDE_VARLEN_GATE = (
     r"varlen batches at the wide head dims.*WIDE_VARLEN_KERNEL_VERIFIED is False.*"
     + re.escape("JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL=1")
 )
+# The gates' values as shipped, read before any fixture switches them.
+SHIPPED_GATES = (api.WIDE_WINDOW_KERNEL_VERIFIED, api.WIDE_VARLEN_KERNEL_VERIFIED)
 # (causal, window) pairs that stay sliding windows over 300 queries and 500 keys.
 SLIDING = [(False, (8, 0)), (True, (16, 16)), (False, (-1, 5)), (False, (128, 64))]
 
 
 @pytest.fixture(autouse=True)
 def no_gate_variables(monkeypatch):
-    """Every test starts from the defaults (variables unset) with head dim 256's own gate on, so that what is
-    tested is the wide gates; tests of the hd256 gate switch it back off."""
+    """Every test starts with the variables unset, head dim 256's own gate on and the wide kill switches OFF,
+    so that what is tested is the wide gates and their variables; tests of the verified default path turn
+    them on, tests of the hd256 gate switch it off."""
     for env in (
         api.UNVERIFIED_HD256_KERNEL_ENV,
         api.UNVERIFIED_MLA_KERNEL_ENV,
@@ -48,6 +51,8 @@ def no_gate_variables(monkeypatch):
     ):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(api, "HD256_KERNEL_VERIFIED", True)
+    monkeypatch.setattr(api, "WIDE_WINDOW_KERNEL_VERIFIED", False)
+    monkeypatch.setattr(api, "WIDE_VARLEN_KERNEL_VERIFIED", False)
 
 
 @pytest.fixture(params=list(HEAD_DIMS))
@@ -83,8 +88,8 @@ def varlen_calls(head_dims, **kwargs) -> list[str]:
     return custom_call_lines(cuda_hlo(fn, *packed_specs(head_dims)), FFI_TARGET_VARLEN)
 
 
-def test_the_wide_gates_are_off_until_verified():
-    assert api.WIDE_WINDOW_KERNEL_VERIFIED is False and api.WIDE_VARLEN_KERNEL_VERIFIED is False
+def test_the_wide_gates_are_on_since_verified_and_switch_off():
+    assert SHIPPED_GATES == (True, True)  # tests/test_wide_kernels_gpu.py on an H200, 2026-12-01
     assert api.UNVERIFIED_WIDE_WINDOW_KERNEL_ENV == "JZYFA_UNVERIFIED_WIDE_WINDOW_KERNEL"
     assert api.UNVERIFIED_WIDE_VARLEN_KERNEL_ENV == "JZYFA_UNVERIFIED_WIDE_VARLEN_KERNEL"
     assert not api.wide_window_kernel_enabled() and not api.wide_varlen_kernel_enabled()

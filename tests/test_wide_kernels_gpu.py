@@ -3,7 +3,7 @@
 and the pure-JAX path. Skips without a Hopper GPU and the extension.
 
 These instantiations sit behind jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED and WIDE_VARLEN_KERNEL_VERIFIED (and,
-at head dim 256, HD256_KERNEL_VERIFIED), all False until this file passes on an H200. The checks call
+at head dim 256, HD256_KERNEL_VERIFIED), set True once this file passed on an H200 (38 passed, 2026-12-01). The checks call
 implementation="kernel", so that a call the kernel cannot serve fails instead of falling back, with every
 gate's variable set by a fixture. Every check runs the kernel into output buffers filled with NaN
 beforehand (donated buffers XLA aliases to the custom call's results), so a row the kernel fails to write
