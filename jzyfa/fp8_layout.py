@@ -22,6 +22,8 @@ register 2 the same of chunks 2 and 3 (keys 16 + ...), registers 1 and 3 the d[2
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,24 +104,33 @@ def varlen_value_columns(cu_seqlens_k: jax.Array) -> jax.Array:
     return -(-starts // KEY_GROUP) * KEY_GROUP + KEY_GROUP * jnp.arange(starts.shape[0], dtype=starts.dtype)
 
 
-def fp8_varlen_value_operand(v: jax.Array, cu_seqlens_k: jax.Array) -> jax.Array:
+def varlen_value_tokens(cu_seqlens_k: jax.Array, total_k: int) -> jax.Array:
+    """The packed token each column of the varlen V^T holds before the 32-key permutation, [W]: sequence
+    s's key j at column `varlen_value_columns(...)[s] + j`; total_k (past the end: a zero) elsewhere."""
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    starts = varlen_value_columns(cu_seqlens_k)
+    column = jnp.arange(varlen_padded_keys(total_k, num_seqs), dtype=jnp.int32)
+    seq = jnp.searchsorted(starts, column, side="right").astype(jnp.int32) - 1  # the column's sequence
+    in_seq = jnp.clip(seq, 0, num_seqs - 1)
+    key = column - starts[in_seq]
+    valid = (seq >= 0) & (key < cu_seqlens_k[in_seq + 1] - cu_seqlens_k[in_seq])
+    return jnp.where(valid, cu_seqlens_k[in_seq] + key, total_k)
+
+
+def fp8_varlen_value_operand(
+    v: jax.Array, cu_seqlens_k: jax.Array, value_operand: Callable = fp8_value_operand
+) -> jax.Array:
     """Packed V [total_k, Hkv, D] (e4m3) as the varlen FP8 kernel reads it: [Hkv, D, W], W =
     `varlen_padded_keys(total_k, num_seqs)`, sequence s's keys from column `varlen_value_columns(...)[s]`
     on, permuted inside each 32-key group as `fp8_value_operand` does, zeros elsewhere.
 
-    One gather on the device: each column takes its source token, or none. cu_seqlens_k may be traced
-    (it must be non-decreasing, as everywhere).
+    Two steps: a gather of whole token rows into the sequences' columns (each starts on a 32-key group),
+    then the dense layout (`value_operand`: `fp8_value_operand`, or on CUDA its kernel, bitwise the same)
+    of that as one batch of W keys, whose 32-key groups then never straddle two sequences. cu_seqlens_k
+    may be traced (it must be non-decreasing, as everywhere).
     """
     if v.ndim != 3:
         raise ValueError(f"v must be packed [total_k, heads_kv, head_dim], got shape {v.shape}")
-    cu_seqlens_k = jnp.asarray(cu_seqlens_k, jnp.int32)
-    total_k, num_seqs = v.shape[0], cu_seqlens_k.shape[0] - 1
-    starts = varlen_value_columns(cu_seqlens_k)
-    column = jnp.arange(varlen_padded_keys(total_k, num_seqs), dtype=jnp.int32)
-    group = column - column % KEY_GROUP
-    seq = jnp.searchsorted(starts, group, side="right").astype(jnp.int32) - 1  # the group's sequence
-    in_seq = jnp.clip(seq, 0, num_seqs - 1)
-    key = group - starts[in_seq] + physical_key(column % KEY_GROUP)  # the key this column holds
-    valid = (seq >= 0) & (key < cu_seqlens_k[in_seq + 1] - cu_seqlens_k[in_seq])
-    token = jnp.where(valid, cu_seqlens_k[in_seq] + key, total_k)  # total_k: past the end, a zero
-    return jnp.take(v, token, axis=0, mode="fill", fill_value=0).transpose(1, 2, 0)
+    tokens = varlen_value_tokens(jnp.asarray(cu_seqlens_k, jnp.int32), v.shape[0])
+    rows = jnp.take(v, tokens, axis=0, mode="fill", fill_value=0)  # [W, Hkv, D]
+    return value_operand(rows[None])[0]

@@ -3,7 +3,7 @@
 `flash_attention_fp8_varlen_p` takes e4m3 q [total_q, Hq, 128], k and v [total_k, Hkv, 128], cu_seqlens_q
 and cu_seqlens_k int32 [num_seqs + 1] (on the device, never read by the host) and float32 descales
 [num_seqs, Hkv]; its results are out bf16 [total_q, Hq, 128] and lse float32 [Hq, total_q]. On CUDA it
-lowers to V brought into the varlen V^T layout (`fp8_layout.fp8_varlen_value_operand`, one XLA gather)
+lowers to V brought into the varlen V^T layout (`fp8_layout.fp8_varlen_value_operand`: a gather of token rows, then the dense layout's kernel)
 and the FFI custom call of that name (`_kernel_call_p`); every other platform lowers to the pure-JAX path
 (`jzyfa.varlen.fp8_varlen_attention_reference`: dequantize, exact attention), unless the caller demanded
 the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
@@ -23,6 +23,7 @@ from jax.interpreters import mlir
 
 from jzyfa import _validation
 from jzyfa.fp8_layout import fp8_varlen_value_operand, varlen_padded_keys
+from jzyfa.fp8_primitive import fp8_value_operand_p
 from jzyfa.primitive import TILE_COUNTER, _vary_alike, refuse_required_kernel
 from jzyfa.varlen import fp8_varlen_attention_reference
 from jzyfa.varlen_primitive import varlen_ffi_attributes, varlen_shape_problem
@@ -132,9 +133,10 @@ def _reference_fallback(
 
 
 def _kernel_call(q8, k8, v8, cu_q, cu_k, dq, dk, dv, *, kernel_required, **params):
-    """On CUDA: V into the varlen V^T layout, then the custom call (descales as [num_seqs * Hkv])."""
+    """On CUDA: V into the varlen V^T layout (its 32-key permutation by the dense layout's kernel), then
+    the custom call (descales as [num_seqs * Hkv])."""
     del kernel_required  # Only decides what non-CUDA platforms do.
-    vt8 = fp8_varlen_value_operand(v8, cu_k)
+    vt8 = fp8_varlen_value_operand(v8, cu_k, value_operand=fp8_value_operand_p.bind)
     return _kernel_call_p.bind(q8, k8, vt8, cu_q, cu_k, *(d.reshape(-1) for d in (dq, dk, dv)), **params)
 
 

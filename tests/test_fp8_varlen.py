@@ -20,6 +20,7 @@ from jzyfa.fp8_layout import (
     varlen_padded_keys,
     varlen_value_columns,
 )
+from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
@@ -156,8 +157,10 @@ def test_value_operand_with_traced_offsets():
         np.testing.assert_array_equal(np.asarray(fn(v8, jnp.asarray(cu)).view(jnp.uint8)), want)
 
 
-def fp8_varlen_custom_calls(implementation, window=None, per_head=False, causal=True) -> list[str]:
-    """The custom calls of an FP8 flash_attention_varlen lowered for CUDA (on this CPU host)."""
+def fp8_varlen_custom_calls(
+    implementation, window=None, per_head=False, causal=True, target=FFI_TARGET_FP8_VARLEN
+) -> list[str]:
+    """The custom calls to `target` of an FP8 flash_attention_varlen lowered for CUDA (on this CPU host)."""
     descale = spec((2, 2) if per_head else (), jnp.float32)
     fn = functools.partial(
         call_varlen,
@@ -171,7 +174,7 @@ def fp8_varlen_custom_calls(implementation, window=None, per_head=False, causal=
     )
     args = (GOOD["q"], GOOD["k"], GOOD["v"], CU, CU, (descale,) * 3)
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
-    return [line for line in hlo.splitlines() if "custom-call(" in line]
+    return [line for line in hlo.splitlines() if "custom-call(" in line and f'"{target}"' in line]
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -191,6 +194,10 @@ def test_cuda_lowering_is_the_fp8_varlen_custom_call(monkeypatch, per_head, wind
     assert f"window_left = {bounds[0]} : i64" in call and f"window_right = {bounds[1]} : i64" in call
     assert "max_seqlen_q = 200 : i64" in call and "max_seqlen_k = 260 : i64" in call
     assert re.search(r"softmax_scale = 2.50*e-01 : f32", call)
+    # V's layout: token rows gathered into the sequences' columns, then the dense layout's kernel over
+    # them as one batch of 128 keys.
+    (layout,) = fp8_varlen_custom_calls("kernel", window, per_head, target=FFI_TARGET_VALUE_OPERAND)
+    assert "operand_layout_constraints={f8e4m3fn[1,128,2,128]{3,2,1,0}}" in layout, layout
 
 
 def test_gate(rng, monkeypatch):
