@@ -68,10 +68,7 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
     SetTileGeometry(args, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, mask.causal,
                     Tile::kBlockM);
     args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    if constexpr (kWindow) {
-      args.window_left = mask.window_left;
-      args.window_right = mask.window_right;
-    }
+    SetWindowArgs(args, mask.window_left, mask.window_right);
 
     // Persistent: CTA i starts on tile i and claims the rest from the counter.
     int grid = 0;

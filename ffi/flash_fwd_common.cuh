@@ -56,6 +56,15 @@ constexpr bool kHasWindow = false;
 template <typename Base>
 constexpr bool kHasWindow<WindowedArgs<Base>> = true;
 
+// A launch's window bounds into its arguments: a windowed launch's (left, right); nothing otherwise.
+template <typename Args>
+void SetWindowArgs(Args& args, int left, int right) {
+  if constexpr (kHasWindow<Args>) {
+    args.window_left = left;
+    args.window_right = right;
+  }
+}
+
 // One tile: its rows and how many key blocks they need.
 struct FwdWork {
   int batch, head, kv_head, q_start, diagonal, num_blocks;

@@ -56,10 +56,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
                   Tile::kBlockM);
   // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
   args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
-  if constexpr (kWindow) {
-    args.window_left = mask.window_left;
-    args.window_right = mask.window_right;
-  }
+  SetWindowArgs(args, mask.window_left, mask.window_right);
 
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);

@@ -61,10 +61,7 @@ std::string LaunchTile(const FlashFwdVarlenParams& p, const MaskPlan& mask, cuda
   args.tile_counter = p.tile_counter;
   SetVarlenGeometry(args, p, mask.causal, Tile::kBlockM);  // with the tail "sequence"
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  if constexpr (kWindow) {
-    args.window_left = mask.window_left;
-    args.window_right = mask.window_right;
-  }
+  SetWindowArgs(args, mask.window_left, mask.window_right);
 
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
