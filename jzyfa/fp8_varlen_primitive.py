@@ -26,7 +26,7 @@ from jzyfa.fp8_layout import fp8_varlen_value_operand, varlen_padded_keys
 from jzyfa.fp8_primitive import fp8_value_operand_p
 from jzyfa.primitive import TILE_COUNTER, _vary_alike, refuse_required_kernel
 from jzyfa.varlen import fp8_varlen_attention_reference
-from jzyfa.varlen_primitive import varlen_ffi_attributes, varlen_shape_problem
+from jzyfa.varlen_primitive import varlen_bind_params, varlen_ffi_attributes, varlen_shape_problem
 
 FFI_TARGET_FP8_VARLEN = "jzyfa_flash_attention_fp8_varlen_fwd"
 # The launch keeps V^T's columns in int32 (ffi/flash_fwd_fp8_varlen.cu).
@@ -66,12 +66,7 @@ def flash_attention_fp8_varlen_fwd(
     )
     out, lse = flash_attention_fp8_varlen_p.bind(
         *operands,
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window=(int(window[0]), int(window[1])),
-        kernel_required=bool(kernel_required),
+        **varlen_bind_params(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, kernel_required),
     )
     return out, lse
 

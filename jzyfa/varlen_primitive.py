@@ -58,14 +58,21 @@ def flash_attention_varlen_fwd(
         v,
         cu_seqlens_q,
         cu_seqlens_k,
-        max_seqlen_q=int(max_seqlen_q),
-        max_seqlen_k=int(max_seqlen_k),
-        softmax_scale=float(softmax_scale),
-        causal=bool(causal),
-        window=(int(window[0]), int(window[1])),
-        kernel_required=bool(kernel_required),
+        **varlen_bind_params(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, kernel_required),
     )
     return out, lse
+
+
+def varlen_bind_params(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, kernel_required) -> dict:
+    """The varlen primitives' parameters (16-bit and FP8) as plain hashable Python values."""
+    return {
+        "max_seqlen_q": int(max_seqlen_q),
+        "max_seqlen_k": int(max_seqlen_k),
+        "softmax_scale": float(softmax_scale),
+        "causal": bool(causal),
+        "window": (int(window[0]), int(window[1])),
+        "kernel_required": bool(kernel_required),
+    }
 
 
 def _abstract_eval(q, k, v, cu_seqlens_q, cu_seqlens_k, **params):
