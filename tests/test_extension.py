@@ -13,6 +13,7 @@ import pytest
 import jzyfa
 from jzyfa import _extension
 from jzyfa.fp8_primitive import FFI_TARGET_FP8, FFI_TARGET_VALUE_OPERAND
+from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 from jzyfa.primitive import FFI_TARGET
 from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
@@ -34,7 +35,13 @@ def test_extension_registers_its_targets():
     from jzyfa import _jzyfa_ffi
 
     targets = _jzyfa_ffi.registrations()
-    assert set(targets) == {FFI_TARGET, FFI_TARGET_VARLEN, FFI_TARGET_FP8, FFI_TARGET_VALUE_OPERAND}
+    assert set(targets) == {
+        FFI_TARGET,
+        FFI_TARGET_VARLEN,
+        FFI_TARGET_FP8,
+        FFI_TARGET_VALUE_OPERAND,
+        FFI_TARGET_FP8_VARLEN,
+    }
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"
     calls = _extension.handler_calls()
