@@ -67,14 +67,13 @@ def element_problem(q: jax.Array, v: jax.Array, softmax_scale: float) -> str | N
     """What the 16-bit kernels (dense and varlen) need of the dtype, head dims and scale, else None."""
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         return f"the kernel takes bf16 or f16 inputs, got {q.dtype}"
-    if is_mla(q, v):
-        pass  # the one pair of unequal head dims with instantiations of its own
-    elif q.shape[-1] not in KERNEL_HEAD_DIMS:
+    # MLA's head dims: the one pair of unequal head dims with instantiations of its own.
+    if not is_mla(q, v) and q.shape[-1] not in KERNEL_HEAD_DIMS:
         return (
             f"the kernel supports head_dim in {KERNEL_HEAD_DIMS}, got {q.shape[-1]} (and MLA's {MLA_HEAD_DIMS} "
             "for q/k and v)"
         )
-    elif v.shape[-1] != q.shape[-1]:
+    if not is_mla(q, v) and v.shape[-1] != q.shape[-1]:
         return (
             f"the kernel needs v's head_dim equal to q's and k's ({q.shape[-1]}), got {v.shape[-1]}; of "
             f"unequal head dims it has MLA's {MLA_HEAD_DIMS} (q/k, v) only (other shapes run on the pure-JAX "
