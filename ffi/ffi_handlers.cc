@@ -295,11 +295,16 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
     return ffi::Error::InvalidArgument(
         name + "q and k must be [batch, seq, heads, head_dim], vt [batch, heads_kv, head_dim, keys]");
   }
-  if (kd[0] != qd[0] || kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[2] || vd[2] != kd[3]) {
+  // vt's rows are v's head dim (MLA: 128 where q and k have 192), out's head dim.
+  if (kd[3] != qd[3]) {
+    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " + ShapeString(kd) +
+                                       " disagree on head_dim");
+  }
+  if (kd[0] != qd[0] || vd[0] != kd[0] || vd[1] != kd[2]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
                                        " and vt " + ShapeString(vd) + " disagree");
   }
-  ffi::Error results = CheckResults(name, qd, od, ld, qd[3], tile_counter->element_count());
+  ffi::Error results = CheckResults(name, qd, od, ld, vd[2], tile_counter->element_count());
   if (results.failure()) return results;
   ffi::Error descales = CheckDescales(name, descale_q, descale_k, descale_v, "batch", kd[0], kd[2]);
   if (descales.failure()) return descales;
@@ -307,6 +312,7 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   FlashFwdFp8Params p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.vt = vt.untyped_data();
+  p.head_dim_v = vd[2];
   SetDescales(p, descale_q, descale_k, descale_v);
   p.seqlen_k_padded = vd[3];
   p.window_left = window_left;

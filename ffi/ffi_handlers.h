@@ -17,7 +17,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionVarlenFwd);
 
 // Custom-call target "jzyfa_flash_attention_fp8_fwd": q, k, vt (e4m3), descale_q, descale_k,
-// descale_v (f32) -> out (bf16), lse, tile counter; attributes softmax_scale, causal, lean_p.
+// descale_v (f32) -> out (bf16, q's shape with vt's head dim: MLA's 128 where q has 192), lse, tile
+// counter; attributes softmax_scale, causal, lean_p.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8Fwd);
 
 // Custom-call target "jzyfa_flash_attention_fp8_varlen_fwd": q, k (e4m3, packed), vt (e4m3

@@ -48,11 +48,12 @@ struct FlashFwdParams {
   ElementType element_type = ElementType::kBF16;
 };
 
-// One FP8 forward call (head dim 128): q [batch, seqlen_q, heads_q, 128] and
-// k [batch, seqlen_k, heads_kv, 128] e4m3; vt e4m3 [batch, heads_kv, 128, seqlen_k_padded], V
-// transposed with keys padded to a multiple of 32 and permuted inside each 32-key group
-// (jzyfa/fp8_layout.py); descales float32, each one value or one per (batch, KV head); out bf16
-// like q; lse and tile_counter as for FlashFwdParams.
+// One FP8 forward call (head dim 128, or MLA's 192 for q and k with 128 for v and out, causal or no
+// mask): q [batch, seqlen_q, heads_q, head_dim] and k [batch, seqlen_k, heads_kv, head_dim] e4m3; vt
+// e4m3 [batch, heads_kv, 128, seqlen_k_padded], V transposed with keys padded to a multiple of 32 and
+// permuted inside each 32-key group (jzyfa/fp8_layout.py); descales float32, each one value or one
+// per (batch, KV head); out bf16 [batch, seqlen_q, heads_q, head_dim_v]; lse and tile_counter as for
+// FlashFwdParams.
 struct FlashFwdFp8Params {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -70,7 +71,8 @@ struct FlashFwdFp8Params {
   int64_t seqlen_k_padded = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // q's and k's
+  int64_t head_dim_v = 0;  // v's (vt's rows) and out's
   float softmax_scale = 1.0f;
   bool causal = false;
   int64_t window_left = -1;  // as in FlashFwdParams (dense batches)

@@ -1,5 +1,6 @@
 // Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V^T as bytes),
-// the persistent grid, and the instantiations (lean P, exact P; each plain and sliding-window).
+// the persistent grid, and the instantiations (lean P, exact P; each plain and sliding-window, and
+// MLA's head dims, q/k 192 with v 128, causal or no mask).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -12,20 +13,22 @@
 namespace jzyfa {
 namespace {
 
-// The plain kernel, or the sliding-window one.
-template <bool kLeanP, bool kWindow>
+// The plain kernel, the sliding-window one, or MLA's (Fp8MlaTile, no window).
+template <typename Tile, bool kLeanP, bool kWindow>
 constexpr auto Fp8ForwardKernel() {
-  if constexpr (kWindow) {
+  if constexpr (Tile::kHeadDimQK != Tile::kHeadDimV) {
+    static_assert(!kWindow, "MLA's FP8 kernel takes no sliding window");
+    return FlashFwdFp8MlaKernel<kLeanP>;
+  } else if constexpr (kWindow) {
     return FlashFwdFp8WindowKernel<kLeanP>;
   } else {
     return FlashFwdFp8Kernel<kLeanP>;
   }
 }
 
-template <bool kLeanP, bool kWindow>
+template <typename Tile, bool kLeanP, bool kWindow>
 std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8Tile;
-  constexpr auto kernel = Fp8ForwardKernel<kLeanP, kWindow>();
+  constexpr auto kernel = Fp8ForwardKernel<Tile, kLeanP, kWindow>();
   const DeviceInfo* info = nullptr;
   std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
@@ -37,12 +40,13 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
                                static_cast<uint64_t>(p.batch)};
   const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
   const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
-  // Q and K as bytes, boxes of the whole head dim (128 bytes) x the rows.
+  // Q and K as bytes, boxes of 128 head-dim columns (128 bytes: the whole head dim, or one of MLA's
+  // two slices) x the rows.
   constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
-  constexpr int kD = Tile::kHeadDim;
-  if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, p.batch, p.seqlen_q, p.heads_q, kD, kD,
+  constexpr int kD = Tile::kHeadDimQK, kBox = Tile::kQkSliceCols;
+  if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, p.batch, p.seqlen_q, p.heads_q, kD, kBox,
                     Tile::kRowsPerConsumer, &error) ||
-      !EncodeRowMap(&tmap_k, p.k, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, kD, kD,
+      !EncodeRowMap(&tmap_k, p.k, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, kD, kBox,
                     Tile::kBlockN, &error) ||
       !EncodeTensorMap4d(&tmap_vt, p.vt, kBytes, vt_dims, vt_strides, vt_box, &error)) {
     return error;
@@ -73,8 +77,11 @@ std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
   if (p.batch < 1 || p.seqlen_q < 1 || p.seqlen_k < 1 || p.heads_q < 1 || p.heads_kv < 1) {
     return "q, k and v need batch, sequence and head counts of at least 1";
   }
-  if (p.head_dim != Fp8Tile::kHeadDim) {
-    return "head_dim must be 128 for the jzyfa FP8 kernel, got " + std::to_string(p.head_dim);
+  const bool mla = p.head_dim == Fp8MlaTile::kHeadDimQK && p.head_dim_v == Fp8MlaTile::kHeadDimV;
+  if (!(p.head_dim == Fp8Tile::kHeadDim && p.head_dim_v == Fp8Tile::kHeadDim) && !mla) {
+    return "head_dim must be 128 for q, k and v, or 192 for q and k with 128 for v (MLA), for the "
+           "jzyfa FP8 kernel; got " +
+           std::to_string(p.head_dim) + " for q and k, " + std::to_string(p.head_dim_v) + " for v";
   }
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
@@ -107,6 +114,10 @@ std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
   const std::string error =
       ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
+  if (mla && mask.windowed) {
+    return "the jzyfa FP8 kernel takes MLA's head dims (192 for q and k, 128 for v) with a causal "
+           "mask or none, not a sliding window";
+  }
   return "";
 }
 
@@ -116,10 +127,16 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  if (mask.windowed) {
-    return p.lean_p ? Launch<true, true>(p, mask, stream) : Launch<false, true>(p, mask, stream);
+  if (p.head_dim == Fp8MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
+    return p.lean_p ? Launch<Fp8MlaTile, true, false>(p, mask, stream)
+                    : Launch<Fp8MlaTile, false, false>(p, mask, stream);
   }
-  return p.lean_p ? Launch<true, false>(p, mask, stream) : Launch<false, false>(p, mask, stream);
+  if (mask.windowed) {
+    return p.lean_p ? Launch<Fp8Tile, true, true>(p, mask, stream)
+                    : Launch<Fp8Tile, false, true>(p, mask, stream);
+  }
+  return p.lean_p ? Launch<Fp8Tile, true, false>(p, mask, stream)
+                  : Launch<Fp8Tile, false, false>(p, mask, stream);
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

@@ -1,7 +1,7 @@
-// The Hopper forward kernel for FP8 (e4m3) inputs, head dim 128: the schedule of the 16-bit
-// kernel (flash_fwd_kernel.cuh: persistent grid, producer + two consumer warpgroups, K/V ring,
-// in-warpgroup overlap, ping-pong) with the FP8 softmax of docs/fp8.md, which
-// jzyfa/fp8_emulation.py specifies bit for bit where it can:
+// The Hopper forward kernel for FP8 (e4m3) inputs, head dim 128 (and MLA's, q/k 192 with v 128:
+// Fp8MlaTile): the schedule of the 16-bit kernel (flash_fwd_kernel.cuh: persistent grid, producer +
+// two consumer warpgroups, K/V ring, in-warpgroup overlap, ping-pong) with the FP8 softmax of
+// docs/fp8.md, which jzyfa/fp8_emulation.py specifies bit for bit where it can:
 //   - S = Q K^T and O += P V on e4m3 wgmma (QGMMA, k32). FP8 wgmma reads both operands K-major,
 //     so V arrives transposed (V^T [head_dim, keys], keys permuted inside each 32-key group:
 //     jzyfa/fp8_layout.py) and P goes from the S accumulators into A registers without moving a
@@ -83,8 +83,17 @@ __device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
   return ((k_offset + 31) & ~31) + 32 * seq;
 }
 
-struct Fp8Tile {
-  static constexpr int kHeadDim = 128;
+// The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
+// out's (V^T's rows, O's columns); Q and K rows of more than 128 bytes are loaded as 128-byte-swizzle
+// slices of 128 columns each, laid out back to back (slice s at s * rows * 128 bytes), TMA filling the
+// columns past kHeadDimQK with zeros that no wgmma reads.
+template <int kHeadDimQK_>
+struct Fp8TileT {
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr int kHeadDimV = 128;
+  static constexpr int kHeadDim = kHeadDimV;
+  static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
+  static constexpr int kQkSlices = (kHeadDimQK + kQkSliceCols - 1) / kQkSliceCols;
   static constexpr int kConsumers = 2;
   static constexpr int kRowsPerConsumer = 64;
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
@@ -102,10 +111,12 @@ struct Fp8Tile {
   // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
   // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
   static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS;
-  // One byte per element: a 128-byte swizzle row holds the whole head dim (or 128 keys of V^T).
-  static constexpr int kQConsumerBytes = kRowsPerConsumer * kHeadDim;
+  // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
+  static constexpr int kQSliceBytes = kRowsPerConsumer * kQkSliceCols;
+  static constexpr int kKSliceBytes = kBlockN * kQkSliceCols;
+  static constexpr int kQConsumerBytes = kQSliceBytes * kQkSlices;
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
-  static constexpr int kKBytes = kBlockN * kHeadDim;
+  static constexpr int kKBytes = kKSliceBytes * kQkSlices;
   static constexpr int kVtBytes = kHeadDim * kBlockN;
   static constexpr int kOnesBytes = 8 * kBlockN;  // rows 128..135 of the P V B operand
   static constexpr int kStageBytes = kKBytes + kVtBytes + kOnesBytes;
@@ -113,7 +124,8 @@ struct Fp8Tile {
   // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
   // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
   // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
-  // consumers' 232 registers without spilling (8 spills).
+  // consumers' 232 registers without spilling (8 spills); MLA's longer Q K^T leaves room for 6 (7
+  // spills).
 #ifndef JZYFA_FP8_REG_COPY_CHUNKS
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
 #define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
@@ -121,15 +133,26 @@ struct Fp8Tile {
 #define JZYFA_FP8_REG_COPY_CHUNKS 7
 #endif
 #endif
-  static constexpr int kRegCopyChunks = JZYFA_FP8_REG_COPY_CHUNKS;
+#ifndef JZYFA_FP8_MLA_REG_COPY_CHUNKS
+#define JZYFA_FP8_MLA_REG_COPY_CHUNKS 6
+#endif
+  static constexpr int kRegCopyChunks =
+      kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
+  static_assert(kQSliceBytes % kSmemAlign == 0 && kKSliceBytes % kSmemAlign == 0,
+                "Q and K slices must stay 1024-byte aligned");
+  static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
+  static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
+
+using Fp8Tile = Fp8TileT<128>;
+using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
@@ -298,13 +321,16 @@ struct Fp8OnlineSoftmax {
 // The kernel's body, for Fp8Args (no mask, or causal), WindowedArgs<Fp8Args> (a sliding window:
 // each tile visits only the key blocks its rows' windows reach, from work.first_block on), and
 // Fp8VarlenArgs and its window (packed sequences: a tile's rows and keys start at its sequence's
-// offsets, the tensor maps cover the packed tensors as one batch, O is stored per token).
-template <bool kLeanP, typename Args>
+// offsets, the tensor maps cover the packed tensors as one batch, O is stored per token). Tile:
+// Fp8Tile, or Fp8MlaTile (MLA's head dims, Fp8Args only: FlashFwdFp8MlaKernel).
+template <bool kLeanP, typename Tile = Fp8Tile, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                                  const CUtensorMap& tmap_vt, const Args& args) {
   constexpr bool kWindow = kHasWindow<Args>;
   constexpr bool kVarlen = kIsVarlen<Args>;
-  using Tile = Fp8Tile;
+  constexpr bool kMla = Tile::kHeadDimQK != Tile::kHeadDimV;
+  static_assert(!kMla || (!kWindow && !kVarlen), "MLA's FP8 tile serves dense causal / no-mask calls");
+  static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
   using Slot = RingSlot<kStages>;
@@ -339,7 +365,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_vt);
-    // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T).
+    // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T); MLA's
+    // Q and K rows (192 bytes) take two boxes, columns 0..127 and 128..255 (TMA's zeros past 191).
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
     // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
     // stored, such keys are masked (P = 0).
@@ -349,6 +376,11 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       for (int c = 0; c < Tile::kConsumers; ++c)
         ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer, work.head,
                          batch);
+      if constexpr (kMla) {  // the second slices (apart, so that head dim 128's code stays as it was)
+        for (int c = 0; c < Tile::kConsumers; ++c)
+          ptx::tma_load_4d(smem_q(c) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
+                           row + c * Tile::kRowsPerConsumer, work.head, batch);
+      }
     };
     // A window's tile starts at key block work.first_block (varlen: 0, its k_offset moved instead).
     auto first_key = [&](const auto& work, int block) {
@@ -360,6 +392,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       int key = first_key(work, block), batch = work.batch;
       if constexpr (kVarlen) key += work.k_offset, batch = 0;
       ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, key, work.kv_head, batch);
+      if constexpr (kMla) {
+        ptx::tma_load_4d(smem_k(stage) + Tile::kKSliceBytes, &tmap_k, bar, Tile::kQkSliceCols, key,
+                         work.kv_head, batch);
+      }
     };
     // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
     // first key is a multiple of 128, and a sequence's first column one of 32, so every box starts
@@ -391,9 +427,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Tile::kHeadDim / 32; ++kk) {
-      const uint64_t desc_q = SmemDescSw128(smem_q(consumer) + 32 * kk, 16);
-      const uint64_t desc_k = SmemDescSw128(smem_k(stage) + 32 * kk, 16);
+    for (int kk = 0; kk < Tile::kHeadDimQK / 32; ++kk) {
+      // k-step kk: 32 columns into slice kk / 4 (one slice at head dim 128).
+      const int slice = kk / 4, column = 32 * (kk % 4);
+      const uint64_t desc_q =
+          SmemDescSw128(smem_q(consumer) + slice * Tile::kQSliceBytes + column, 16);
+      const uint64_t desc_k = SmemDescSw128(smem_k(stage) + slice * Tile::kKSliceBytes + column, 16);
       if (kk == 0) {
         ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss_zero(s, desc_q, desc_k);
       } else {
@@ -424,8 +463,9 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed and varlen kernels never record.
-  std::conditional_t<kWindow || kVarlen, NoTimeline, TimelineRecorder> timeline(consumer);
+  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed, varlen and MLA kernels never
+  // record.
+  std::conditional_t<kWindow || kVarlen || kMla, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
@@ -678,6 +718,16 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                       const __grid_constant__ CUtensorMap tmap_k,
                       const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
   FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+}
+
+// MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its
+// own, as the 16-bit FlashFwdMlaKernel, so that the head-dim-128 kernels keep their symbols and SASS.
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8MlaTile::kThreads, 1)
+    FlashFwdFp8MlaKernel(const __grid_constant__ CUtensorMap tmap_q,
+                         const __grid_constant__ CUtensorMap tmap_k,
+                         const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
+  FlashFwdFp8Tiles<kLeanP, Fp8MlaTile>(tmap_q, tmap_k, tmap_vt, args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).

@@ -273,14 +273,36 @@ def _fp8_window_problem(q, k, causal: bool, window) -> str | None:
     return None
 
 
+# The FP8 kernel's MLA instantiation (q/k head dim 192, v head dim 128; FlashFwdFp8MlaKernel in
+# ffi/flash_fwd_fp8_kernel.cuh, dense batches, causal or no mask, lean and exact P) builds without spills
+# but has not yet passed its GPU tests (tests/test_fp8_mla_kernel_gpu.py). While False, implementation=None
+# runs FP8 MLA calls on the pure-JAX path and implementation="kernel" needs the variable below.
+FP8_MLA_KERNEL_VERIFIED = False
+UNVERIFIED_FP8_MLA_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_MLA_KERNEL"
+
+
+def fp8_mla_kernel_enabled() -> bool:
+    return FP8_MLA_KERNEL_VERIFIED or os.environ.get(UNVERIFIED_FP8_MLA_KERNEL_ENV) == "1"
+
+
+def _fp8_mla_gate_problem() -> str:
+    return (
+        f"the FP8 kernel's MLA head dims {MLA_HEAD_DIMS} (q/k, v) are switched off "
+        "(jzyfa.api.FP8_MLA_KERNEL_VERIFIED is False): they run on it only with "
+        f"{UNVERIFIED_FP8_MLA_KERNEL_ENV}=1; or use implementation=None or 'xla' for the pure-JAX path"
+    )
+
+
 def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
     """Which path serves a validated FP8 call; raises if the kernel is demanded but cannot serve."""
     if implementation == "xla":
         return Path.REFERENCE
-    problem = fp8_kernel_config_problem(q, k, v)
     sliding = kernel_causal_flag(causal, window, q.shape[1], k.shape[1]) is None
+    problem = fp8_kernel_config_problem(q, k, v, sliding)
     if problem is None and sliding:
         problem = _fp8_window_problem(q, k, causal, window)
+    if problem is None and is_mla(q, v) and not fp8_mla_kernel_enabled():
+        problem = _fp8_mla_gate_problem()
     if implementation == "kernel":
         if not fp8_kernel_enabled():
             raise ValueError(
@@ -290,8 +312,13 @@ def choose_fp8_path(q, k, v, causal: bool, window, implementation) -> Path:
             )
         return _required_kernel_path(problem, "FP8 call")
     # implementation=None keeps sliding windows on the pure-JAX path while FP8_WINDOW_KERNEL_VERIFIED is
-    # False, whatever the variable says (as for the 16-bit kernel's windows).
-    if problem or not FP8_KERNEL_VERIFIED or (sliding and not FP8_WINDOW_KERNEL_VERIFIED):
+    # False, whatever the variable says (as for the 16-bit kernel's windows); MLA likewise.
+    if (
+        problem
+        or not FP8_KERNEL_VERIFIED
+        or (sliding and not FP8_WINDOW_KERNEL_VERIFIED)
+        or (is_mla(q, v) and not FP8_MLA_KERNEL_VERIFIED)
+    ):
         return Path.REFERENCE
     if not _platform.kernel_available():
         return Path.REFERENCE
@@ -518,7 +545,12 @@ def flash_attention(
         the pure-JAX path and "kernel" needs JZYFA_UNVERIFIED_WINDOW_KERNEL=1. MLA's head dims (192
         for q/k, 128 for v; bf16/f16, causal or no mask, no sliding window) run on the kernel's MLA
         instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
-        kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). Head dim 256
+        kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). FP8 (e4m3) inputs
+        run on the FP8 kernel at head dim 128 and, causal or no mask, MLA's head dims; its MLA
+        instantiation has not passed its GPU tests yet (`jzyfa.api.FP8_MLA_KERNEL_VERIFIED` is False):
+        None runs FP8 MLA calls on the pure-JAX path and "kernel" needs
+        JZYFA_UNVERIFIED_FP8_MLA_KERNEL=1 (FP8 MLA with a sliding window always runs on the pure-JAX
+        path; "kernel" refuses it). Head dim 256
         (bf16/f16, causal or no mask) runs on the kernel's hd256 instantiation, verified on an H200 on
         2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill switch; "kernel" then needs
         JZYFA_UNVERIFIED_HD256_KERNEL=1). Sliding windows (other than causal or none) at head dim 256

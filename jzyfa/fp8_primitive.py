@@ -27,7 +27,14 @@ from jzyfa import sharding
 from jzyfa._validation import NO_WINDOW
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
-from jzyfa.primitive import KERNEL_MAX_BATCH, KERNEL_MAX_SEQ_Q, TILE_COUNTER, refuse_required_kernel
+from jzyfa.primitive import (
+    KERNEL_MAX_BATCH,
+    KERNEL_MAX_SEQ_Q,
+    MLA_HEAD_DIMS,
+    TILE_COUNTER,
+    is_mla,
+    refuse_required_kernel,
+)
 from jzyfa.primitive import _abstract_eval as _attention_abstract_eval
 
 FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
@@ -56,8 +63,9 @@ flash_attention_fp8_p.def_abstract_eval(_abstract_eval)
 def _shard_abstract_eval(
     q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
-    batch, seq_q, heads_q, head_dim = q8.shape
-    out = jax.core.ShapedArray((batch, seq_q, heads_q, head_dim), jnp.bfloat16)
+    batch, seq_q, heads_q, _ = q8.shape
+    # out has v's head dim, vt's rows (MLA: 128 where q and k have 192).
+    out = jax.core.ShapedArray((batch, seq_q, heads_q, vt8.shape[2]), jnp.bfloat16)
     lse = jax.core.ShapedArray((batch, heads_q, seq_q), jnp.float32)
     return out, lse
 
@@ -215,12 +223,19 @@ def _batch_rule(args, dims, **params):
 batching.primitive_batchers[flash_attention_fp8_p] = _batch_rule
 
 
-def fp8_kernel_config_problem(q8, k8, v8) -> str | None:
-    """None when the FP8 kernel serves these (validated) shapes, else why not."""
-    if q8.shape[-1] != FP8_KERNEL_HEAD_DIM or v8.shape[-1] != FP8_KERNEL_HEAD_DIM:
+def fp8_kernel_config_problem(q8, k8, v8, sliding: bool = False) -> str | None:
+    """None when the FP8 kernel serves these (validated) shapes, else why not. `sliding`: the mask is a
+    sliding window other than causal or none, which MLA's head dims do not take on the FP8 kernel."""
+    mla = is_mla(q8, v8)
+    if not mla and (q8.shape[-1] != FP8_KERNEL_HEAD_DIM or v8.shape[-1] != FP8_KERNEL_HEAD_DIM):
         return (
-            f"the FP8 kernel needs head dim {FP8_KERNEL_HEAD_DIM} for q, k and v, "
-            f"got {q8.shape[-1]}/{v8.shape[-1]}"
+            f"the FP8 kernel needs head dim {FP8_KERNEL_HEAD_DIM} for q, k and v, or MLA's {MLA_HEAD_DIMS} "
+            f"(q/k, v), got {q8.shape[-1]}/{v8.shape[-1]}"
+        )
+    if mla and sliding:
+        return (
+            f"the FP8 kernel takes MLA's head dims {MLA_HEAD_DIMS} (q/k, v) with a causal mask or none, "
+            "not a sliding window; implementation=None runs such calls on the pure-JAX path"
         )
     if q8.shape[0] > KERNEL_MAX_BATCH or q8.shape[1] > KERNEL_MAX_SEQ_Q:
         return f"the FP8 kernel takes batch <= {KERNEL_MAX_BATCH} and seq_q <= {KERNEL_MAX_SEQ_Q}"

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzyfa import _validation, api
+from jzyfa import _validation, api, primitive
 
 PRECISIONS = ("16-bit", "fp8")
 # jax.nn's XLA attention materialises the [B, Hq, Sq, Sk] scores; beyond this it is not attempted.
@@ -594,7 +594,9 @@ class Jzyfa(Peer):
                     f"{message}; --allow_xla_fallback times the pure-JAX FP8 path instead"
                 ) from e
             raise
-        if fp8 and not api.FP8_KERNEL_VERIFIED:  # the gate was lifted by the environment variable
+        # A gate lifted by its environment variable: the FP8 kernel's, or its MLA instantiation's.
+        mla = (problem.head_dim, problem.v_head_dim) == primitive.MLA_HEAD_DIMS
+        if fp8 and (not api.FP8_KERNEL_VERIFIED or (mla and not api.FP8_MLA_KERNEL_VERIFIED)):
             return Built(kernel, "kernel (unverified)")
         return Built(kernel, "kernel")
 

@@ -130,3 +130,29 @@ def test_smoke_run_times_mla(tmp_path):
         assert r["flops"] == (2 * 192 + 2 * 128) * 4 * 128 * 128 / 2
     for name in ("cudnn", "xla", "pallas"):
         assert rows[name]["status"] == "unsupported" and "v's head dim 128" in rows[name]["message"]
+
+
+def test_fp8_mla_flags_reach_the_fp8_peers(monkeypatch, cpu_backend):
+    """`--dtype fp8 --head_dim 192 --v_head_dim 128`: the FP8 problem has MLA's shapes and the jzyfa FP8 peers
+    take it. On a GPU (faked) they ask for the FP8 kernel's MLA instantiation: while its gate
+    (jzyfa.api.FP8_MLA_KERNEL_VERIFIED) is off, unsupported naming the variable that lifts it; with the
+    variable, the kernel call, labelled unverified."""
+    from jzyfa import api
+
+    config = resolve_config(["--dtype", "fp8", "--head_dim", "192", "--v_head_dim", "128"])
+    assert (config["dtype"], config["head_dim"], bench._config_head_dim_v(config)) == ("fp8", 192, 128)
+    problem = bench.Problem(1, 64, 64, 4, 2, 192, True, "fp8", head_dim_v=128)
+    assert problem.v_shape == (1, 64, 2, 128) and problem.out_shape == (1, 64, 4, 128)
+    monkeypatch.setattr(peers, "_on_gpu", lambda: True)
+    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", False)
+    monkeypatch.delenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, raising=False)
+    for name in ("jzyfa_fp8", "jzyfa_fp8_exact_p"):
+        peer = peers.PEERS[name]
+        assert peer.supports(problem) is None
+        with pytest.raises(peers.Unsupported, match=f"{api.UNVERIFIED_FP8_MLA_KERNEL_ENV}=1"):
+            peer.build(problem, peers.Options())
+    monkeypatch.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
+    for name in ("jzyfa_fp8", "jzyfa_fp8_exact_p"):
+        assert peers.PEERS[name].build(problem, peers.Options()).path == "kernel (unverified)"
+    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", True)
+    assert peers.PEERS["jzyfa_fp8"].build(problem, peers.Options()).path == "kernel"

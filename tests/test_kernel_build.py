@@ -270,6 +270,21 @@ def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
         assert not re.search(r"\bMUFU\.EX2\b", text), name
 
 
+def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
+    """MLA's FP8 instantiations (FlashFwdFp8MlaKernel, ffi/flash_fwd_fp8.cu: q/k head dim 192, v 128, lean
+    and exact P), kernels of their own built like the head-dim-128 ones: S = Q K^T in 6 k32 steps (two
+    128-byte slices of Q and K), P V in 4 on 64x136x32, no local memory."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8MlaKernel" in name}
+    assert len(found) == 2, list(found)  # lean P, exact P
+    for name, text in found.items():
+        assert "Fp8Args" in name and "WindowedArgs" not in name, name
+        check_fp8_instantiation(name, text, lean="ILb1E" in name)
+        qk = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text))
+        pv = len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk % 6 == 0 and pv % 4 == 0 and qk // 6 + 1 == pv // 4, f"{name}: {qk} Q K^T, {pv} P V"
+
+
 def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
     """The FP8 kernel over packed batches (ffi/flash_fwd_fp8_varlen.cu: plain and sliding-window, lean P
     only), kernels of their own, built like the dense ones; O stored from registers (no TMA store)."""
@@ -320,13 +335,14 @@ def test_tma_store_epilogue_variant_builds(tmp_path):
 def test_timeline_variant_builds(tmp_path, source):
     """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
     sliding-window kernels and MLA's are built too but record nothing (their stamps' registers would
-    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel) and the FP8 varlen ones."""
+    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel), the FP8 varlen ones and FP8
+    MLA's (FlashFwdFp8MlaKernel)."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     for name, text in kernels(sass).items():
-        if "WindowKernel" in name or "FlashFwdMla" in name or "Fp8Varlen" in name:
+        if "WindowKernel" in name or "FlashFwdMla" in name or "Fp8Varlen" in name or "Fp8Mla" in name:
             assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.

@@ -175,8 +175,8 @@ def test_other_head_dim_pairs_say_what_the_kernel_has(rng, head_dim, head_dim_v,
 
 @pytest.mark.usefixtures("mla_gate_variable")
 def test_mla_kernel_takes_16_bit_inputs_only(rng):
-    """float32 MLA stays on the pure-JAX path (the dtype's reason comes first); FP8 MLA too (no FP8 MLA
-    kernel: the FP8 kernel is head dim 128 only)."""
+    """float32 MLA stays on the pure-JAX path (the dtype's reason comes first); FP8 MLA too, by default (the
+    FP8 kernel's MLA instantiation has a gate of its own: tests/test_fp8_mla_kernel_path.py)."""
     q, k, v = random_qkv(rng, seq_q=8, head_dim=192, head_dim_v=128, dtype=jnp.float32)
     assert "bf16 or f16" in primitive.kernel_config_problem(q, k, v, 0.1)
     q8, k8, v8 = (x.astype(jnp.float8_e4m3fn) for x in (q, k, v))

@@ -1,0 +1,233 @@
+"""MLA's head dims (q/k 192, v 128) on the FP8 kernel (FlashFwdFp8MlaKernel), on a Hopper GPU: against its
+emulation (the same algorithm: closely) and against float64 attention of the dequantized inputs (loosely),
+outputs NaN-poisoned beforehand (donated buffers the kernel writes into), rows that see no key give O = 0
+and LSE = -inf, causal and not, Sq != Sk both ways, lengths off the 128-row and 128-key tiles, GQA and MQA,
+lean and exact P, bitwise-identical reruns, and the FFI handler's refusals.
+
+Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
+with JZYFA_UNVERIFIED_FP8_MLA_KERNEL=1 (and JZYFA_UNVERIFIED_FP8_KERNEL=1), so that it runs whatever
+jzyfa.api.FP8_MLA_KERNEL_VERIFIED says (False until this file passes on an H200). Tolerances are
+tests/test_fp8_kernel_gpu.py's.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import naive_attention_f64
+from gpu_utils import requires_hopper
+from test_fp8_kernel_gpu import EMULATION_TOLERANCE, FLOAT64_TOLERANCE, LSE_TOLERANCE
+from test_kernel_gpu import relative_l2
+
+import jzyfa
+from jzyfa import api
+from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_layout import fp8_value_operand
+from jzyfa.fp8_primitive import FFI_TARGET_FP8
+from jzyfa.primitive import TILE_COUNTER
+from jzyfa.quantize import fp8_quantize
+
+pytestmark = [pytest.mark.gpu, requires_hopper]
+
+HEAD_DIM, HEAD_DIM_V = 192, 128
+
+
+@pytest.fixture(autouse=True)
+def allow_unverified_kernels(monkeypatch):
+    monkeypatch.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
+    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
+
+
+def fp8_mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, granularity):
+    """e4m3 q, k [.., 192] and v [.., 128] (standard normal, quantized) with their descales."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal(shape, np.float32))
+        for shape in (
+            (batch, seq_q, heads_q, HEAD_DIM),
+            (batch, seq_k, heads_kv, HEAD_DIM),
+            (batch, seq_k, heads_kv, HEAD_DIM_V),
+        )
+    )
+    q8, dq = fp8_quantize(q, granularity, kv_heads=heads_kv if granularity == "head" else None)
+    k8, dk = fp8_quantize(k, granularity)
+    v8, dv = fp8_quantize(v, granularity)
+    return (q8, k8, v8), (dq, dk, dv)
+
+
+def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, softmax_scale=None):
+    """The kernel's emulation on the CPU, as NumPy (out float32, lse), as tests/test_fp8_kernel_gpu.py runs
+    it (every f32 -> e4m3 -> f32 rounding honoured); the default scale is 1/sqrt(192)."""
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
+    with jax.default_device(cpu):
+        out, lse = attention_fp8_emulated(
+            *args, causal=causal, softmax_scale=softmax_scale, lean_p=lean_p, integer_reference=True
+        )
+    return np.asarray(out, np.float32), np.asarray(lse)
+
+
+def run_poisoned(q8, k8, v8, descales, *, causal, lean_p):
+    """The kernel writing into NaN-filled, donated buffers (out [B, Sq, Hq, 128], lse): NumPy float32."""
+
+    def call(q8, k8, v8, dq, dk, dv, out_poison, lse_poison):
+        del out_poison, lse_poison  # donated: their buffers become the results
+        return jzyfa.flash_attention(
+            q8,
+            k8,
+            v8,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dv,
+            causal=causal,
+            lean_p=lean_p,
+            return_lse=True,
+            implementation="kernel",
+        )
+
+    b, sq, hq, _ = q8.shape
+    poison = (
+        jnp.full((b, sq, hq, HEAD_DIM_V), jnp.nan, jnp.bfloat16),
+        jnp.full((b, hq, sq), jnp.nan, jnp.float32),
+    )
+    fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
+    hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
+    assert "input_output_alias" in hlo
+    assert any(FFI_TARGET_FP8 in line and "custom-call(" in line for line in hlo.splitlines())
+    out, lse = fn(q8, k8, v8, *descales, *poison)
+    assert out.shape == (b, sq, hq, HEAD_DIM_V) and out.dtype == jnp.bfloat16
+    return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def dequantized(x8, d, heads):
+    d = np.asarray(d, np.float64)
+    if d.ndim == 2:  # [B, Hkv] -> per head of x
+        d = np.repeat(d, heads // d.shape[1], axis=1)[:, None, :, None]
+    return np.asarray(x8.astype(jnp.float32), np.float64) * d
+
+
+# (batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity): lengths around the 128-row and 128-key
+# tiles and off them (1000), Sq != Sk both ways (bottom-right causal; Sq > Sk leaves the first rows
+# without keys), GQA 8/2 and MQA 8/1, per-tensor and per-head descales, a long row of key blocks.
+CASES = [
+    (2, 300, 300, 4, 2, True, "tensor"),
+    (1, 1000, 1000, 8, 2, True, "head"),
+    (1, 1000, 1000, 8, 1, False, "tensor"),
+    (1, 77, 333, 2, 1, True, "tensor"),  # Sk > Sq, Sk not a multiple of 32
+    (1, 200, 64, 2, 2, True, "tensor"),  # Sq > Sk: the first 136 rows see no key
+    (1, 1000, 129, 8, 1, True, "head"),  # 871 rows see no key
+    (2, 257, 513, 4, 4, False, "head"),
+    (1, 128, 128, 8, 2, False, "tensor"),
+    (1, 1, 1, 8, 2, True, "tensor"),
+    (1, 4097, 4097, 4, 1, True, "tensor"),  # 33 key blocks: promotions of O's float32 copy
+]
+
+
+def case_id(case):
+    batch, sq, sk, hq, hkv, causal, granularity = case
+    return f"{'causal' if causal else 'full'}-b{batch}-{sq}x{sk}-h{hq}/{hkv}-{granularity}"
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_fp8_mla_kernel_against_emulation_and_float64(case, lean_p):
+    batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity = case
+    seed = seq_q * 7 + seq_k
+    (q8, k8, v8), descales = fp8_mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, granularity)
+    out, lse = run_poisoned(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
+    assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
+
+    # The emulation's default scale is 1/sqrt(192), q's and k's head dim, as flash_attention's.
+    emu_out, emu_lse = emulated_on_cpu(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    assert emu_out.shape == out.shape
+    seen = np.isfinite(emu_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen, "rows with no visible key must give LSE = -inf")
+    assert np.all(np.isneginf(lse[~seen])), "rows with no visible key must give LSE = -inf"
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
+    if causal and seq_q > seq_k:
+        assert not seen.all()  # the case does test empty rows
+    err = relative_l2(out, emu_out)
+    assert err < EMULATION_TOLERANCE, f"relative L2 of O against the emulation {err:.2e}"
+    if seen.any():
+        err_lse = relative_l2(lse[seen], emu_lse[seen])
+        assert err_lse < LSE_TOLERANCE, f"relative L2 of LSE against the emulation {err_lse:.2e}"
+
+    ref_out, ref_lse = naive_attention_f64(
+        dequantized(q8, descales[0], heads_q),
+        dequantized(k8, descales[1], heads_kv),
+        dequantized(v8, descales[2], heads_kv),
+        causal=causal,
+        softmax_scale=HEAD_DIM**-0.5,
+    )
+    np.testing.assert_array_equal(np.isfinite(ref_lse), seen)
+    err = relative_l2(out, ref_out)
+    assert err < FLOAT64_TOLERANCE, f"relative L2 of O against float64 {err:.2e}"
+
+
+def test_fp8_mla_kernel_is_bitwise_deterministic():
+    (q8, k8, v8), (dq, dk, dv) = fp8_mla_qkv(11, 2, 1000, 1000, 8, 2, "tensor")
+    fn = jax.jit(
+        functools.partial(
+            jzyfa.flash_attention,
+            descale_q=dq,
+            descale_k=dk,
+            descale_v=dv,
+            causal=True,
+            return_lse=True,
+            implementation="kernel",
+        )
+    )
+    first = [np.asarray(x).view(np.uint8) for x in fn(q8, k8, v8)]
+    noise = jnp.ones((4096, 4096))
+    for _ in range(20):
+        again = fn(q8, k8, v8)
+        noise = noise @ noise * 1e-4  # other GPU work in between
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, np.asarray(b).view(np.uint8))
+
+
+def handler_call(q8, k8, vt8, descales, *, window=(-1, -1), out_head_dim=None):
+    """The FFI handler itself (no dispatch in between), out taking V^T's head dim (or out_head_dim)."""
+    b, sq, hq, _ = q8.shape
+    results = (
+        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or vt8.shape[2]), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
+    )
+    call = jax.ffi.ffi_call(FFI_TARGET_FP8, results)
+    return call(
+        q8,
+        k8,
+        vt8,
+        *(jnp.asarray(d, jnp.float32).reshape(-1) for d in descales),
+        softmax_scale=np.float32(0.1),
+        causal=False,
+        window_left=np.int64(window[0]),
+        window_right=np.int64(window[1]),
+        lean_p=True,
+    )
+
+
+def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():
+    """InvalidArgument, not a crash: head-dim pairs other than (128, 128) and (192, 128), MLA with a
+    sliding window, q and k with different head dims, out without v's head dim."""
+    (q8, k8, v8), descales = fp8_mla_qkv(3, 1, 200, 300, 4, 2, "tensor")
+    vt8 = fp8_value_operand(v8)
+    assert vt8.shape == (1, 2, 128, 320)
+    out, lse, _ = jax.block_until_ready(handler_call(q8, k8, vt8, descales))
+    want_out, _ = emulated_on_cpu(q8, k8, v8, descales, causal=False, lean_p=True, softmax_scale=0.1)
+    assert relative_l2(np.asarray(out.astype(jnp.float32)), want_out) < EMULATION_TOLERANCE
+    assert np.isfinite(np.asarray(lse)).all()
+    with pytest.raises(Exception, match="not a sliding window"):
+        jax.block_until_ready(handler_call(q8, k8, vt8, descales, window=(16, 4)))
+    with pytest.raises(Exception, match="got 192 for q and k, 64 for v"):
+        jax.block_until_ready(handler_call(q8, k8, vt8[:, :, :64], descales))
+    with pytest.raises(Exception, match="got 128 for q and k, 64 for v"):
+        jax.block_until_ready(handler_call(q8[..., :128], k8[..., :128], vt8[:, :, :64], descales))
+    with pytest.raises(Exception, match="disagree on head_dim"):
+        jax.block_until_ready(handler_call(q8, k8[..., :128], vt8, descales))
+    with pytest.raises(Exception, match="out .* must have the shape of q .* with head_dim 128"):
+        jax.block_until_ready(handler_call(q8, k8, vt8, descales, out_head_dim=192))
