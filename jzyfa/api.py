@@ -274,10 +274,11 @@ def _fp8_window_problem(q, k, causal: bool, window) -> str | None:
 
 
 # The FP8 kernel's MLA instantiation (q/k head dim 192, v head dim 128; FlashFwdFp8MlaKernel in
-# ffi/flash_fwd_fp8_kernel.cuh, dense batches, causal or no mask, lean and exact P) builds without spills
-# but has not yet passed its GPU tests (tests/test_fp8_mla_kernel_gpu.py). While False, implementation=None
-# runs FP8 MLA calls on the pure-JAX path and implementation="kernel" needs the variable below.
-FP8_MLA_KERNEL_VERIFIED = False
+# ffi/flash_fwd_fp8_kernel.cuh, dense batches, causal or no mask, lean and exact P) passed its GPU tests on
+# an H200 on 2026-12-01 (tests/test_fp8_mla_kernel_gpu.py, 22 passed: against its emulation and float64,
+# lean and exact P, Sq != Sk, GQA, rows with no key, poisoned outputs, a bitwise rerun). Set False (the kill
+# switch) to run FP8 MLA calls on the pure-JAX path (implementation="kernel" then needs the variable below).
+FP8_MLA_KERNEL_VERIFIED = True
 UNVERIFIED_FP8_MLA_KERNEL_ENV = "JZYFA_UNVERIFIED_FP8_MLA_KERNEL"
 
 
@@ -547,10 +548,10 @@ def flash_attention(
         instantiation, verified on an H200 on 2026-11-30 (`jzyfa.api.MLA_KERNEL_VERIFIED = False` is its
         kill switch). FP8 sliding windows likewise (`FP8_WINDOW_KERNEL_VERIFIED`). FP8 (e4m3) inputs
         run on the FP8 kernel at head dim 128 and, causal or no mask, MLA's head dims; its MLA
-        instantiation has not passed its GPU tests yet (`jzyfa.api.FP8_MLA_KERNEL_VERIFIED` is False):
-        None runs FP8 MLA calls on the pure-JAX path and "kernel" needs
-        JZYFA_UNVERIFIED_FP8_MLA_KERNEL=1 (FP8 MLA with a sliding window always runs on the pure-JAX
-        path; "kernel" refuses it). Head dim 256
+        instantiation was verified on an H200 on 2026-12-01 (`jzyfa.api.FP8_MLA_KERNEL_VERIFIED = False`
+        is its kill switch: None then runs FP8 MLA calls on the pure-JAX path and "kernel" needs
+        JZYFA_UNVERIFIED_FP8_MLA_KERNEL=1; FP8 MLA with a sliding window always runs on the pure-JAX
+        path, and "kernel" refuses it). Head dim 256
         (bf16/f16, causal or no mask) runs on the kernel's hd256 instantiation, verified on an H200 on
         2026-12-01 (`jzyfa.api.HD256_KERNEL_VERIFIED = False` is its kill switch; "kernel" then needs
         JZYFA_UNVERIFIED_HD256_KERNEL=1). Sliding windows (other than causal or none) at head dim 256

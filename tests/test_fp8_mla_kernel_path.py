@@ -1,5 +1,5 @@
 """MLA's head dims (q/k 192, v 128) on the FP8 kernel, the JAX side on the CPU: the gate
-(jzyfa.api.FP8_MLA_KERNEL_VERIFIED, off until tests/test_fp8_mla_kernel_gpu.py passes on a Hopper GPU) and
+(jzyfa.api.FP8_MLA_KERNEL_VERIFIED, on since tests/test_fp8_mla_kernel_gpu.py passed on an H200; a kill switch) and
 its variable, the CUDA custom call's operand and result shapes (V^T keeps v's head dim 128, out takes it),
 what stays on the pure-JAX path (sliding windows, varlen batches, other head-dim pairs) and why, and the
 primitive's emulation lowering. (The kernel itself: tests/test_fp8_mla_kernel_gpu.py and
@@ -88,10 +88,11 @@ def cuda_hlo(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
-def test_the_gate_is_off_and_keeps_fp8_mla_on_the_pure_jax_path(rng):
-    """Off until the GPU tests pass: implementation=None runs FP8 MLA on the pure-JAX path (lowered for
-    CUDA: no FP8 custom call), and implementation="kernel" names the gate and its variable."""
-    assert api.FP8_MLA_KERNEL_VERIFIED is False
+def test_the_kill_switch_keeps_fp8_mla_on_the_pure_jax_path(rng, monkeypatch):
+    """Off (the kill switch): implementation=None runs FP8 MLA on the pure-JAX path (lowered for CUDA: no
+    FP8 custom call), and implementation="kernel" names the gate and its variable."""
+    assert api.FP8_MLA_KERNEL_VERIFIED is True  # verified on an H200 on 2026-12-01
+    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", False)
     assert not api.fp8_mla_kernel_enabled()
     (q8, k8, v8), (dq, dk, dv) = fp8_mla_qkv(rng, seq_q=40, seq_k=72)
     for causal in (False, True):
@@ -113,6 +114,8 @@ def test_the_gate_is_off_and_keeps_fp8_mla_on_the_pure_jax_path(rng):
 
 @pytest.mark.usefixtures("fp8_mla_gate_variable")
 def test_the_variable_lifts_the_gate_for_implementation_kernel_only(rng, monkeypatch):
+    """With the kill switch off, the variable lets implementation="kernel" through; None stays pure-JAX."""
+    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", False)
     (q8, k8, v8), (dq, dk, dv) = fp8_mla_qkv(rng, seq_q=40, seq_k=72)
     assert api.fp8_mla_kernel_enabled()
     with monkeypatch.context() as mp:
@@ -132,10 +135,9 @@ def test_the_variable_lifts_the_gate_for_implementation_kernel_only(rng, monkeyp
 
 
 def test_verified_gate_runs_fp8_mla_on_the_primitive(rng, monkeypatch):
-    """Once FP8_MLA_KERNEL_VERIFIED is True, implementation=None takes the primitive wherever the kernel
-    runs (on the CPU kernel_available is False: the pure-JAX path)."""
+    """With FP8_MLA_KERNEL_VERIFIED on (the default), implementation=None takes the primitive wherever the
+    kernel runs (on the CPU kernel_available is False: the pure-JAX path)."""
     (q8, k8, v8), _ = fp8_mla_qkv(rng, seq_q=40, seq_k=72)
-    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", True)
     assert api.choose_fp8_path(q8, k8, v8, True, None, None) is api.Path.REFERENCE  # no kernel here
     monkeypatch.setattr(api._platform, "kernel_available", lambda: True)
     for causal in (False, True):
