@@ -12,7 +12,6 @@
 #include <string>
 
 #include "flash_fwd.h"
-#include "fp8_value_operand.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -269,7 +268,7 @@ ffi::Error CheckDescales(const std::string& name, ffi::Buffer<ffi::F32> dq,
   return ffi::Error::Success();
 }
 
-// Whether q, k and vt are all e4m3.
+// Whether q, k and v are all e4m3.
 bool AllE4m3(std::initializer_list<const ffi::AnyBuffer*> buffers) {
   return std::all_of(buffers.begin(), buffers.end(), [](const ffi::AnyBuffer* x) {
     return x->element_type() == ffi::DataType::F8E4M3FN;
@@ -277,7 +276,7 @@ bool AllE4m3(std::initializer_list<const ffi::AnyBuffer*> buffers) {
 }
 
 ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                    ffi::AnyBuffer vt, ffi::Buffer<ffi::F32> descale_q,
+                                    ffi::AnyBuffer v, ffi::Buffer<ffi::F32> descale_q,
                                     ffi::Buffer<ffi::F32> descale_k,
                                     ffi::Buffer<ffi::F32> descale_v,
                                     ffi::Result<ffi::Buffer<ffi::BF16>> out,
@@ -286,35 +285,33 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     float softmax_scale, bool causal, int64_t window_left,
                                     int64_t window_right, bool lean_p) {
   const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
-  if (!AllE4m3({&q, &k, &vt})) {
-    return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
+  if (!AllE4m3({&q, &k, &v})) {
+    return ffi::Error::InvalidArgument(name + "q, k and v must be float8_e4m3fn");
   }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = vt.dimensions(),
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              od = out->dimensions(), ld = lse->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        name + "q and k must be [batch, seq, heads, head_dim], vt [batch, heads_kv, head_dim, keys]");
+    return ffi::Error::InvalidArgument(name + "q, k and v must be [batch, seq, heads, head_dim]");
   }
-  // vt's rows are v's head dim (MLA: 128 where q and k have 192), out's head dim.
+  // v's head dim may differ from q's and k's (MLA: 128 where they have 192): out's head dim.
   if (kd[3] != qd[3]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " + ShapeString(kd) +
                                        " disagree on head_dim");
   }
-  if (kd[0] != qd[0] || vd[0] != kd[0] || vd[1] != kd[2]) {
+  if (kd[0] != qd[0] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and vt " + ShapeString(vd) + " disagree");
+                                       " and v " + ShapeString(vd) + " disagree");
   }
-  ffi::Error results = CheckResults(name, qd, od, ld, vd[2], tile_counter->element_count());
+  ffi::Error results = CheckResults(name, qd, od, ld, vd[3], tile_counter->element_count());
   if (results.failure()) return results;
   ffi::Error descales = CheckDescales(name, descale_q, descale_k, descale_v, "batch", kd[0], kd[2]);
   if (descales.failure()) return descales;
 
   FlashFwdFp8Params p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
-  p.vt = vt.untyped_data();
-  p.head_dim_v = vd[2];
+  p.v = v.untyped_data();
+  p.head_dim_v = vd[3];
   SetDescales(p, descale_q, descale_k, descale_v);
-  p.seqlen_k_padded = vd[3];
   p.window_left = window_left;
   p.window_right = window_right;
   p.lean_p = lean_p;
@@ -323,7 +320,7 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
 }
 
 ffi::Error FlashAttentionFp8VarlenFwdImpl(
-    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer vt,
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k,
     ffi::Buffer<ffi::F32> descale_q, ffi::Buffer<ffi::F32> descale_k,
     ffi::Buffer<ffi::F32> descale_v, ffi::Result<ffi::Buffer<ffi::BF16>> out,
@@ -331,20 +328,20 @@ ffi::Error FlashAttentionFp8VarlenFwdImpl(
     float softmax_scale, bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k,
     int64_t window_left, int64_t window_right) {
   const std::string name = "jzyfa_flash_attention_fp8_varlen_fwd: ";
-  if (!AllE4m3({&q, &k, &vt})) {
-    return ffi::Error::InvalidArgument(name + "q, k and vt must be float8_e4m3fn");
+  if (!AllE4m3({&q, &k, &v})) {
+    return ffi::Error::InvalidArgument(name + "q, k and v must be float8_e4m3fn");
   }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = vt.dimensions(),
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              od = out->dimensions(), ld = lse->dimensions();
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
-    return ffi::Error::InvalidArgument(
-        name + "q and k must be packed [total_tokens, heads, head_dim], vt [heads_kv, head_dim, keys]");
+    return ffi::Error::InvalidArgument(name +
+                                       "q, k and v must be packed [total_tokens, heads, head_dim]");
   }
-  if (kd[2] != qd[2] || vd[0] != kd[1] || vd[1] != kd[2]) {
+  if (kd[2] != qd[2] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and vt " + ShapeString(vd) + " disagree");
+                                       " and v " + ShapeString(vd) + " disagree");
   }
-  ffi::Error checked = CheckVarlenOperands(name, qd, vd[1], cu_seqlens_q, cu_seqlens_k, od, ld,
+  ffi::Error checked = CheckVarlenOperands(name, qd, vd[2], cu_seqlens_q, cu_seqlens_k, od, ld,
                                           tile_counter->element_count());
   if (checked.failure()) return checked;
   const int64_t num_seqs = cu_seqlens_q.dimensions()[0] - 1;
@@ -355,49 +352,11 @@ ffi::Error FlashAttentionFp8VarlenFwdImpl(
   FlashFwdFp8VarlenParams p;
   SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
                   max_seqlen_q, max_seqlen_k, window_left, window_right);
-  p.vt = vt.untyped_data();
-  p.head_dim_v = vd[1];
-  p.vt_keys = vd[2];
+  p.v = v.untyped_data();
+  p.head_dim_v = vd[2];
   SetDescales(p, descale_q, descale_k, descale_v);
 
   return ValidateAndLaunch(name, p, ValidateFlashFwdFp8Varlen, LaunchFlashFwdFp8Varlen, stream);
-}
-
-ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
-                               ffi::Result<ffi::AnyBuffer> vt) {
-  const std::string name = "jzyfa_fp8_value_operand: ";
-  for (ffi::DataType dtype : {v.element_type(), vt->element_type()}) {
-    if (dtype != ffi::DataType::F8E4M3FN) {
-      return ffi::Error::InvalidArgument(name + "v and vt must be float8_e4m3fn");
-    }
-  }
-  const auto vd = v.dimensions(), td = vt->dimensions();
-  if (vd.size() != 4) {
-    return ffi::Error::InvalidArgument(name + "v " + ShapeString(vd) +
-                                       " must be [batch, seq_k, heads_kv, head_dim]");
-  }
-  if (vd[3] != 128) {
-    return ffi::Error::InvalidArgument(name + "v's head_dim must be 128, got " +
-                                       std::to_string(vd[3]));
-  }
-  const int64_t padded = (vd[1] + 31) / 32 * 32;
-  if (td.size() != 4 || td[0] != vd[0] || td[1] != vd[2] || td[2] != vd[3] || td[3] != padded) {
-    const int64_t want[4] = {vd[0], vd[2], vd[3], padded};
-    return ffi::Error::InvalidArgument(
-        name + "vt " + ShapeString(td) + " must be [batch, heads_kv, head_dim, seq_k rounded up to "
-        "32] = " + ShapeString(ffi::Span<const int64_t>(want, 4)) + " for v " + ShapeString(vd));
-  }
-
-  Fp8ValueOperandParams p;
-  p.v = v.untyped_data();
-  p.vt = vt->untyped_data();
-  p.batch = vd[0];
-  p.seqlen_k = vd[1];
-  p.heads_kv = vd[2];
-  p.head_dim = vd[3];
-  p.seqlen_k_padded = td[3];
-
-  return ValidateAndLaunch(name, p, ValidateFp8ValueOperand, LaunchFp8ValueOperand, stream);
 }
 
 }  // namespace
@@ -443,7 +402,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q, e4m3
                                   .Arg<ffi::AnyBuffer>()  // k, e4m3
-                                  .Arg<ffi::AnyBuffer>()  // vt, e4m3 (jzyfa/fp8_layout.py)
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
@@ -462,7 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8Varle
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q, e4m3 [total_q, Hq, 128]
                                   .Arg<ffi::AnyBuffer>()  // k, e4m3 [total_k, Hkv, 128]
-                                  .Arg<ffi::AnyBuffer>()  // vt, e4m3 [Hkv, 128, keys] (fp8_layout.py)
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [total_k, Hkv, 128]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
@@ -477,13 +436,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8Varle
                                   .Attr<int64_t>("max_seqlen_k")
                                   .Attr<int64_t>("window_left")  // -1: unbounded
                                   .Attr<int64_t>("window_right"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
-                                  .Ret<ffi::AnyBuffer>(),  // vt, e4m3 [B, Hkv, 128, Sk']
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jzyfa

@@ -49,15 +49,14 @@ struct FlashFwdParams {
 };
 
 // One FP8 forward call (head dim 128, or MLA's 192 for q and k with 128 for v and out, causal or no
-// mask): q [batch, seqlen_q, heads_q, head_dim] and k [batch, seqlen_k, heads_kv, head_dim] e4m3; vt
-// e4m3 [batch, heads_kv, 128, seqlen_k_padded], V transposed with keys padded to a multiple of 32 and
-// permuted inside each 32-key group (jzyfa/fp8_layout.py); descales float32, each one value or one
-// per (batch, KV head); out bf16 [batch, seqlen_q, heads_q, head_dim_v]; lse and tile_counter as for
-// FlashFwdParams.
+// mask): q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k, heads_kv, head_dim] and v
+// [batch, seqlen_k, heads_kv, head_dim_v] e4m3 (the kernel transposes V's tiles in shared memory);
+// descales float32, each one value or one per (batch, KV head); out bf16 [batch, seqlen_q, heads_q,
+// head_dim_v]; lse and tile_counter as for FlashFwdParams.
 struct FlashFwdFp8Params {
   const void* q = nullptr;
   const void* k = nullptr;
-  const void* vt = nullptr;
+  const void* v = nullptr;
   const float* descale_q = nullptr;
   const float* descale_k = nullptr;
   const float* descale_v = nullptr;
@@ -68,11 +67,10 @@ struct FlashFwdFp8Params {
   int64_t batch = 0;
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
-  int64_t seqlen_k_padded = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;    // q's and k's
-  int64_t head_dim_v = 0;  // v's (vt's rows) and out's
+  int64_t head_dim_v = 0;  // v's and out's
   float softmax_scale = 1.0f;
   bool causal = false;
   int64_t window_left = -1;  // as in FlashFwdParams (dense batches)
@@ -114,24 +112,14 @@ struct FlashFwdVarlenParams {
 };
 
 // One FP8 forward call over a packed variable-length batch (head dim 128): the fields of
-// FlashFwdVarlenParams, with q and k e4m3, out bf16 and `v` unused, plus vt, e4m3
-// [heads_kv, 128, vt_keys]: V^T with sequence s's keys from column roundup32(cu_seqlens_k[s]) + 32 s,
-// permuted inside each 32-key group, zeros between sequences, vt_keys = roundup32(total_k) +
-// 32 (num_seqs + 1) (jzyfa/fp8_layout.py, fp8_varlen_value_operand); and the descales, float32, each
-// one value or one per (sequence, KV head). P is always lean (FlashFwdFp8Params::lean_p).
+// FlashFwdVarlenParams, with q, k and v e4m3 and out bf16, plus the descales, float32, each one
+// value or one per (sequence, KV head). P is always lean (FlashFwdFp8Params::lean_p).
 struct FlashFwdFp8VarlenParams : FlashFwdVarlenParams {
-  const void* vt = nullptr;
   const float* descale_q = nullptr;
   const float* descale_k = nullptr;
   const float* descale_v = nullptr;
   int64_t descale_count = 1;  // 1 or num_seqs * heads_kv, the same for all three
-  int64_t vt_keys = 0;
 };
-
-// vt's key columns for a varlen FP8 call (FlashFwdFp8VarlenParams).
-inline int64_t Fp8VarlenValueKeys(int64_t total_k, int64_t num_seqs) {
-  return (total_k + 31) / 32 * 32 + 32 * (num_seqs + 1);
-}
 
 // The mask a launch (16-bit or FP8) runs with: causal or not (the plain kernels), or a sliding
 // window (the windowed kernels, bounds in 0..2^30 or -1).

@@ -285,30 +285,41 @@ struct RingSlot {
 };
 
 // Thread 0 sets up the barriers (one arrival per consumer warp on the "empty" ones); every
-// thread must pass a __syncthreads after it.
-template <int kStages, int kConsumers>
+// thread must pass a __syncthreads after it. v_full takes kVFullArrivals arrivals: 1 where a TMA
+// load completes it (arrive + bytes), the transposing threads' count where they build V's operand
+// (the FP8 kernel).
+template <int kStages, int kConsumers, int kVFullArrivals = 1>
 __device__ __forceinline__ void InitBarriers(FwdBarriers<kStages>& bars) {
   if (threadIdx.x != 0) return;
   ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
   ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * kConsumers);
   for (int s = 0; s < kStages; ++s) {
     ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
-    ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), kVFullArrivals);
     ptx::mbarrier_init(SmemAddress(&bars.k_empty[s]), 4 * kConsumers);
     ptx::mbarrier_init(SmemAddress(&bars.v_empty[s]), 4 * kConsumers);
   }
   ptx::fence_mbarrier_init();
 }
 
+// ProduceTiles' default for kernels whose V loads complete v_full: nothing to do at the end.
+struct NoProducerFinish {
+  __device__ __forceinline__ void operator()(uint32_t) const {}
+};
+
 // The producer thread's loop: claims tiles from the counter, hands each to the consumers through
 // `bars.tile` and q_full, and loads its Q and K/V blocks into the ring. The loads are the
 // kernel's: load_q(work, bar), load_k(work, block, stage, bar), load_v(work, block, stage, bar)
-// issue the TMA copies whose bytes (q_bytes, k_bytes, v_bytes) complete `bar`.
+// issue the TMA copies whose bytes (q_bytes, k_bytes, v_bytes) complete `bar`. V's bytes complete
+// bars.v_full, or, where v_landed is given (the FP8 kernel: V lands in a staging buffer that other
+// threads transpose into the stage), v_landed[stage]. finish(ring) runs once when the tiles run
+// out, with the count of K/V blocks loaded since the launch, before the consumers are told to stop.
 template <int kStages, int kBlockM, int kBlockN, typename Args, typename LoadQ, typename LoadK,
-          typename LoadV>
+          typename LoadV, typename Finish = NoProducerFinish>
 __device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const Args& args,
                                              uint32_t q_bytes, uint32_t k_bytes, uint32_t v_bytes,
-                                             LoadQ load_q, LoadK load_k, LoadV load_v) {
+                                             LoadQ load_q, LoadK load_k, LoadV load_v,
+                                             uint64_t* v_landed = nullptr, Finish finish = {}) {
   const uint32_t q_full = SmemAddress(&bars.q_full);
   uint32_t ring = 0;  // K/V blocks loaded since the launch
   int tile = blockIdx.x;
@@ -317,6 +328,7 @@ __device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const A
     if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
     *reinterpret_cast<volatile int*>(&bars.tile) = tile;
     if (tile >= args.num_tiles) {
+      finish(ring);
       ptx::mbarrier_arrive(q_full);  // tells the consumers to stop
       return;
     }
@@ -334,7 +346,8 @@ __device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const A
       const RingSlot<kStages> slot(ring);
       // Refill a stage once both consumers released the block that was in it.
       const uint32_t k_full = SmemAddress(&bars.k_full[slot.stage]);
-      const uint32_t v_full = SmemAddress(&bars.v_full[slot.stage]);
+      const uint32_t v_full =
+          SmemAddress(v_landed != nullptr ? &v_landed[slot.stage] : &bars.v_full[slot.stage]);
       if (ring >= kStages) ptx::mbarrier_wait(SmemAddress(&bars.k_empty[slot.stage]), slot.parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(k_full, k_bytes);
       load_k(work, block, slot.stage, k_full);

@@ -1,4 +1,4 @@
-// Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V^T as bytes),
+// Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V as bytes),
 // the persistent grid, and the instantiations (lean P, exact P; each plain and sliding-window, and
 // MLA's head dims, q/k 192 with v 128, causal or no mask).
 #include <algorithm>
@@ -33,22 +33,18 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
-  CUtensorMap tmap_q, tmap_k, tmap_vt;
-  // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
-  const uint64_t keys = static_cast<uint64_t>(p.seqlen_k_padded), d = Tile::kHeadDim;
-  const uint64_t vt_dims[4] = {keys, d, static_cast<uint64_t>(p.heads_kv),
-                               static_cast<uint64_t>(p.batch)};
-  const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
-  const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
+  CUtensorMap tmap_q, tmap_k, tmap_v;
   // Q and K as bytes, boxes of 128 head-dim columns (128 bytes: the whole head dim, or one of MLA's
-  // two slices) x the rows.
+  // two slices) x the rows. V (head dim 128) likewise but unswizzled: the kernel's staging buffer,
+  // transposed into V^T in shared memory (fp8_value_transpose.cuh).
   constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   constexpr int kD = Tile::kHeadDimQK, kBox = Tile::kQkSliceCols;
   if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, p.batch, p.seqlen_q, p.heads_q, kD, kBox,
                     Tile::kRowsPerConsumer, &error) ||
       !EncodeRowMap(&tmap_k, p.k, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, kD, kBox,
                     Tile::kBlockN, &error) ||
-      !EncodeTensorMap4d(&tmap_vt, p.vt, kBytes, vt_dims, vt_strides, vt_box, &error)) {
+      !EncodeRowMap(&tmap_v, p.v, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, Tile::kHeadDimV,
+                    Tile::kHeadDimV, Tile::kBlockN, &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
     return error;
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8Args>, Fp8Args> args;
@@ -65,7 +61,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
-  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_vt, args);
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 forward kernel", err);
   return "";
@@ -86,11 +82,6 @@ std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
-  }
-  if (p.seqlen_k_padded != (p.seqlen_k + 31) / 32 * 32) {
-    return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +
-           std::to_string((p.seqlen_k + 31) / 32 * 32) + "), got " +
-           std::to_string(p.seqlen_k_padded);
   }
   if (p.descale_count != 1 && p.descale_count != p.batch * p.heads_kv) {
     return "descales must hold 1 or batch * heads_kv (" + std::to_string(p.batch * p.heads_kv) +

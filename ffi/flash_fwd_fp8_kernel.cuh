@@ -3,9 +3,10 @@
 // two consumer warpgroups, K/V ring, in-warpgroup overlap, ping-pong) with the FP8 softmax of
 // docs/fp8.md, which jzyfa/fp8_emulation.py specifies bit for bit where it can:
 //   - S = Q K^T and O += P V on e4m3 wgmma (QGMMA, k32). FP8 wgmma reads both operands K-major,
-//     so V arrives transposed (V^T [head_dim, keys], keys permuted inside each 32-key group:
-//     jzyfa/fp8_layout.py) and P goes from the S accumulators into A registers without moving a
-//     byte between lanes.
+//     so V's tile is transposed in shared memory (V^T [head_dim, keys], keys permuted inside each
+//     32-key group: jzyfa/fp8_layout.py) by three producer warps after its TMA load
+//     (fp8_value_transpose.cuh), and P goes from the S accumulators into A registers without
+//     moving a byte between lanes.
 //   - One integer reference exponent r per row: P~ = 2^(t - r), t the score in log2 units. r rises
 //     lazily (only when a block's largest P~ would pass 2^(7 + 1.75)) and falls for blocks far below
 //     the row maximum (per-block power-of-two scaling), so O is rescaled by exact powers of two.
@@ -28,6 +29,7 @@
 #include <type_traits>
 
 #include "flash_fwd_common.cuh"
+#include "fp8_value_transpose.cuh"
 #include "kernel_timeline.cuh"
 #include "sm90_mma.cuh"
 
@@ -53,10 +55,9 @@ struct Fp8Args {
 };
 
 // A packed variable-length batch (jzyfa.flash_attention_varlen with e4m3 inputs): the 16-bit
-// kernel's varlen arguments (q [total_q, heads_q, 128], k [total_k, heads_kv, 128], cu_seqlens on the
-// device, out bf16 [total_q, heads_q, 128], lse [heads_q, total_q]) plus the descales, one value or
-// one per (sequence, KV head). V^T is [heads_kv, 128, vt_keys] with sequence s's keys from column
-// Fp8VarlenValueColumn (jzyfa/fp8_layout.py, fp8_varlen_value_operand); exact P is not instantiated.
+// kernel's varlen arguments (q [total_q, heads_q, 128], k and v [total_k, heads_kv, 128],
+// cu_seqlens on the device, out bf16 [total_q, heads_q, 128], lse [heads_q, total_q]) plus the
+// descales, one value or one per (sequence, KV head); exact P is not instantiated.
 struct Fp8VarlenArgs : VarlenFwdArgs {
   const float* descale_q;
   const float* descale_k;
@@ -73,14 +74,6 @@ constexpr bool kIsVarlen<WindowedArgs<Fp8VarlenArgs>> = true;
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& args) {
   return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));
-}
-
-// The V^T column of a sequence's first key, given its first key's token k_offset and its index:
-// roundup32(k_offset) + 32 seq, so every sequence starts on a 32-key group of the permuted layout and
-// no two overlap (jzyfa/fp8_layout.py). A windowed tile's k_offset moved by whole key blocks (multiples
-// of 32), which moves the column by as much.
-__device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
-  return ((k_offset + 31) & ~31) + 32 * seq;
 }
 
 // The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
@@ -120,6 +113,9 @@ struct Fp8TileT {
   static constexpr int kVtBytes = kHeadDim * kBlockN;
   static constexpr int kOnesBytes = 8 * kBlockN;  // rows 128..135 of the P V B operand
   static constexpr int kStageBytes = kKBytes + kVtBytes + kOnesBytes;
+  // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
+  // the producer's transposing warps build the stage's V^T from it (fp8_value_transpose.cuh).
+  static constexpr int kVStagingBytes = kBlockN * kHeadDim;
   // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
   // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
   // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
@@ -139,7 +135,8 @@ struct Fp8TileT {
   static constexpr int kRegCopyChunks =
       kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
-  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
+  static constexpr int kVStagingOffset = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
+  static constexpr int kSmemBytes = kVStagingOffset + kStages * kVStagingBytes;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
@@ -147,6 +144,8 @@ struct Fp8TileT {
                 "Q and K slices must stay 1024-byte aligned");
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
   static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
+  static_assert(kVStagingOffset % 128 == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
+                kVtBytes == Fp8ValueTranspose::kTileBytes);
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
@@ -318,14 +317,31 @@ struct Fp8OnlineSoftmax {
   }
 };
 
+// The FP8 kernel's barriers besides FwdBarriers: V's staging buffer of each stage is full (TMA's
+// bytes; the transposing warps wait on it), and 1 + the K/V block count at which the producer ran
+// out of tiles (the transposing warps stop there; 0 until then).
+template <int kStages>
+struct Fp8StagingBarriers {
+  uint64_t v_staged[kStages];
+  uint32_t stop_after;
+};
+
 // The kernel's body, for Fp8Args (no mask, or causal), WindowedArgs<Fp8Args> (a sliding window:
 // each tile visits only the key blocks its rows' windows reach, from work.first_block on), and
 // Fp8VarlenArgs and its window (packed sequences: a tile's rows and keys start at its sequence's
 // offsets, the tensor maps cover the packed tensors as one batch, O is stored per token). Tile:
 // Fp8Tile, or Fp8MlaTile (MLA's head dims, Fp8Args only: FlashFwdFp8MlaKernel).
+//
+// V's operand: warp 0's first lane (the TMA thread) loads V's tile as it is ([128 keys][128 bytes],
+// like K's) into the stage's staging buffer, completing v_staged; warps 1..3 of the producer
+// warpgroup wait on it, write the stage's V^T tile (generic-proxy stores), fence them for the async
+// proxy (wgmma) and arrive on v_full (96 arrivals). The consumers' v_empty releases both buffers:
+// the TMA thread waits on it before it refills the staging buffer, so the V^T tile is never written
+// while a P V may still read it. Every V^T byte comes from V's bytes or TMA's zeros (keys past the
+// tensor's end), never from uninitialized shared memory.
 template <bool kLeanP, typename Tile = Fp8Tile, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
-                                                 const CUtensorMap& tmap_vt, const Args& args) {
+                                                 const CUtensorMap& tmap_v, const Args& args) {
   constexpr bool kWindow = kHasWindow<Args>;
   constexpr bool kVarlen = kIsVarlen<Args>;
   constexpr bool kMla = Tile::kHeadDimQK != Tile::kHeadDimV;
@@ -337,11 +353,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) FwdBarriers<kStages> bars;
+  __shared__ __align__(8) Fp8StagingBarriers<kStages> staging_bars;
   const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                              ~uint32_t(Tile::kSmemAlign - 1);
   auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
   auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * Tile::kStageBytes; };
   auto smem_vt = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
+  auto smem_v_staging = [&](int stage) {
+    return smem_base + Tile::kVStagingOffset + stage * Tile::kVStagingBytes;
+  };
 
   const int warpgroup = threadIdx.x / 128;
   uint8_t* const smem_aligned = smem_raw + (smem_base - SmemAddress(smem_raw));
@@ -355,18 +375,41 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     }
     ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
   }
-  InitBarriers<kStages, Tile::kConsumers>(bars);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(SmemAddress(&staging_bars.v_staged[s]), 1);
+  }
+  InitBarriers<kStages, Tile::kConsumers, Fp8ValueTranspose::kThreads>(bars);  // its fence: both
+  // Zeroed by a transposing thread: stored by thread 0 (with the barriers), it moved ptxas's
+  // register allocation of the windowed consumers into a one-register spill (ptxas 13.0).
+  if (threadIdx.x == 32) staging_bars.stop_after = 0;
   __syncthreads();
 
   // ---------------------------------------------------------------- producer
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<Tile::kProducerRegs>();
+    if (threadIdx.x >= 32) {
+      // Warps 1..3: V^T of every K/V block the TMA thread loads, in the ring's order, until the
+      // block count it stopped at. Warp t takes pieces t, t + 3, t + 6 of each tile.
+      const Fp8TransposeLane lane(threadIdx.x % 32);
+      const uint32_t first_piece = threadIdx.x / 32 - 1;
+      for (uint32_t ring = 0;; ++ring) {
+        const Slot slot(ring);
+        ptx::mbarrier_wait(SmemAddress(&staging_bars.v_staged[slot.stage]), slot.parity);
+        if (ring + 1 == *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after)) return;
+        for (uint32_t piece = first_piece; piece < Fp8ValueTranspose::kPieces;
+             piece += Fp8ValueTranspose::kWarps) {
+          TransposeValuePiece(smem_v_staging(slot.stage), smem_vt(slot.stage), piece, lane);
+        }
+        ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
+        ptx::mbarrier_arrive(SmemAddress(&bars.v_full[slot.stage]));
+      }
+    }
     if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&tmap_q);
     ptx::prefetch_tensor_map(&tmap_k);
-    ptx::prefetch_tensor_map(&tmap_vt);
-    // One byte per element: a box row of 128 bytes is the whole head dim (or 128 keys of V^T); MLA's
-    // Q and K rows (192 bytes) take two boxes, columns 0..127 and 128..255 (TMA's zeros past 191).
+    ptx::prefetch_tensor_map(&tmap_v);
+    // One byte per element: a box row of 128 bytes is the whole head dim (of Q, K or V); MLA's Q and
+    // K rows (192 bytes) take two boxes, columns 0..127 and 128..255 (TMA's zeros past 191).
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
     // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
     // stored, such keys are masked (P = 0).
@@ -397,16 +440,32 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
                          work.kv_head, batch);
       }
     };
-    // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
-    // first key is a multiple of 128, and a sequence's first column one of 32, so every box starts
-    // on a 32-key group of the permuted layout.
-    auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
-      int column = first_key(work, block), batch = work.batch;
-      if constexpr (kVarlen) column += Fp8VarlenValueColumn(work.k_offset, work.batch), batch = 0;
-      ptx::tma_load_4d(smem_vt(stage), &tmap_vt, bar, column, 0, work.kv_head, batch);
+    // V as K: 128 key rows of 128 bytes, into the staging buffer (bar: v_staged).
+    auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
+      int key = first_key(work, block), batch = work.batch;
+      if constexpr (kVarlen) key += work.k_offset, batch = 0;
+      ptx::tma_load_4d(smem_v_staging(stage), &tmap_v, bar, 0, key, work.kv_head, batch);
     };
-    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
-                                                   Tile::kVtBytes, load_q, load_k, load_vt);
+    // Out of tiles after `ring` blocks: once the stage's last block was released (its phase of
+    // v_staged complete, so one arrival completes the next), the transposing warps wake on it and
+    // stop.
+    auto stop_transposers = [&](uint32_t ring) {
+      const Slot slot(ring);
+      const uint32_t v_empty = SmemAddress(&bars.v_empty[slot.stage]);
+      if (ring >= kStages) ptx::mbarrier_wait(v_empty, slot.parity ^ 1);
+      *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after) = ring + 1;
+      ptx::mbarrier_arrive(SmemAddress(&staging_bars.v_staged[slot.stage]));  // release: stop_after
+    };
+    // The tile plan's loop-invariant addresses (varlen: the offsets' tail entry) formed here
+    // rather than hoisted by ptxas above the warp roles, where they took registers of this
+    // thread's 40 for the whole loop (a spill).
+    Args plan_args = args;
+    if constexpr (kVarlen) {
+      asm volatile("" : "+l"(plan_args.cu_seqlens_q), "+l"(plan_args.cu_seqlens_k));
+    }
+    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, plan_args, Tile::kQBytes, Tile::kKBytes,
+                                                   Tile::kVStagingBytes, load_q, load_k, load_v,
+                                                   staging_bars.v_staged, stop_transposers);
     return;
   }
 
@@ -716,8 +775,8 @@ template <bool kLeanP>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
                       const __grid_constant__ CUtensorMap tmap_k,
-                      const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+                      const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its
@@ -726,8 +785,8 @@ template <bool kLeanP>
 __global__ void __launch_bounds__(Fp8MlaTile::kThreads, 1)
     FlashFwdFp8MlaKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_vt, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8MlaTile>(tmap_q, tmap_k, tmap_vt, args);
+                         const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
+  FlashFwdFp8Tiles<kLeanP, Fp8MlaTile>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
@@ -735,20 +794,20 @@ template <bool kLeanP>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8WindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
-                            const __grid_constant__ CUtensorMap tmap_vt,
+                            const __grid_constant__ CUtensorMap tmap_v,
                             const WindowedArgs<Fp8Args> args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps
-// cover [1, total, heads, 128] and V^T [1, heads_kv, 128, vt_keys]. Templates like the kernels above,
-// so that only the translation unit that launches them defines them.
+// cover [1, total, heads, 128]. Templates like the kernels above, so that only the translation unit
+// that launches them defines them.
 template <bool kLeanP>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
-                            const __grid_constant__ CUtensorMap tmap_vt, const Fp8VarlenArgs args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+                            const __grid_constant__ CUtensorMap tmap_v, const Fp8VarlenArgs args) {
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // The same with a sliding window that is neither causal nor none, per sequence.
@@ -756,9 +815,9 @@ template <bool kLeanP>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_k,
-                                  const __grid_constant__ CUtensorMap tmap_vt,
+                                  const __grid_constant__ CUtensorMap tmap_v,
                                   const WindowedArgs<Fp8VarlenArgs> args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_vt, args);
+  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
 }
 
 }  // namespace jzyfa

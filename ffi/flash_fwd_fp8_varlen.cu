@@ -1,5 +1,5 @@
 // Launch planning for the FP8 kernel over packed variable-length batches: validation, tensor maps
-// over the packed q and k and the varlen V^T, the persistent grid, and the two instantiations
+// over the packed q, k and v, the persistent grid, and the two instantiations
 // (plain and sliding-window, lean P). The kernel is flash_fwd_fp8_kernel.cuh's, with Fp8VarlenArgs;
 // the tile plan and the tail of tokens outside every sequence are the 16-bit varlen kernel's.
 #include <cmath>
@@ -31,21 +31,19 @@ std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaS
   std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
-  CUtensorMap tmap_q, tmap_k, tmap_vt;
-  // V^T [1, heads_kv, 128, vt_keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
-  const uint64_t keys = static_cast<uint64_t>(p.vt_keys), d = Tile::kHeadDim;
-  const uint64_t heads_kv = static_cast<uint64_t>(p.heads_kv);
-  const uint64_t vt_dims[4] = {keys, d, heads_kv, 1};
-  const uint64_t vt_strides[3] = {keys, d * keys, heads_kv * d * keys};
-  const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
-  // Packed q and k as bytes, batches of one; boxes of the whole head dim (128 bytes) x the rows.
+  CUtensorMap tmap_q, tmap_k, tmap_v;
+  // Packed q, k and v as bytes, batches of one; boxes of the whole head dim (128 bytes) x the rows;
+  // v unswizzled (the kernel's staging buffer, transposed in shared memory). A tile's K and V boxes
+  // start at its sequence's first key; keys past the sequence's end are the next one's (finite)
+  // tokens or TMA's zeros, and masked.
   constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   constexpr int kD = Tile::kHeadDim;
   if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, 1, p.total_q, p.heads_q, kD, kD,
                     Tile::kRowsPerConsumer, &error) ||
       !EncodeRowMap(&tmap_k, p.k, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
                     &error) ||
-      !EncodeTensorMap4d(&tmap_vt, p.vt, kBytes, vt_dims, vt_strides, vt_box, &error)) {
+      !EncodeRowMap(&tmap_v, p.v, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
+                    &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
     return error;
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8VarlenArgs>, Fp8VarlenArgs> args;
@@ -61,7 +59,7 @@ std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaS
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
-  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_vt, args);
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 varlen forward kernel", err);
   return "";
@@ -75,24 +73,14 @@ std::string ValidateFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& p) {
   }
   std::string error = ValidateFlashFwdVarlen(p);  // lengths, heads, limits, scale, mask
   if (!error.empty()) return error;
-  const int64_t want_keys = Fp8VarlenValueKeys(p.total_k, p.num_seqs);
-  if (p.vt_keys != want_keys) {
-    return "vt must hold roundup32(total_k) + 32 * (num_seqs + 1) = " + std::to_string(want_keys) +
-           " key columns, got " + std::to_string(p.vt_keys);
-  }
-  // V^T columns (a box starts up to 128 keys past a sequence's end) stay int32.
-  if (p.vt_keys > (int64_t{1} << 31) - 1024) {
-    return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " +
-           std::to_string(p.vt_keys);
-  }
   if (p.descale_count != 1 && p.descale_count != p.num_seqs * p.heads_kv) {
     return "descales must hold 1 or num_seqs * heads_kv (" +
            std::to_string(p.num_seqs * p.heads_kv) + ") values, got " +
            std::to_string(p.descale_count);
   }
-  if (p.vt == nullptr || p.descale_q == nullptr || p.descale_k == nullptr ||
+  if (p.v == nullptr || p.descale_q == nullptr || p.descale_k == nullptr ||
       p.descale_v == nullptr) {
-    return "vt or a descale is missing";
+    return "v or a descale is missing";
   }
   return "";
 }

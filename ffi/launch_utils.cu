@@ -37,11 +37,11 @@ std::string CudaError(const char* what, cudaError_t err) {
   return std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
 }
 
-// A 4-D tiled map, 128-byte swizzled, L2 promotion of 256 bytes; rows past the tensor's end
-// read as zeros (tails need no padded copies).
+// A 4-D tiled map (128-byte swizzled unless asked otherwise), L2 promotion of 256 bytes; rows past
+// the tensor's end read as zeros (tails need no padded copies).
 bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType type,
                        const uint64_t (&dims)[4], const uint64_t (&strides)[3],
-                       const uint32_t (&box)[4], std::string* error) {
+                       const uint32_t (&box)[4], std::string* error, CUtensorMapSwizzle swizzle) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = GetEncodeTiled(error);
   if (encode == nullptr) return false;
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
@@ -51,7 +51,7 @@ bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType ty
   for (int i = 0; i < 3; ++i) strides64[i] = strides[i];
   CUresult res = encode(map, type, 4, const_cast<void*>(ptr), dims64, strides64, box32,
                         element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     *error = "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(res);
@@ -62,7 +62,7 @@ bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType ty
 
 bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,
                   int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, int box_cols,
-                  int box_rows, std::string* error) {
+                  int box_rows, std::string* error, CUtensorMapSwizzle swizzle) {
   const uint64_t elem = static_cast<uint64_t>(elem_bytes);
   const uint64_t dims[4] = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(seq),
                             static_cast<uint64_t>(heads), static_cast<uint64_t>(batch)};
@@ -70,7 +70,7 @@ bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, i
                                static_cast<uint64_t>(head_dim) * elem,
                                static_cast<uint64_t>(seq * heads * head_dim) * elem};
   const uint32_t box[4] = {static_cast<uint32_t>(box_cols), static_cast<uint32_t>(box_rows), 1, 1};
-  return EncodeTensorMap4d(map, ptr, type, dims, strides, box, error);
+  return EncodeTensorMap4d(map, ptr, type, dims, strides, box, error, swizzle);
 }
 
 const DeviceInfo& GetDeviceInfo(int device) {

@@ -13,18 +13,20 @@ namespace jzyfa {
 
 std::string CudaError(const char* what, cudaError_t err);
 
-// A 4-D tiled TMA map with 128-byte swizzle. dims and box innermost first; strides in bytes of
-// dims 1..3. Rows past the tensor's end read as zeros.
+// A 4-D tiled TMA map, 128-byte swizzled unless `swizzle` says otherwise. dims and box innermost
+// first; strides in bytes of dims 1..3. Rows past the tensor's end read as zeros.
 bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType type,
                        const uint64_t (&dims)[4], const uint64_t (&strides)[3],
-                       const uint32_t (&box)[4], std::string* error);
+                       const uint32_t (&box)[4], std::string* error,
+                       CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
 // A row-major [batch, seq, heads, head_dim] tensor of `elem_bytes`-byte elements as a 4-D map
 // (dims innermost first), boxes of `box_cols` head-dim columns x `box_rows` rows of one head. A
 // packed varlen tensor [total, heads, head_dim] is a batch of one.
 bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,
                   int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, int box_cols,
-                  int box_rows, std::string* error);
+                  int box_rows, std::string* error,
+                  CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
 // The same for bf16 / f16 tensors: boxes of 64 head-dim columns (one 128-byte swizzle row).
 inline bool EncodeRowMap16(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch, int64_t seq,

@@ -5,11 +5,10 @@ Two primitives, as for 16-bit inputs (jzyfa/primitive.py): `flash_attention_fp8_
 v in `flash_attention`'s layout and descales of shape [batch, heads_kv]; it has the abstract eval, the
 vmap rule (the mapped axis folds into the batch) and a `custom_partitioning` lowering
 (jzyfa/sharding.py: batch and heads shard with no collective, descales with K/V; a sequence-sharded
-q is gathered). Per shard, V is brought into the kernel's layout (jzyfa/fp8_layout.py: transposed,
-keys padded to 32 and permuted) by `fp8_value_operand_p` (on CUDA the FFI kernel
-`jzyfa_fp8_value_operand`, elsewhere `fp8_layout.fp8_value_operand`) and `flash_attention_fp8_shard_p`
-is bound: the FFI custom call on CUDA, the emulation elsewhere. Descales reach the kernel as device
-buffers, never as host values, so nothing is read back and calls stay inside CUDA graphs.
+q is gathered). Per shard `flash_attention_fp8_shard_p` is bound: the FFI custom call on CUDA (which
+takes V as it is and builds V's operand layout, jzyfa/fp8_layout.py, in shared memory), the emulation
+elsewhere. Descales reach the kernel as device buffers, never as host values, so nothing is read back
+and calls stay inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from jax.interpreters import batching, mlir
 from jzyfa import sharding
 from jzyfa._validation import NO_WINDOW
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
 from jzyfa.primitive import (
     KERNEL_MAX_BATCH,
     KERNEL_MAX_SEQ_Q,
@@ -38,7 +36,6 @@ from jzyfa.primitive import (
 from jzyfa.primitive import _abstract_eval as _attention_abstract_eval
 
 FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
-FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
 FP8_KERNEL_HEAD_DIM = 128
 
 flash_attention_fp8_p = Primitive(FFI_TARGET_FP8)
@@ -61,11 +58,11 @@ flash_attention_fp8_p.def_abstract_eval(_abstract_eval)
 
 
 def _shard_abstract_eval(
-    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
+    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     batch, seq_q, heads_q, _ = q8.shape
-    # out has v's head dim, vt's rows (MLA: 128 where q and k have 192).
-    out = jax.core.ShapedArray((batch, seq_q, heads_q, vt8.shape[2]), jnp.bfloat16)
+    # out has v's head dim (MLA: 128 where q and k have 192).
+    out = jax.core.ShapedArray((batch, seq_q, heads_q, v8.shape[3]), jnp.bfloat16)
     lse = jax.core.ShapedArray((batch, heads_q, seq_q), jnp.float32)
     return out, lse
 
@@ -89,12 +86,11 @@ flash_attention_fp8_p.def_impl(_impl)
 
 
 def _emulation_fallback(
-    q8, k8, vt8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
+    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
     """Off CUDA: the kernel's algorithm in pure JAX (integer reference exponents, as the kernel)."""
     refuse_required_kernel(kernel_required)
     batch, heads_kv = k8.shape[0], k8.shape[2]
-    v8 = value_from_operand(vt8, k8.shape[1])
     return attention_fp8_emulated(
         q8,
         k8,
@@ -133,57 +129,14 @@ mlir.register_lowering(
 mlir.register_lowering(flash_attention_fp8_shard_p, _cuda_lowering, platform="cuda")
 
 
-# V into the kernel's layout: one pass over V's bytes. XLA's fusion of `fp8_value_operand` (pad,
-# gather inside each 32-key group, transpose) runs far below memory bandwidth, so on CUDA a kernel of
-# ours builds the operand (ffi/fp8_value_operand.cu, bitwise the same); everywhere else, and for
-# shapes that kernel does not take, the pure-JAX function is the lowering.
-fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
-
-
-def _value_operand_abstract_eval(v):
-    if v.ndim != 4:
-        raise ValueError(f"v must be [batch, seq_k, heads_kv, head_dim], got shape {v.shape}")
-    batch, seq_k, heads_kv, head_dim = v.shape
-    return jax.core.ShapedArray((batch, heads_kv, head_dim, padded_keys(seq_k)), v.dtype)
-
-
-fp8_value_operand_p.def_abstract_eval(_value_operand_abstract_eval)
-fp8_value_operand_p.def_impl(jax.jit(fp8_value_operand_p.bind))
-
-
-def _value_operand_batch_rule(args, dims):
-    """vmap: the mapped axis folds into the batch axis."""
-    (v,), (d,) = args, dims
-    v = jnp.moveaxis(v, d, 0)
-    vt = fp8_value_operand_p.bind(v.reshape((-1,) + v.shape[2:]))
-    return vt.reshape(v.shape[:2] + vt.shape[1:]), 0
-
-
-batching.primitive_batchers[fp8_value_operand_p] = _value_operand_batch_rule
-
-_value_operand_fallback = mlir.lower_fun(fp8_value_operand, multiple_results=False)
-_value_operand_ffi = jax.ffi.ffi_lowering(FFI_TARGET_VALUE_OPERAND)
-
-
-def _value_operand_cuda_lowering(ctx, v):
-    (aval,) = ctx.avals_in
-    if aval.dtype != jnp.float8_e4m3fn or aval.shape[3] != FP8_KERNEL_HEAD_DIM:
-        return _value_operand_fallback(ctx, v)
-    return _value_operand_ffi(ctx, v)
-
-
-mlir.register_lowering(fp8_value_operand_p, _value_operand_fallback)
-mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platform="cuda")
-
-
 def fp8_attention_shard(
     q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
-    """The call on one device's blocks: V into the kernel's layout, descales as [B * Hkv] vectors."""
+    """The call on one device's blocks, descales as [B * Hkv] vectors."""
     out, lse = flash_attention_fp8_shard_p.bind(
         q8,
         k8,
-        fp8_value_operand_p.bind(v8),
+        v8,
         *(d.reshape(-1) for d in (descale_q, descale_k, descale_v)),
         softmax_scale=softmax_scale,
         causal=causal,

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
     "batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity",
     [
         (2, 40, 40, 4, 2, True, "tensor"),
-        (1, 30, 75, 2, 1, True, "head"),  # Sk > Sq and not a multiple of 32: padded V^T
+        (1, 30, 75, 2, 1, True, "head"),  # Sk > Sq and not a multiple of 32: a partial V tile
         (1, 90, 20, 2, 2, True, "tensor"),  # Sq > Sk: the first rows see no key
         (1, 33, 130, 2, 2, False, "head"),
     ],
@@ -82,9 +82,12 @@ def test_cuda_lowering_is_the_fp8_custom_call(rng):
     )
     hlo = jax.jit(fn).trace(q8, k8, v8, descales).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
     (call,) = [line for line in hlo.splitlines() if f'custom_call_target="{FFI_TARGET_FP8}"' in line]
-    # Results: out bf16, lse, the tile counter; operands: q, k, V^T (keys padded to 96), three descales.
+    # Results: out bf16, lse, the tile counter; operands: q, k, V as it is (the kernel builds V^T in
+    # shared memory: no layout pass before it), three descales.
     assert "(bf16[2,40,4,128]{3,2,1,0}, f32[2,4,40]{2,1,0}, s32[1]{0}) custom-call(" in call
-    assert "f8e4m3fn[2,2,128,96]{3,2,1,0}" in call
+    operands = "f8e4m3fn[2,40,4,128]{3,2,1,0}, f8e4m3fn[2,70,2,128]{3,2,1,0}, f8e4m3fn[2,70,2,128]{3,2,1,0}"
+    assert f"operand_layout_constraints={{{operands}, f32[4]{{0}}, f32[4]{{0}}, f32[4]{{0}}}}" in call, call
+    assert sum("custom-call(" in line for line in hlo.splitlines()) == 1, hlo
     assert call.count("f32[4]{0}") == 3  # per (batch, KV head) descales, flattened
     assert "causal = true" in call and "lean_p = false" in call
     assert re.search(r"softmax_scale = 1.250*e-01 : f32", call)

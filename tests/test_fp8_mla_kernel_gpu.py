@@ -24,7 +24,6 @@ from test_kernel_gpu import relative_l2
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_layout import fp8_value_operand
 from jzyfa.fp8_primitive import FFI_TARGET_FP8
 from jzyfa.primitive import TILE_COUNTER
 from jzyfa.quantize import fp8_quantize
@@ -189,11 +188,11 @@ def test_fp8_mla_kernel_is_bitwise_deterministic():
             np.testing.assert_array_equal(a, np.asarray(b).view(np.uint8))
 
 
-def handler_call(q8, k8, vt8, descales, *, window=(-1, -1), out_head_dim=None):
-    """The FFI handler itself (no dispatch in between), out taking V^T's head dim (or out_head_dim)."""
+def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None):
+    """The FFI handler itself (no dispatch in between), out taking v's head dim (or out_head_dim)."""
     b, sq, hq, _ = q8.shape
     results = (
-        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or vt8.shape[2]), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or v8.shape[3]), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
         jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
     )
@@ -201,7 +200,7 @@ def handler_call(q8, k8, vt8, descales, *, window=(-1, -1), out_head_dim=None):
     return call(
         q8,
         k8,
-        vt8,
+        v8,
         *(jnp.asarray(d, jnp.float32).reshape(-1) for d in descales),
         softmax_scale=np.float32(0.1),
         causal=False,
@@ -215,19 +214,17 @@ def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():
     """InvalidArgument, not a crash: head-dim pairs other than (128, 128) and (192, 128), MLA with a
     sliding window, q and k with different head dims, out without v's head dim."""
     (q8, k8, v8), descales = fp8_mla_qkv(3, 1, 200, 300, 4, 2, "tensor")
-    vt8 = fp8_value_operand(v8)
-    assert vt8.shape == (1, 2, 128, 320)
-    out, lse, _ = jax.block_until_ready(handler_call(q8, k8, vt8, descales))
+    out, lse, _ = jax.block_until_ready(handler_call(q8, k8, v8, descales))
     want_out, _ = emulated_on_cpu(q8, k8, v8, descales, causal=False, lean_p=True, softmax_scale=0.1)
     assert relative_l2(np.asarray(out.astype(jnp.float32)), want_out) < EMULATION_TOLERANCE
     assert np.isfinite(np.asarray(lse)).all()
     with pytest.raises(Exception, match="not a sliding window"):
-        jax.block_until_ready(handler_call(q8, k8, vt8, descales, window=(16, 4)))
+        jax.block_until_ready(handler_call(q8, k8, v8, descales, window=(16, 4)))
     with pytest.raises(Exception, match="got 192 for q and k, 64 for v"):
-        jax.block_until_ready(handler_call(q8, k8, vt8[:, :, :64], descales))
+        jax.block_until_ready(handler_call(q8, k8, v8[..., :64], descales))
     with pytest.raises(Exception, match="got 128 for q and k, 64 for v"):
-        jax.block_until_ready(handler_call(q8[..., :128], k8[..., :128], vt8[:, :, :64], descales))
+        jax.block_until_ready(handler_call(q8[..., :128], k8[..., :128], v8[..., :64], descales))
     with pytest.raises(Exception, match="disagree on head_dim"):
-        jax.block_until_ready(handler_call(q8, k8[..., :128], vt8, descales))
+        jax.block_until_ready(handler_call(q8, k8[..., :128], v8, descales))
     with pytest.raises(Exception, match="out .* must have the shape of q .* with head_dim 128"):
-        jax.block_until_ready(handler_call(q8, k8, vt8, descales, out_head_dim=192))
+        jax.block_until_ready(handler_call(q8, k8, v8, descales, out_head_dim=192))

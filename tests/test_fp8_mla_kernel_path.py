@@ -20,7 +20,6 @@ from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
-    FFI_TARGET_VALUE_OPERAND,
     flash_attention_fp8_kernel,
     flash_attention_fp8_shard_p,
     fp8_kernel_config_problem,
@@ -154,9 +153,9 @@ def test_verified_gate_runs_fp8_mla_on_the_primitive(rng, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lean_p", [True, False])
 def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(causal, lean_p):
-    """implementation="kernel": V into the kernel's layout ([B, Hkv, 128, keys padded to 32]) by the value
-    operand's custom call, then the FP8 call: q and k 192 wide, out 128, lse [B, Hq, Sq], the tile counter;
-    no window; the default scale is 1/sqrt(192)."""
+    """implementation="kernel": one FP8 call on V as it is (the kernel transposes V's tiles itself): q and
+    k 192 wide, v and out 128, lse [B, Hq, Sq], the tile counter; no window; the default scale is
+    1/sqrt(192)."""
     hlo = cuda_hlo(fp8_call(causal, None, "kernel", lean_p), Q, K, V, DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET_FP8)
     assert "api_version=API_VERSION_TYPED_FFI" in call
@@ -165,13 +164,12 @@ def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(causal, lean_p):
     assert re.findall(r"(?:f8e4m3fn|f32)\[[\d,]*\]", operands) == [
         "f8e4m3fn[2,300,8,192]",
         "f8e4m3fn[2,500,2,192]",
-        "f8e4m3fn[2,2,128,512]",  # V^T: v's head dim, 500 keys padded to 512
+        "f8e4m3fn[2,500,2,128]",  # v as it is, its own head dim
         "f32[4]",
         "f32[4]",
         "f32[4]",
     ]
-    (value_call,) = custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)
-    assert "f8e4m3fn[2,2,128,512]{3,2,1,0} custom-call(" in value_call
+    assert len(re.findall(r"custom-call\(", hlo)) == 1  # no V layout pass before it
     assert f"causal = {str(causal).lower()}" in call and f"lean_p = {str(lean_p).lower()}" in call
     assert "window_left = -1 : i64" in call and "window_right = -1 : i64" in call
     (scale,) = re.findall(r"softmax_scale = ([-+.\de]+) : f32", call)
@@ -269,18 +267,17 @@ def test_primitive_off_cuda_is_the_emulation(
 
 
 def test_abstract_evals_and_vmap_keep_v_head_dim():
-    """out takes v's head dim in the primitive's and the per-shard primitive's abstract evals (the latter
-    from V^T's rows); vmap folds into one call."""
+    """out takes v's head dim in the primitive's and the per-shard primitive's abstract evals; vmap folds
+    into one call."""
     fn = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
     )
     descales = (DESCALE,) * 3
     out, lse = jax.eval_shape(lambda q, k, v, *d: fn(q, k, v, d), Q, K, V, *descales)
     assert (out.shape, out.dtype, lse.shape) == ((2, 300, 8, 128), jnp.bfloat16, (2, 8, 300))
-    vt = jax.ShapeDtypeStruct((2, 2, 128, 512), F8)
     d = jax.ShapeDtypeStruct((4,), jnp.float32)
     shard_out, shard_lse = flash_attention_fp8_shard_p.abstract_eval(
-        Q, K, vt, d, d, d, softmax_scale=0.1, causal=True, window=(-1, -1), lean_p=True, kernel_required=False
+        Q, K, V, d, d, d, softmax_scale=0.1, causal=True, window=(-1, -1), lean_p=True, kernel_required=False
     )[0]
     assert shard_out.shape == (2, 300, 8, 128) and shard_lse.shape == (2, 8, 300)
 
@@ -289,5 +286,5 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
         mp.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
         vmapped = jax.vmap(fp8_call(True, None, "kernel"), in_axes=(0, 0, 0, None, None, None))
         (call,) = custom_call_lines(cuda_hlo(vmapped, *stacked, *descales), FFI_TARGET_FP8)
-    for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", "f8e4m3fn[6,2,128,512]"):
+    for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", "f8e4m3fn[6,500,2,128]"):
         assert shape in call

@@ -103,13 +103,13 @@ def check_window(rng, *, batch, seq_q, seq_k, heads_q, heads_kv, window, causal=
 
 # (batch, seq_q, seq_k, heads_q, heads_kv, window, granularity)
 CASES = [
-    # One block of keys per row, GQA; tiles start at first_block > 0 (K and V^T boxes offset).
+    # One block of keys per row, GQA; tiles start at first_block > 0 (K and V boxes offset).
     (2, 1000, 1000, 4, 2, (128, 0), "tensor"),
     # Up to 9 key blocks per tile across 2048 keys: a promotion of O (every 8 blocks) inside a window.
     (1, 2048, 2048, 2, 1, (1000, 0), "head"),
     # The diagonal only.
     (1, 300, 300, 2, 2, (0, 0), "tensor"),
-    # Two-sided, lengths off multiples of 128 and of 32 (padded V^T).
+    # Two-sided, lengths off multiples of 128 and of 32 (partial V tiles).
     (1, 777, 777, 2, 2, (37, 5), "head"),
     # Left unbounded, more keys than queries, MQA.
     (1, 500, 1300, 4, 1, (-1, 64), "tensor"),
