@@ -35,9 +35,9 @@ template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
 std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
   if constexpr (!Tile::kFitsSharedMemory) {
-    // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 or -DJZYFA_EPILOGUE_TMA=1 (FwdTile).
+    // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 (FwdTile).
     (void)p, (void)mask, (void)stream;
-    return TileTooLarge<Tile>(kHeadDimQK, kHeadDimV, JZYFA_EPILOGUE_TMA);
+    return TileTooLarge<Tile>(kHeadDimQK, kHeadDimV, Tile::kEpilogueTma);
   } else {
     constexpr auto kernel = ForwardKernel<Element, kHeadDimQK, kHeadDimV, kWindow>();
     const DeviceInfo* info = nullptr;
@@ -55,7 +55,9 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
       return error;
     }
 #if JZYFA_EPILOGUE_TMA
-    CUtensorMap tmap_o;  // O is stored in Q's boxes (64 rows), v's head dim wide
+    // O is stored in Q's boxes (64 rows), v's head dim wide, by the tiles with the TMA-store
+    // epilogue (FwdTile::kEpilogueTma); the others take the map as an unused last argument.
+    CUtensorMap tmap_o;
     if (!EncodeRowMap16(&tmap_o, p.out, bf16, p.batch, p.seqlen_q, p.heads_q, kHeadDimV,
                         Tile::kRowsPerConsumer, &error)) {
       return error;
@@ -74,11 +76,11 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
     int grid = 0;
     error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
     if (!error.empty()) return error;
-    kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v,
+    kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args
 #if JZYFA_EPILOGUE_TMA
-                                                                       tmap_o,
+                                                                       , tmap_o
 #endif
-                                                                       args);
+    );
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError("launching the jzyfa forward kernel", err);
     return "";

@@ -32,10 +32,12 @@
 #define JZYFA_KV_STAGES 2
 #endif
 
-// Epilogue through shared memory and a TMA store (1), or plain global stores from registers (0,
-// the measured default). A build can pick it (-DJZYFA_EPILOGUE_TMA=1) to measure it.
+// Epilogue through shared memory and a TMA store (1, the default since it measured +2-10% at
+// hd128, docs/benchmarks.md), or plain global stores from registers (0). With 1, the tiles whose
+// O tiles do not fit next to the K/V ring (head dim 256, MLA) and varlen batches still store from
+// registers (FwdTile::kEpilogueTma).
 #ifndef JZYFA_EPILOGUE_TMA
-#define JZYFA_EPILOGUE_TMA 0
+#define JZYFA_EPILOGUE_TMA 1
 #endif
 
 namespace jzyfa {
@@ -83,15 +85,21 @@ struct FwdTile {
   // With the TMA-store epilogue each consumer also has an O tile: Q itself is being refilled for
   // the next tile while the epilogue runs.
   static constexpr int kOConsumerBytes = kQSliceBytes * kVSlices;
-  static constexpr int kOBytes = JZYFA_EPILOGUE_TMA ? kOConsumerBytes * kConsumers : 0;
-  static constexpr int kSmemBytes = kQBytes + kStages * (kKBytes + kVBytes) + kOBytes;
+  static constexpr int kRingSmemBytes = kQBytes + kStages * (kKBytes + kVBytes);
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
+  static constexpr int kMaxDynamicSmemBytes = 227 * 1024;
+  // The TMA-store epilogue where the build asks for it and the O tiles fit (not hd256: Q 64 KB + 2 x
+  // (K + V) 64 KB + O 64 KB = 256 KB; not MLA: 208 + 32 KB).
+  static constexpr bool kEpilogueTma =
+      JZYFA_EPILOGUE_TMA &&
+      kRingSmemBytes + kOConsumerBytes * kConsumers + kSmemAlign <= kMaxDynamicSmemBytes;
+  static constexpr int kOBytes = kEpilogueTma ? kOConsumerBytes * kConsumers : 0;
+  static constexpr int kSmemBytes = kRingSmemBytes + kOBytes;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   // An sm_90 block opts in to at most 227 KB of dynamic shared memory. The default build fits every
-  // head dim; MLA (192, 128) fits only with 2 stages and the register epilogue (Q 48 KB + 2 x (K 48 KB
-  // + V 32 KB) = 208 KB; 3 stages take 288 KB, the TMA epilogue's O tiles 32 KB more). A tile that
-  // does not fit is never instantiated: flash_fwd.cu's launch refuses it instead.
-  static constexpr int kMaxDynamicSmemBytes = 227 * 1024;
+  // head dim; MLA (192, 128) fits only with 2 stages (Q 48 KB + 2 x (K 48 KB + V 32 KB) = 208 KB; 3
+  // stages take 288 KB). A tile that does not fit is never instantiated: flash_fwd.cu's launch
+  // refuses it instead.
   static constexpr bool kFitsSharedMemory = kDynamicSmemBytes <= kMaxDynamicSmemBytes;
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "head dims must be multiples of 64");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
@@ -197,14 +205,13 @@ struct OnlineSoftmax {
 template <typename Element, int kHeadDimQK, int kHeadDimV, typename Args>
 __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                               const CUtensorMap& tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                                              const CUtensorMap& tmap_o,
-#endif
-                                              const Args& args) {
+                                              const CUtensorMap* tmap_o, const Args& args) {
   constexpr bool kVarlen = kIsVarlen<Args>;
   constexpr bool kWindow = kHasWindow<Args>;  // the tile's blocks start at work.first_block
-  static_assert(!(kVarlen && JZYFA_EPILOGUE_TMA), "varlen stores O from registers");
   using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  // O through shared memory and a TMA store (tmap_o), or from registers (tmap_o unused).
+  constexpr bool kTmaEpilogue = Tile::kEpilogueTma;
+  static_assert(!(kVarlen && kTmaEpilogue), "varlen stores O from registers");
   static_assert(Tile::kFitsSharedMemory, "this tile needs more shared memory than a block can have");
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
@@ -219,12 +226,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     return smem_base + Tile::kQBytes + stage * (Tile::kKBytes + Tile::kVBytes);
   };
   auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
-#if JZYFA_EPILOGUE_TMA
-  auto smem_o = [&](int consumer) {
-    return smem_base + Tile::kQBytes + kStages * (Tile::kKBytes + Tile::kVBytes) +
-           consumer * Tile::kOConsumerBytes;
-  };
-#endif
+  auto smem_o = [&](int consumer) { return smem_base + Tile::kRingSmemBytes + consumer * Tile::kOConsumerBytes; };
 
   const int warpgroup = threadIdx.x / 128;
   // hd256: one P buffer, packed once the previous P V has landed (see the key loop), as a second
@@ -505,15 +507,16 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     // visible key have a zero sum: O = 0, LSE = -inf.
     Element* out = static_cast<Element*>(args.out);
     const int quad_col = 2 * (lane % 4);
-#if JZYFA_EPILOGUE_TMA
-    // O goes through this consumer's shared-memory tile, laid out as the TMA box (64-column
-    // slices, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one thread
-    // stores it with TMA, which also drops rows past seqlen_q.
+    // kTmaEpilogue: O goes through this consumer's shared-memory tile, laid out as the TMA box
+    // (64-column slices, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one
+    // thread stores it with TMA, which also drops rows past seqlen_q.
     const bool store_thread = threadIdx.x % 128 == 0;
-    if (store_thread) ptx::tma_store_wait_read<0>();  // the last tile's store has read the tile
-    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
-    uint8_t* o_tile = smem_raw + (smem_o(consumer) - SmemAddress(smem_raw));
-#endif
+    uint8_t* o_tile = nullptr;
+    if constexpr (kTmaEpilogue) {
+      if (store_thread) ptx::tma_store_wait_read<0>();  // the last tile's store has read the tile
+      ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+      o_tile = smem_raw + (smem_o(consumer) - SmemAddress(smem_raw));
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = QuadSum(softmax.row_sum[h]);
@@ -544,27 +547,28 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           if (rows.row_stride == 0) break;
         }
       } else {
-#if JZYFA_EPILOGUE_TMA
-        const int tile_row = row - rows_start;
+        if constexpr (kTmaEpilogue) {
+          const int tile_row = row - rows_start;
 #pragma unroll
-        for (int c = 0; c < kHeadDimV / 8; ++c) {
-          const int chunk = (c % 8) ^ (tile_row % 8);
-          *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
-                                       chunk * 16 + quad_col * 2) =
-              PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-        }
-        if (row >= args.seqlen_q) continue;
-#else
-        if (row >= args.seqlen_q) continue;
-        const int64_t out_row =
-            ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-            kHeadDimV;
+          for (int c = 0; c < kHeadDimV / 8; ++c) {
+            const int chunk = (c % 8) ^ (tile_row % 8);
+            *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
+                                         chunk * 16 + quad_col * 2) =
+                PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+          }
+          if (row >= args.seqlen_q) continue;
+        } else {
+          if (row >= args.seqlen_q) continue;
+          const int64_t out_row =
+              ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q +
+               work.head) *
+              kHeadDimV;
 #pragma unroll
-        for (int c = 0; c < kHeadDimV / 8; ++c) {
-          *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
-              PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+          for (int c = 0; c < kHeadDimV / 8; ++c) {
+            *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+                PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+          }
         }
-#endif
         if (lane % 4 == 0) {
           const float lse =
               total > 0.f ? (softmax.row_max[h] * args.scale_log2 + __log2f(total)) * 0.69314718f
@@ -574,38 +578,40 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         }
       }
     }
-#if JZYFA_EPILOGUE_TMA
-    (void)out;
-    ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
-    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
-    if (store_thread) {
-      for (int s = 0; s < Tile::kVSlices; ++s)
-        ptx::tma_store_4d(&tmap_o, smem_o(consumer) + s * Tile::kQSliceBytes, s * 64, rows_start,
-                          work.head, work.batch);
-      ptx::tma_store_commit();
+    if constexpr (kTmaEpilogue) {
+      ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
+      ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+      if (store_thread) {
+        for (int s = 0; s < Tile::kVSlices; ++s)
+          ptx::tma_store_4d(tmap_o, smem_o(consumer) + s * Tile::kQSliceBytes, s * 64, rows_start,
+                            work.head, work.batch);
+        ptx::tma_store_commit();
+      }
     }
-#endif
   }
-#if JZYFA_EPILOGUE_TMA
-  if (threadIdx.x % 128 == 0) ptx::tma_store_wait<0>();  // shared memory must outlive the stores
-#endif
+  if constexpr (kTmaEpilogue) {
+    if (threadIdx.x % 128 == 0) ptx::tma_store_wait<0>();  // shared memory must outlive the stores
+  }
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
+
+// The dense kernels' O map comes last, after the arguments, in builds with the TMA-store epilogue: the
+// tiles that store from registers (hd256, MLA) then compile as in a build without it.
+#if JZYFA_EPILOGUE_TMA
+#define JZYFA_TMAP_O_PARAM , const __grid_constant__ CUtensorMap tmap_o
+#define JZYFA_TMAP_O_ARG &tmap_o
+#else
+#define JZYFA_TMAP_O_PARAM
+#define JZYFA_TMAP_O_ARG nullptr
+#endif
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdKernel(const __grid_constant__ CUtensorMap tmap_q,
                    const __grid_constant__ CUtensorMap tmap_k,
                    const __grid_constant__ CUtensorMap tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                   const __grid_constant__ CUtensorMap tmap_o,
-#endif
-                   const FwdArgs args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                                             tmap_o,
-#endif
-                                             args);
+                   const FwdArgs args JZYFA_TMAP_O_PARAM) {
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
 }
 
 // MLA's head dims (q/k 192, v 128: FwdTile), dense batches, causal or no mask. A kernel of its own
@@ -616,15 +622,8 @@ __global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
     FlashFwdMlaKernel(const __grid_constant__ CUtensorMap tmap_q,
                       const __grid_constant__ CUtensorMap tmap_k,
                       const __grid_constant__ CUtensorMap tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                      const __grid_constant__ CUtensorMap tmap_o,
-#endif
-                      const FwdArgs args) {
-  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                                                tmap_o,
-#endif
-                                                args);
+                      const FwdArgs args JZYFA_TMAP_O_PARAM) {
+  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
 }
 
 // MLA's head dims under a sliding window (WindowedArgs<FwdArgs>) or over packed variable-length
@@ -636,15 +635,8 @@ __global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
     FlashFwdMlaVariantKernel(const __grid_constant__ CUtensorMap tmap_q,
                              const __grid_constant__ CUtensorMap tmap_k,
                              const __grid_constant__ CUtensorMap tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                             const __grid_constant__ CUtensorMap tmap_o,
-#endif
-                             const Args args) {
-  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                                                tmap_o,
-#endif
-                                                args);
+                             const Args args JZYFA_TMAP_O_PARAM) {
+  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
@@ -653,15 +645,8 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                         const __grid_constant__ CUtensorMap tmap_o,
-#endif
-                         const WindowedArgs<FwdArgs> args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v,
-#if JZYFA_EPILOGUE_TMA
-                                             tmap_o,
-#endif
-                                             args);
+                         const WindowedArgs<FwdArgs> args JZYFA_TMAP_O_PARAM) {
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
 }
 
 #if !JZYFA_EPILOGUE_TMA
@@ -671,7 +656,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
     FlashFwdVarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v, const VarlenFwdArgs args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, nullptr, args);
 }
 
 // Packed variable-length batches under a sliding window, per sequence.
@@ -681,7 +666,7 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                                const __grid_constant__ CUtensorMap tmap_k,
                                const __grid_constant__ CUtensorMap tmap_v,
                                const WindowedArgs<VarlenFwdArgs> args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, nullptr, args);
 }
 #endif
 
