@@ -18,7 +18,8 @@ one of two ways, chosen per shard from its static shapes at trace time (`fp8_val
     tiles (v_transposed=True).
 The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed. The
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
-is read when a call is traced, and any other non-empty value raises ValueError.
+is read when a call is traced (a function already traced for the same shapes keeps its layout until
+`jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls always stage V.
 """
 
 from __future__ import annotations
