@@ -12,6 +12,7 @@
 #include <string>
 
 #include "flash_fwd.h"
+#include "fp8_value_operand.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -283,26 +284,38 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
                                     ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                     ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                                     float softmax_scale, bool causal, int64_t window_left,
-                                    int64_t window_right, bool lean_p) {
+                                    int64_t window_right, bool lean_p, bool v_transposed) {
   const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
+  const char* const v_name = v_transposed ? "vt" : "v";
   if (!AllE4m3({&q, &k, &v})) {
-    return ffi::Error::InvalidArgument(name + "q, k and v must be float8_e4m3fn");
+    return ffi::Error::InvalidArgument(name + "q, k and " + v_name + " must be float8_e4m3fn");
   }
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              od = out->dimensions(), ld = lse->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(name + "q, k and v must be [batch, seq, heads, head_dim]");
+    return ffi::Error::InvalidArgument(
+        name + (v_transposed ? "q and k must be [batch, seq, heads, head_dim], vt [batch, heads_kv, "
+                               "128, seq_k rounded up to 32] (v_transposed)"
+                             : "q, k and v must be [batch, seq, heads, head_dim]"));
   }
   // v's head dim may differ from q's and k's (MLA: 128 where they have 192): out's head dim.
   if (kd[3] != qd[3]) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " + ShapeString(kd) +
                                        " disagree on head_dim");
   }
-  if (kd[0] != qd[0] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
+  // v [batch, seq_k, heads_kv, head_dim_v], or vt [batch, heads_kv, head_dim_v, seq_k padded]
+  // (its key count: ValidateFlashFwdFp8).
+  const bool agree = v_transposed ? (vd[0] == kd[0] && vd[1] == kd[2])
+                                  : (vd[0] == kd[0] && vd[1] == kd[1] && vd[2] == kd[2]);
+  if (kd[0] != qd[0] || !agree) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and v " + ShapeString(vd) + " disagree");
+                                       " and " + v_name + " " + ShapeString(vd) + " disagree" +
+                                       (v_transposed ? " (vt: [batch, heads_kv, 128, seq_k rounded "
+                                                       "up to 32])"
+                                                     : ""));
   }
-  ffi::Error results = CheckResults(name, qd, od, ld, vd[3], tile_counter->element_count());
+  const int64_t head_dim_v = v_transposed ? vd[2] : vd[3];
+  ffi::Error results = CheckResults(name, qd, od, ld, head_dim_v, tile_counter->element_count());
   if (results.failure()) return results;
   ffi::Error descales = CheckDescales(name, descale_q, descale_k, descale_v, "batch", kd[0], kd[2]);
   if (descales.failure()) return descales;
@@ -310,7 +323,9 @@ ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::
   FlashFwdFp8Params p;
   SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
   p.v = v.untyped_data();
-  p.head_dim_v = vd[3];
+  p.head_dim_v = head_dim_v;
+  p.v_transposed = v_transposed;
+  if (v_transposed) p.seqlen_k_padded = vd[3];
   SetDescales(p, descale_q, descale_k, descale_v);
   p.window_left = window_left;
   p.window_right = window_right;
@@ -359,6 +374,43 @@ ffi::Error FlashAttentionFp8VarlenFwdImpl(
   return ValidateAndLaunch(name, p, ValidateFlashFwdFp8Varlen, LaunchFlashFwdFp8Varlen, stream);
 }
 
+ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
+                               ffi::Result<ffi::AnyBuffer> vt) {
+  const std::string name = "jzyfa_fp8_value_operand: ";
+  for (ffi::DataType dtype : {v.element_type(), vt->element_type()}) {
+    if (dtype != ffi::DataType::F8E4M3FN) {
+      return ffi::Error::InvalidArgument(name + "v and vt must be float8_e4m3fn");
+    }
+  }
+  const auto vd = v.dimensions(), td = vt->dimensions();
+  if (vd.size() != 4) {
+    return ffi::Error::InvalidArgument(name + "v " + ShapeString(vd) +
+                                       " must be [batch, seq_k, heads_kv, head_dim]");
+  }
+  if (vd[3] != 128) {
+    return ffi::Error::InvalidArgument(name + "v's head_dim must be 128, got " +
+                                       std::to_string(vd[3]));
+  }
+  const int64_t padded = (vd[1] + 31) / 32 * 32;
+  if (td.size() != 4 || td[0] != vd[0] || td[1] != vd[2] || td[2] != vd[3] || td[3] != padded) {
+    const int64_t want[4] = {vd[0], vd[2], vd[3], padded};
+    return ffi::Error::InvalidArgument(
+        name + "vt " + ShapeString(td) + " must be [batch, heads_kv, head_dim, seq_k rounded up to "
+        "32] = " + ShapeString(ffi::Span<const int64_t>(want, 4)) + " for v " + ShapeString(vd));
+  }
+
+  Fp8ValueOperandParams p;
+  p.v = v.untyped_data();
+  p.vt = vt->untyped_data();
+  p.batch = vd[0];
+  p.seqlen_k = vd[1];
+  p.heads_kv = vd[2];
+  p.head_dim = vd[3];
+  p.seqlen_k_padded = td[3];
+
+  return ValidateAndLaunch(name, p, ValidateFp8ValueOperand, LaunchFp8ValueOperand, stream);
+}
+
 }  // namespace
 
 uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
@@ -402,7 +454,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q, e4m3
                                   .Arg<ffi::AnyBuffer>()  // k, e4m3
-                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, Dv], or vt
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
@@ -413,7 +465,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("window_left")  // -1: unbounded
                                   .Attr<int64_t>("window_right")
-                                  .Attr<bool>("lean_p"),
+                                  .Attr<bool>("lean_p")
+                                  // v is vt [B, Hkv, 128, roundup32(Sk)] (jzyfa_fp8_value_operand)
+                                  .Attr<bool>("v_transposed"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8VarlenFwdImpl,
@@ -436,6 +490,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8Varle
                                   .Attr<int64_t>("max_seqlen_k")
                                   .Attr<int64_t>("window_left")  // -1: unbounded
                                   .Attr<int64_t>("window_right"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
+                                  .Ret<ffi::AnyBuffer>(),  // vt, e4m3 [B, Hkv, 128, Sk']
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jzyfa

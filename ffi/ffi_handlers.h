@@ -18,13 +18,18 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionVarlenFwd);
 
 // Custom-call target "jzyfa_flash_attention_fp8_fwd": q, k, v (e4m3), descale_q, descale_k,
 // descale_v (f32) -> out (bf16, q's shape with v's head dim: MLA's 128 where q has 192), lse, tile
-// counter; attributes softmax_scale, causal, lean_p.
+// counter; attributes softmax_scale, causal, window_left, window_right, lean_p, v_transposed (v is
+// then V^T [batch, heads_kv, 128, seq_k rounded up to 32], jzyfa_fp8_value_operand's output).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8Fwd);
 
 // Custom-call target "jzyfa_flash_attention_fp8_varlen_fwd": q, k, v (e4m3, packed),
 // cu_seqlens_q, cu_seqlens_k (s32), descale_q, descale_k, descale_v (f32) -> out (bf16),
 // lse [heads_q, total_q], tile counter; attributes as jzyfa_flash_attention_varlen_fwd's.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd);
+
+// Custom-call target "jzyfa_fp8_value_operand": v e4m3 [batch, seq_k, heads_kv, 128] -> vt e4m3
+// [batch, heads_kv, 128, seq_k rounded up to 32], the FP8 kernel's V operand (jzyfa/fp8_layout.py).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8ValueOperand);
 
 // How many times the FlashAttentionFwd handler has executed in this process (every device,
 // every call site, failed calls included). Under XLA command buffers the handler runs only

@@ -50,7 +50,9 @@ struct FlashFwdParams {
 
 // One FP8 forward call (head dim 128, or MLA's 192 for q and k with 128 for v and out, causal or no
 // mask): q [batch, seqlen_q, heads_q, head_dim], k [batch, seqlen_k, heads_kv, head_dim] and v
-// [batch, seqlen_k, heads_kv, head_dim_v] e4m3 (the kernel transposes V's tiles in shared memory);
+// e4m3: v [batch, seqlen_k, heads_kv, head_dim_v] (the kernel transposes V's tiles in shared
+// memory) or, v_transposed, V^T [batch, heads_kv, 128, seqlen_k_padded] with keys padded to a
+// multiple of 32 and permuted inside each 32-key group (jzyfa/fp8_layout.py, fp8_value_operand.cu);
 // descales float32, each one value or one per (batch, KV head); out bf16 [batch, seqlen_q, heads_q,
 // head_dim_v]; lse and tile_counter as for FlashFwdParams.
 struct FlashFwdFp8Params {
@@ -67,10 +69,12 @@ struct FlashFwdFp8Params {
   int64_t batch = 0;
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
+  int64_t seqlen_k_padded = 0;  // v_transposed: V^T's key columns
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
   int64_t head_dim = 0;    // q's and k's
-  int64_t head_dim_v = 0;  // v's and out's
+  int64_t head_dim_v = 0;  // v's (V^T's rows) and out's
+  bool v_transposed = false;  // v is V^T (above), not V as it is
   float softmax_scale = 1.0f;
   bool causal = false;
   int64_t window_left = -1;  // as in FlashFwdParams (dense batches)

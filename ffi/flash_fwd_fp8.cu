@@ -1,6 +1,7 @@
-// Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V as bytes),
-// the persistent grid, and the instantiations (lean P, exact P; each plain and sliding-window, and
-// MLA's head dims, q/k 192 with v 128, causal or no mask).
+// Launch planning for the FP8 forward kernel: validation, tensor maps (Q, K and V, or V^T, as
+// bytes), the persistent grid, and the instantiations (lean P, exact P; each plain and
+// sliding-window, and MLA's head dims, q/k 192 with v 128, causal or no mask; each with V as it is,
+// transposed in the kernel, or V^T from fp8_value_operand.cu: FlashFwdFp8Params::v_transposed).
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -13,16 +14,18 @@
 namespace jzyfa {
 namespace {
 
-// The plain kernel, the sliding-window one, or MLA's (Fp8MlaTile, no window).
+// The plain kernel, the sliding-window one, or MLA's (Fp8MlaTile, no window), for the tile's V
+// source (Tile::kStagedV).
 template <typename Tile, bool kLeanP, bool kWindow>
 constexpr auto Fp8ForwardKernel() {
+  constexpr bool kStagedV = Tile::kStagedV;
   if constexpr (Tile::kHeadDimQK != Tile::kHeadDimV) {
     static_assert(!kWindow, "MLA's FP8 kernel takes no sliding window");
-    return FlashFwdFp8MlaKernel<kLeanP>;
+    return FlashFwdFp8MlaKernel<kLeanP, kStagedV>;
   } else if constexpr (kWindow) {
-    return FlashFwdFp8WindowKernel<kLeanP>;
+    return FlashFwdFp8WindowKernel<kLeanP, kStagedV>;
   } else {
-    return FlashFwdFp8Kernel<kLeanP>;
+    return FlashFwdFp8Kernel<kLeanP, kStagedV>;
   }
 }
 
@@ -42,10 +45,22 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, p.batch, p.seqlen_q, p.heads_q, kD, kBox,
                     Tile::kRowsPerConsumer, &error) ||
       !EncodeRowMap(&tmap_k, p.k, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, kD, kBox,
-                    Tile::kBlockN, &error) ||
-      !EncodeRowMap(&tmap_v, p.v, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, Tile::kHeadDimV,
-                    Tile::kHeadDimV, Tile::kBlockN, &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+                    Tile::kBlockN, &error)) {
     return error;
+  }
+  if constexpr (Tile::kStagedV) {
+    if (!EncodeRowMap(&tmap_v, p.v, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, Tile::kHeadDimV,
+                      Tile::kHeadDimV, Tile::kBlockN, &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+      return error;
+    }
+  } else {
+    // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
+    const uint64_t keys = static_cast<uint64_t>(p.seqlen_k_padded), d = Tile::kHeadDimV;
+    const uint64_t vt_dims[4] = {keys, d, static_cast<uint64_t>(p.heads_kv),
+                                 static_cast<uint64_t>(p.batch)};
+    const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
+    const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
+    if (!EncodeTensorMap4d(&tmap_v, p.v, kBytes, vt_dims, vt_strides, vt_box, &error)) return error;
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8Args>, Fp8Args> args;
   args.out = static_cast<__nv_bfloat16*>(p.out);
@@ -67,6 +82,21 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   return "";
 }
 
+// The launch for the call's head dims, mask and P, with the tiles of one V source.
+template <typename Tile, typename MlaTile>
+std::string LaunchFor(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_t stream) {
+  if (p.head_dim == MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
+    return p.lean_p ? Launch<MlaTile, true, false>(p, mask, stream)
+                    : Launch<MlaTile, false, false>(p, mask, stream);
+  }
+  if (mask.windowed) {
+    return p.lean_p ? Launch<Tile, true, true>(p, mask, stream)
+                    : Launch<Tile, false, true>(p, mask, stream);
+  }
+  return p.lean_p ? Launch<Tile, true, false>(p, mask, stream)
+                  : Launch<Tile, false, false>(p, mask, stream);
+}
+
 }  // namespace
 
 std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
@@ -82,6 +112,11 @@ std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& p) {
   if (p.heads_q % p.heads_kv != 0) {
     return "heads of q (" + std::to_string(p.heads_q) + ") must be a multiple of heads of k/v (" +
            std::to_string(p.heads_kv) + ")";
+  }
+  if (p.v_transposed && p.seqlen_k_padded != (p.seqlen_k + 31) / 32 * 32) {
+    return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +
+           std::to_string((p.seqlen_k + 31) / 32 * 32) + "), got " +
+           std::to_string(p.seqlen_k_padded);
   }
   if (p.descale_count != 1 && p.descale_count != p.batch * p.heads_kv) {
     return "descales must hold 1 or batch * heads_kv (" + std::to_string(p.batch * p.heads_kv) +
@@ -118,16 +153,8 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  if (p.head_dim == Fp8MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
-    return p.lean_p ? Launch<Fp8MlaTile, true, false>(p, mask, stream)
-                    : Launch<Fp8MlaTile, false, false>(p, mask, stream);
-  }
-  if (mask.windowed) {
-    return p.lean_p ? Launch<Fp8Tile, true, true>(p, mask, stream)
-                    : Launch<Fp8Tile, false, true>(p, mask, stream);
-  }
-  return p.lean_p ? Launch<Fp8Tile, true, false>(p, mask, stream)
-                  : Launch<Fp8Tile, false, false>(p, mask, stream);
+  return p.v_transposed ? LaunchFor<Fp8VtTile, Fp8MlaVtTile>(p, mask, stream)
+                        : LaunchFor<Fp8Tile, Fp8MlaTile>(p, mask, stream);
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

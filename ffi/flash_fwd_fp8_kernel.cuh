@@ -3,10 +3,12 @@
 // two consumer warpgroups, K/V ring, in-warpgroup overlap, ping-pong) with the FP8 softmax of
 // docs/fp8.md, which jzyfa/fp8_emulation.py specifies bit for bit where it can:
 //   - S = Q K^T and O += P V on e4m3 wgmma (QGMMA, k32). FP8 wgmma reads both operands K-major,
-//     so V's tile is transposed in shared memory (V^T [head_dim, keys], keys permuted inside each
-//     32-key group: jzyfa/fp8_layout.py) by three producer warps after its TMA load
-//     (fp8_value_transpose.cuh), and P goes from the S accumulators into A registers without
-//     moving a byte between lanes.
+//     so O += P V reads V^T [head_dim, keys], keys permuted inside each 32-key group
+//     (jzyfa/fp8_layout.py). Two sources, a compile-time choice (Fp8TileT's kStagedV): "staged"
+//     TMA-loads V as it is and three producer warps transpose each tile in shared memory
+//     (fp8_value_transpose.cuh); "vt" TMA-loads tiles of a V^T that a layout kernel wrote to global
+//     memory beforehand (fp8_value_operand.cu). P goes from the S accumulators into A registers
+//     without moving a byte between lanes.
 //   - One integer reference exponent r per row: P~ = 2^(t - r), t the score in log2 units. r rises
 //     lazily (only when a block's largest P~ would pass 2^(7 + 1.75)) and falls for blocks far below
 //     the row maximum (per-block power-of-two scaling), so O is rescaled by exact powers of two.
@@ -79,10 +81,13 @@ __device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& ar
 // The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
 // out's (V^T's rows, O's columns); Q and K rows of more than 128 bytes are loaded as 128-byte-swizzle
 // slices of 128 columns each, laid out back to back (slice s at s * rows * 128 bytes), TMA filling the
-// columns past kHeadDimQK with zeros that no wgmma reads.
-template <int kHeadDimQK_>
+// columns past kHeadDimQK with zeros that no wgmma reads. kStagedV: V's operand built in shared
+// memory from V as it is (staging buffers, transposing warps), or TMA-loaded from a V^T in global
+// memory (no staging buffers).
+template <int kHeadDimQK_, bool kStagedV_ = true>
 struct Fp8TileT {
   static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr bool kStagedV = kStagedV_;
   static constexpr int kHeadDimV = 128;
   static constexpr int kHeadDim = kHeadDimV;
   static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
@@ -136,7 +141,7 @@ struct Fp8TileT {
       kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   static constexpr int kVStagingOffset = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
-  static constexpr int kSmemBytes = kVStagingOffset + kStages * kVStagingBytes;
+  static constexpr int kSmemBytes = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
@@ -152,6 +157,9 @@ struct Fp8TileT {
 
 using Fp8Tile = Fp8TileT<128>;
 using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
+// The same tiles reading V^T from global memory (kStagedV false).
+using Fp8VtTile = Fp8TileT<128, false>;
+using Fp8MlaVtTile = Fp8TileT<192, false>;
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
@@ -339,6 +347,10 @@ struct Fp8StagingBarriers {
 // the TMA thread waits on it before it refills the staging buffer, so the V^T tile is never written
 // while a P V may still read it. Every V^T byte comes from V's bytes or TMA's zeros (keys past the
 // tensor's end), never from uninitialized shared memory.
+//
+// With Tile::kStagedV false (dense batches only), tmap_v is V^T's map ([batch, heads_kv, 128,
+// keys padded to 32]: fp8_value_operand.cu) and the TMA thread loads each stage's V^T tile
+// directly (completing v_full); warps 1..3 exit at once and there are no staging buffers.
 template <bool kLeanP, typename Tile = Fp8Tile, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                                  const CUtensorMap& tmap_v, const Args& args) {
@@ -347,6 +359,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kMla = Tile::kHeadDimQK != Tile::kHeadDimV;
   static_assert(!kMla || (!kWindow && !kVarlen), "MLA's FP8 tile serves dense causal / no-mask calls");
   static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
+  constexpr bool kStagedV = Tile::kStagedV;
+  static_assert(kStagedV || !kVarlen, "varlen's FP8 kernels build V^T in shared memory");
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
   using Slot = RingSlot<kStages>;
@@ -375,33 +389,39 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     }
     ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
   }
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(SmemAddress(&staging_bars.v_staged[s]), 1);
+  if constexpr (kStagedV) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) ptx::mbarrier_init(SmemAddress(&staging_bars.v_staged[s]), 1);
+    }
+    InitBarriers<kStages, Tile::kConsumers, Fp8ValueTranspose::kThreads>(bars);  // its fence: both
+    // Zeroed by a transposing thread: stored by thread 0 (with the barriers), it moved ptxas's
+    // register allocation of the windowed consumers into a one-register spill (ptxas 13.0).
+    if (threadIdx.x == 32) staging_bars.stop_after = 0;
+  } else {
+    InitBarriers<kStages, Tile::kConsumers>(bars);
   }
-  InitBarriers<kStages, Tile::kConsumers, Fp8ValueTranspose::kThreads>(bars);  // its fence: both
-  // Zeroed by a transposing thread: stored by thread 0 (with the barriers), it moved ptxas's
-  // register allocation of the windowed consumers into a one-register spill (ptxas 13.0).
-  if (threadIdx.x == 32) staging_bars.stop_after = 0;
   __syncthreads();
 
   // ---------------------------------------------------------------- producer
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<Tile::kProducerRegs>();
-    if (threadIdx.x >= 32) {
-      // Warps 1..3: V^T of every K/V block the TMA thread loads, in the ring's order, until the
-      // block count it stopped at. Warp t takes pieces t, t + 3, t + 6 of each tile.
-      const Fp8TransposeLane lane(threadIdx.x % 32);
-      const uint32_t first_piece = threadIdx.x / 32 - 1;
-      for (uint32_t ring = 0;; ++ring) {
-        const Slot slot(ring);
-        ptx::mbarrier_wait(SmemAddress(&staging_bars.v_staged[slot.stage]), slot.parity);
-        if (ring + 1 == *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after)) return;
-        for (uint32_t piece = first_piece; piece < Fp8ValueTranspose::kPieces;
-             piece += Fp8ValueTranspose::kWarps) {
-          TransposeValuePiece(smem_v_staging(slot.stage), smem_vt(slot.stage), piece, lane);
+    if constexpr (kStagedV) {
+      if (threadIdx.x >= 32) {
+        // Warps 1..3: V^T of every K/V block the TMA thread loads, in the ring's order, until the
+        // block count it stopped at. Warp t takes pieces t, t + 3, t + 6 of each tile.
+        const Fp8TransposeLane lane(threadIdx.x % 32);
+        const uint32_t first_piece = threadIdx.x / 32 - 1;
+        for (uint32_t ring = 0;; ++ring) {
+          const Slot slot(ring);
+          ptx::mbarrier_wait(SmemAddress(&staging_bars.v_staged[slot.stage]), slot.parity);
+          if (ring + 1 == *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after)) return;
+          for (uint32_t piece = first_piece; piece < Fp8ValueTranspose::kPieces;
+               piece += Fp8ValueTranspose::kWarps) {
+            TransposeValuePiece(smem_v_staging(slot.stage), smem_vt(slot.stage), piece, lane);
+          }
+          ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
+          ptx::mbarrier_arrive(SmemAddress(&bars.v_full[slot.stage]));
         }
-        ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
-        ptx::mbarrier_arrive(SmemAddress(&bars.v_full[slot.stage]));
       }
     }
     if (threadIdx.x != 0) return;
@@ -440,32 +460,43 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
                          work.kv_head, batch);
       }
     };
-    // V as K: 128 key rows of 128 bytes, into the staging buffer (bar: v_staged).
-    auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
-      int key = first_key(work, block), batch = work.batch;
-      if constexpr (kVarlen) key += work.k_offset, batch = 0;
-      ptx::tma_load_4d(smem_v_staging(stage), &tmap_v, bar, 0, key, work.kv_head, batch);
-    };
-    // Out of tiles after `ring` blocks: once the stage's last block was released (its phase of
-    // v_staged complete, so one arrival completes the next), the transposing warps wake on it and
-    // stop.
-    auto stop_transposers = [&](uint32_t ring) {
-      const Slot slot(ring);
-      const uint32_t v_empty = SmemAddress(&bars.v_empty[slot.stage]);
-      if (ring >= kStages) ptx::mbarrier_wait(v_empty, slot.parity ^ 1);
-      *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after) = ring + 1;
-      ptx::mbarrier_arrive(SmemAddress(&staging_bars.v_staged[slot.stage]));  // release: stop_after
-    };
-    // The tile plan's loop-invariant addresses (varlen: the offsets' tail entry) formed here
-    // rather than hoisted by ptxas above the warp roles, where they took registers of this
-    // thread's 40 for the whole loop (a spill).
-    Args plan_args = args;
-    if constexpr (kVarlen) {
-      asm volatile("" : "+l"(plan_args.cu_seqlens_q), "+l"(plan_args.cu_seqlens_k));
+    if constexpr (!kStagedV) {
+      // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
+      // first key is a multiple of 128, so every box starts on a 32-key group of the permuted layout.
+      auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
+        ptx::tma_load_4d(smem_vt(stage), &tmap_v, bar, first_key(work, block), 0, work.kv_head,
+                         work.batch);
+      };
+      ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
+                                                     Tile::kVtBytes, load_q, load_k, load_vt);
+    } else {
+      // V as K: 128 key rows of 128 bytes, into the staging buffer (bar: v_staged).
+      auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
+        int key = first_key(work, block), batch = work.batch;
+        if constexpr (kVarlen) key += work.k_offset, batch = 0;
+        ptx::tma_load_4d(smem_v_staging(stage), &tmap_v, bar, 0, key, work.kv_head, batch);
+      };
+      // Out of tiles after `ring` blocks: once the stage's last block was released (its phase of
+      // v_staged complete, so one arrival completes the next), the transposing warps wake on it and
+      // stop.
+      auto stop_transposers = [&](uint32_t ring) {
+        const Slot slot(ring);
+        const uint32_t v_empty = SmemAddress(&bars.v_empty[slot.stage]);
+        if (ring >= kStages) ptx::mbarrier_wait(v_empty, slot.parity ^ 1);
+        *reinterpret_cast<volatile uint32_t*>(&staging_bars.stop_after) = ring + 1;
+        ptx::mbarrier_arrive(SmemAddress(&staging_bars.v_staged[slot.stage]));  // release: stop_after
+      };
+      // The tile plan's loop-invariant addresses (varlen: the offsets' tail entry) formed here
+      // rather than hoisted by ptxas above the warp roles, where they took registers of this
+      // thread's 40 for the whole loop (a spill).
+      Args plan_args = args;
+      if constexpr (kVarlen) {
+        asm volatile("" : "+l"(plan_args.cu_seqlens_q), "+l"(plan_args.cu_seqlens_k));
+      }
+      ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, plan_args, Tile::kQBytes, Tile::kKBytes,
+                                                     Tile::kVStagingBytes, load_q, load_k, load_v,
+                                                     staging_bars.v_staged, stop_transposers);
     }
-    ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, plan_args, Tile::kQBytes, Tile::kKBytes,
-                                                   Tile::kVStagingBytes, load_q, load_k, load_v,
-                                                   staging_bars.v_staged, stop_transposers);
     return;
   }
 
@@ -771,32 +802,34 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
-template <bool kLeanP>
+// kStagedV: tmap_v maps V as it is (the kernel transposes its tiles) or, false, V^T
+// (fp8_value_operand.cu's output); likewise for the MLA and windowed kernels below.
+template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
                       const __grid_constant__ CUtensorMap tmap_k,
                       const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its
 // own, as the 16-bit FlashFwdMlaKernel, so that the head-dim-128 kernels keep their symbols and SASS.
-template <bool kLeanP>
+template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8MlaTile::kThreads, 1)
     FlashFwdFp8MlaKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
                          const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8MlaTile>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<192, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
-template <bool kLeanP>
+template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8WindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v,
                             const WindowedArgs<Fp8Args> args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps

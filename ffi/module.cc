@@ -31,6 +31,7 @@ NB_MODULE(_jzyfa_ffi, m) {
     targets["jzyfa_flash_attention_fp8_fwd"] = HandlerCapsule(jzyfa::FlashAttentionFp8Fwd);
     targets["jzyfa_flash_attention_fp8_varlen_fwd"] =
         HandlerCapsule(jzyfa::FlashAttentionFp8VarlenFwd);
+    targets["jzyfa_fp8_value_operand"] = HandlerCapsule(jzyfa::Fp8ValueOperand);
     return targets;
   });
   m.def(

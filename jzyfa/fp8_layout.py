@@ -1,10 +1,12 @@
 """How the FP8 kernel reads V: transposed, keys permuted inside each 32-key group.
 
 FP8 `wgmma` (m64nNk32, e4m3) takes both operands K-major: for O += P V the reduction runs over keys,
-so V must sit in shared memory with keys contiguous, i.e. as V^T [head_dim, keys]. The kernel takes V
-as it is ([B, Sk, Hkv, 128], or packed [total_k, Hkv, 128]) and builds each 128-key tile of V^T in
-shared memory after its TMA load (ffi/fp8_value_transpose.cuh; tests/test_fp8_value_transpose.py
-simulates it against `fp8_value_operand` below, the layout's definition). The kernel also
+so V must sit in shared memory with keys contiguous, i.e. as V^T [head_dim, keys]. Either the kernel
+takes V as it is ([B, Sk, Hkv, 128], or packed [total_k, Hkv, 128]) and builds each 128-key tile of V^T
+in shared memory after its TMA load (ffi/fp8_value_transpose.cuh; tests/test_fp8_value_transpose.py
+simulates it against `fp8_value_operand` below, the layout's definition), or a layout kernel writes
+`fp8_value_operand(v)` to device memory first and the kernel loads its tiles (long calls:
+jzyfa/fp8_primitive.py, `fp8_value_layout`). The kernel also
 feeds P from registers without moving a byte between lanes: the f32 accumulator of S = Q K^T gives a
 thread, for each row it owns, the key pairs {2t, 2t+1} of every 8-key chunk (t = lane % 4), while the
 8-bit A operand wants four consecutive k's {4t .. 4t+3} per 32-bit register. Rather than shuffling P,
@@ -62,8 +64,11 @@ def fp8_value_operand(v: jax.Array) -> jax.Array:
     key 32 g + physical_key(k)).
 
     The definition of the layout each V^T tile has in the kernel's shared memory (a tile is 128 of these
-    columns; keys past Sk are zeros there too: TMA's fill of rows past the tensor's end). For tests and
-    debugging: the library's call path never builds it in device memory.
+    columns; keys past Sk are zeros there too: TMA's fill of rows past the tensor's end, or the appended
+    zeros here). One XLA transpose-gather over V (its bytes once); the appended keys are masked in the
+    kernel (their probability is 0), and zeros keep 0 * V finite. The "transposed" FP8 path binds
+    `fp8_primitive.fp8_value_operand_p`, which on CUDA runs a kernel of ours (ffi/fp8_value_operand.cu,
+    bitwise this function) and lowers to this function everywhere else.
     """
     if v.ndim != 4:
         raise ValueError(f"v must be [batch, seq_k, heads_kv, head_dim], got shape {v.shape}")

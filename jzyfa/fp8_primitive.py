@@ -5,15 +5,27 @@ Two primitives, as for 16-bit inputs (jzyfa/primitive.py): `flash_attention_fp8_
 v in `flash_attention`'s layout and descales of shape [batch, heads_kv]; it has the abstract eval, the
 vmap rule (the mapped axis folds into the batch) and a `custom_partitioning` lowering
 (jzyfa/sharding.py: batch and heads shard with no collective, descales with K/V; a sequence-sharded
-q is gathered). Per shard `flash_attention_fp8_shard_p` is bound: the FFI custom call on CUDA (which
-takes V as it is and builds V's operand layout, jzyfa/fp8_layout.py, in shared memory), the emulation
-elsewhere. Descales reach the kernel as device buffers, never as host values, so nothing is read back
-and calls stay inside CUDA graphs.
+q is gathered). Per shard `flash_attention_fp8_shard_p` is bound: the FFI custom call on CUDA, the
+emulation elsewhere. Descales reach the kernel as device buffers, never as host values, so nothing is
+read back and calls stay inside CUDA graphs.
+
+V's operand layout (jzyfa/fp8_layout.py: V^T, keys permuted inside each 32-key group) reaches the kernel
+one of two ways, chosen per shard from its static shapes at trace time (`fp8_value_layout`):
+  - "staged": the kernel takes V as it is and its producer warps transpose each tile in shared memory
+    (v_transposed=False);
+  - "transposed": `fp8_value_operand_p` writes V^T to device memory first (on CUDA the FFI kernel
+    `jzyfa_fp8_value_operand`, elsewhere `fp8_layout.fp8_value_operand`) and the kernel TMA-loads its
+    tiles (v_transposed=True).
+The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed. The
+environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
+is read when a call is traced (a function already traced for the same shapes keeps its layout until
+`jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls always stage V.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +37,7 @@ from jax.interpreters import batching, mlir
 from jzyfa import sharding
 from jzyfa._validation import NO_WINDOW
 from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
 from jzyfa.primitive import (
     KERNEL_MAX_BATCH,
     KERNEL_MAX_SEQ_Q,
@@ -36,7 +49,21 @@ from jzyfa.primitive import (
 from jzyfa.primitive import _abstract_eval as _attention_abstract_eval
 
 FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
+FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
 FP8_KERNEL_HEAD_DIM = 128
+
+# Where V's operand layout is built (module docstring). Measured on the H200 (whole call, TFLOP/s,
+# staged vs transposed): 16x1024 478 vs 435, varlen 688 vs 637, 4x4096 765 vs 774, 1x16384 825 vs ~875,
+# 1x32768 816 vs ~880. The layout kernel costs one pass over V's bytes (~22 us per 32 MB at ~3 TB/s),
+# a cost per V byte; the staged kernel is ~8-9% slower per key block (its transposing warps take issue
+# slots from the issue-bound softmax), a cost per block of work, i.e. per query row that shares the V.
+# So the rows that share one KV head's V, seq_q * (heads_q // heads_kv) per shard, decide: few rows
+# (short or prefill-chunk calls) pay less in the staged kernel than a pass over V; many rows amortize
+# the pass. 2048 rows sits between the measured wins (16 x 1024: 1024 rows staged; 4 x 4096: 4096
+# rows transposed).
+FP8_STAGED_V_MAX_ROWS = 2048
+FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
+FP8_V_LAYOUTS = ("staged", "transposed")
 
 flash_attention_fp8_p = Primitive(FFI_TARGET_FP8)
 flash_attention_fp8_p.multiple_results = True
@@ -58,11 +85,24 @@ flash_attention_fp8_p.def_abstract_eval(_abstract_eval)
 
 
 def _shard_abstract_eval(
-    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
+    q8,
+    k8,
+    v8,
+    descale_q,
+    descale_k,
+    descale_v,
+    *,
+    softmax_scale,
+    causal,
+    window,
+    lean_p,
+    kernel_required,
+    v_transposed,
 ):
     batch, seq_q, heads_q, _ = q8.shape
-    # out has v's head dim (MLA: 128 where q and k have 192).
-    out = jax.core.ShapedArray((batch, seq_q, heads_q, v8.shape[3]), jnp.bfloat16)
+    # out has v's head dim (MLA: 128 where q and k have 192): V^T's rows when v8 is V^T.
+    head_dim_v = v8.shape[2] if v_transposed else v8.shape[3]
+    out = jax.core.ShapedArray((batch, seq_q, heads_q, head_dim_v), jnp.bfloat16)
     lse = jax.core.ShapedArray((batch, heads_q, seq_q), jnp.float32)
     return out, lse
 
@@ -86,11 +126,25 @@ flash_attention_fp8_p.def_impl(_impl)
 
 
 def _emulation_fallback(
-    q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
+    q8,
+    k8,
+    v8,
+    descale_q,
+    descale_k,
+    descale_v,
+    *,
+    softmax_scale,
+    causal,
+    window,
+    lean_p,
+    kernel_required,
+    v_transposed,
 ):
     """Off CUDA: the kernel's algorithm in pure JAX (integer reference exponents, as the kernel)."""
     refuse_required_kernel(kernel_required)
     batch, heads_kv = k8.shape[0], k8.shape[2]
+    if v_transposed:
+        v8 = value_from_operand(v8, k8.shape[1])
     return attention_fp8_emulated(
         q8,
         k8,
@@ -107,7 +161,7 @@ def _emulation_fallback(
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET_FP8)
 
 
-def _cuda_lowering(ctx, *args, softmax_scale, causal, window, lean_p, kernel_required):
+def _cuda_lowering(ctx, *args, softmax_scale, causal, window, lean_p, kernel_required, v_transposed):
     del kernel_required
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
     # Attribute types are part of the FFI contract: window bounds i64, as for the 16-bit kernel.
@@ -119,6 +173,7 @@ def _cuda_lowering(ctx, *args, softmax_scale, causal, window, lean_p, kernel_req
         window_left=np.int64(window[0]),
         window_right=np.int64(window[1]),
         lean_p=bool(lean_p),
+        v_transposed=bool(v_transposed),
     )
     return [out, lse]
 
@@ -129,20 +184,80 @@ mlir.register_lowering(
 mlir.register_lowering(flash_attention_fp8_shard_p, _cuda_lowering, platform="cuda")
 
 
+# V into the kernel's layout (the "transposed" source): one pass over V's bytes. XLA's fusion of
+# `fp8_value_operand` (pad, gather inside each 32-key group, transpose) runs far below memory bandwidth,
+# so on CUDA a kernel of ours builds the operand (ffi/fp8_value_operand.cu, bitwise the same); everywhere
+# else, and for shapes that kernel does not take, the pure-JAX function is the lowering.
+fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
+
+
+def _value_operand_abstract_eval(v):
+    if v.ndim != 4:
+        raise ValueError(f"v must be [batch, seq_k, heads_kv, head_dim], got shape {v.shape}")
+    batch, seq_k, heads_kv, head_dim = v.shape
+    return jax.core.ShapedArray((batch, heads_kv, head_dim, padded_keys(seq_k)), v.dtype)
+
+
+fp8_value_operand_p.def_abstract_eval(_value_operand_abstract_eval)
+fp8_value_operand_p.def_impl(jax.jit(fp8_value_operand_p.bind))
+
+
+def _value_operand_batch_rule(args, dims):
+    """vmap: the mapped axis folds into the batch axis."""
+    (v,), (d,) = args, dims
+    v = jnp.moveaxis(v, d, 0)
+    vt = fp8_value_operand_p.bind(v.reshape((-1,) + v.shape[2:]))
+    return vt.reshape(v.shape[:2] + vt.shape[1:]), 0
+
+
+batching.primitive_batchers[fp8_value_operand_p] = _value_operand_batch_rule
+
+_value_operand_fallback = mlir.lower_fun(fp8_value_operand, multiple_results=False)
+_value_operand_ffi = jax.ffi.ffi_lowering(FFI_TARGET_VALUE_OPERAND)
+
+
+def _value_operand_cuda_lowering(ctx, v):
+    (aval,) = ctx.avals_in
+    if aval.dtype != jnp.float8_e4m3fn or aval.shape[3] != FP8_KERNEL_HEAD_DIM:
+        return _value_operand_fallback(ctx, v)
+    return _value_operand_ffi(ctx, v)
+
+
+mlir.register_lowering(fp8_value_operand_p, _value_operand_fallback)
+mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platform="cuda")
+
+
+def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
+    """"staged" or "transposed": where one shard's call builds V's operand layout (module docstring).
+    JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides the rule; read at trace time."""
+    override = os.environ.get(FP8_V_LAYOUT_ENV, "")
+    if override:
+        if override not in FP8_V_LAYOUTS:
+            raise ValueError(
+                f"{FP8_V_LAYOUT_ENV} must be one of {', '.join(FP8_V_LAYOUTS)} (or unset for the shape "
+                f"rule), got {override!r}"
+            )
+        return override
+    return "staged" if seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS else "transposed"
+
+
 def fp8_attention_shard(
     q8, k8, v8, descale_q, descale_k, descale_v, *, softmax_scale, causal, window, lean_p, kernel_required
 ):
-    """The call on one device's blocks, descales as [B * Hkv] vectors."""
+    """The call on one device's blocks, descales as [B * Hkv] vectors; V as it is, or V^T from the
+    layout kernel, by `fp8_value_layout` of the shard's shapes."""
+    v_transposed = fp8_value_layout(q8.shape[1], q8.shape[2], k8.shape[2]) == "transposed"
     out, lse = flash_attention_fp8_shard_p.bind(
         q8,
         k8,
-        v8,
+        fp8_value_operand_p.bind(v8) if v_transposed else v8,
         *(d.reshape(-1) for d in (descale_q, descale_k, descale_v)),
         softmax_scale=softmax_scale,
         causal=causal,
         window=window,
         lean_p=lean_p,
         kernel_required=kernel_required,
+        v_transposed=v_transposed,
     )
     return out, lse
 

@@ -32,6 +32,27 @@ def cpu_backend(monkeypatch):
     monkeypatch.setattr(_platform, "default_backend", lambda: "cpu")
 
 
+# The FP8 path's V layout override (jzyfa/fp8_primitive.py, fp8_value_layout).
+FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
+
+
+@pytest.fixture(autouse=True)
+def fp8_v_layout_rule(monkeypatch):
+    """Every test starts from the FP8 V layout rule (no override from the environment); tests that want
+    a layout take `fp8_v_layout` or set the variable themselves."""
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+
+
+@pytest.fixture(params=["staged", "transposed"])
+def fp8_v_layout(request, monkeypatch):
+    """Runs a test under each FP8 V layout: V staged and transposed in the kernel, or V^T from the layout
+    kernel. The layout is read when a call is traced, so jit's caches are cleared around the test."""
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, request.param)
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 def pytest_collection_modifyitems(config, items):
     if HOPPER_SKIP_REASON is None:
         return

@@ -12,7 +12,7 @@ import pytest
 
 import jzyfa
 from jzyfa import _extension
-from jzyfa.fp8_primitive import FFI_TARGET_FP8
+from jzyfa.fp8_primitive import FFI_TARGET_FP8, FFI_TARGET_VALUE_OPERAND
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 from jzyfa.primitive import FFI_TARGET
 from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
@@ -39,6 +39,7 @@ def test_extension_registers_its_targets():
         FFI_TARGET,
         FFI_TARGET_VARLEN,
         FFI_TARGET_FP8,
+        FFI_TARGET_VALUE_OPERAND,
         FFI_TARGET_FP8_VARLEN,
     }
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())

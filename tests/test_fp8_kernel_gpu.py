@@ -97,7 +97,7 @@ def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
     ],
 )
 def test_fp8_kernel_against_emulation_and_float64(
-    rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
+    rng, fp8_v_layout, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
 ):
     (q8, k8, v8), descales = random_fp8_qkv(
         rng,
@@ -108,7 +108,8 @@ def test_fp8_kernel_against_emulation_and_float64(
         heads_kv=heads_kv,
         granularity=granularity,
     )
-    out, lse = run_poisoned(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    out, lse, custom_call = run_poisoned_call(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    assert f"v_transposed = {str(fp8_v_layout == 'transposed').lower()}" in custom_call, custom_call
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
 

@@ -9,11 +9,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
+from hlo_utils import custom_call_lines
 
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_primitive import FFI_TARGET_FP8, flash_attention_fp8_kernel
+from jzyfa.fp8_primitive import (
+    FFI_TARGET_FP8,
+    FFI_TARGET_VALUE_OPERAND,
+    FP8_STAGED_V_MAX_ROWS,
+    FP8_V_LAYOUT_ENV,
+    flash_attention_fp8_kernel,
+    fp8_value_layout,
+)
 from jzyfa.quantize import fp8_quantize
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
@@ -73,7 +81,8 @@ def test_mixed_descale_shapes_broadcast_to_per_head(rng):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
-def test_cuda_lowering_is_the_fp8_custom_call(rng):
+def test_cuda_lowering_is_the_fp8_custom_call(rng, monkeypatch):
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)  # the rule: 40 x 2 rows per KV head, staged
     (q8, k8, v8), descales = random_fp8_qkv(
         rng, batch=2, seq_q=40, seq_k=70, heads_q=4, heads_kv=2, granularity="head"
     )
@@ -89,8 +98,94 @@ def test_cuda_lowering_is_the_fp8_custom_call(rng):
     assert f"operand_layout_constraints={{{operands}, f32[4]{{0}}, f32[4]{{0}}, f32[4]{{0}}}}" in call, call
     assert sum("custom-call(" in line for line in hlo.splitlines()) == 1, hlo
     assert call.count("f32[4]{0}") == 3  # per (batch, KV head) descales, flattened
-    assert "causal = true" in call and "lean_p = false" in call
+    assert "causal = true" in call and "lean_p = false" in call and "v_transposed = false" in call
     assert re.search(r"softmax_scale = 1.250*e-01 : f32", call)
+
+
+def lower_fp8_for_cuda(batch, seq_q, seq_k, heads_q, heads_kv, head_dim=128, causal=True):
+    """The FP8 kernel path's HLO for CUDA from shapes alone (no arrays)."""
+    e4m3 = jnp.float8_e4m3fn
+    q = jax.ShapeDtypeStruct((batch, seq_q, heads_q, head_dim), e4m3)
+    k = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, head_dim), e4m3)
+    v = jax.ShapeDtypeStruct((batch, seq_k, heads_kv, 128), e4m3)
+    descales = tuple(jax.ShapeDtypeStruct((batch, heads_kv), jnp.float32) for _ in range(3))
+    fn = functools.partial(
+        flash_attention_fp8_kernel, softmax_scale=0.125, causal=causal, lean_p=True, kernel_required=True
+    )
+    return jax.jit(fn).trace(q, k, v, descales).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+
+
+def assert_staged(hlo, v_shape):
+    """One custom call, the FP8 kernel's, on V as it is (v_transposed = false)."""
+    (call,) = [line for line in hlo.splitlines() if "custom-call(" in line]
+    assert f'custom_call_target="{FFI_TARGET_FP8}"' in call, call
+    assert "v_transposed = false" in call
+    assert f"f8e4m3fn[{v_shape}]{{3,2,1,0}}, f32[" in call, call  # v's operand constraint, as it is
+
+
+def assert_transposed(hlo, vt_shape):
+    """The layout kernel's call on V, then the FP8 kernel's on its result (v_transposed = true)."""
+    (layout,) = custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)
+    (call,) = custom_call_lines(hlo, FFI_TARGET_FP8)
+    assert sum("custom-call(" in line for line in hlo.splitlines()) == 2, hlo
+    assert f"f8e4m3fn[{vt_shape}]{{3,2,1,0}} custom-call(" in layout, layout
+    operands = call.split("custom-call(")[1].split(")")[0].split(", ")
+    assert operands[2] == layout.split("=")[0].strip()  # vt is the layout call's result
+    assert "v_transposed = true" in call
+
+
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_k, heads_q, heads_kv, layout",
+    [
+        (16, 1024, 1024, 16, 16, "staged"),  # 1024 rows per KV head
+        (1, 1024, 1024, 16, 8, "staged"),  # GQA: 2048 rows, the threshold
+        (1, 1025, 1024, 16, 8, "transposed"),  # 2050 rows
+        (4, 4096, 4096, 16, 16, "transposed"),
+        (1, 16384, 16384, 16, 16, "transposed"),
+        (1, 512, 16384, 32, 4, "transposed"),  # short q, 8 query heads per KV head: 4096 rows
+    ],
+)
+def test_v_layout_follows_rows_per_kv_head(monkeypatch, batch, seq_q, seq_k, heads_q, heads_kv, layout):
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    assert fp8_value_layout(seq_q, heads_q, heads_kv) == layout
+    assert (seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS) == (layout == "staged")
+    hlo = lower_fp8_for_cuda(batch, seq_q, seq_k, heads_q, heads_kv)
+    if layout == "staged":
+        assert_staged(hlo, f"{batch},{seq_k},{heads_kv},128")
+    else:
+        assert_transposed(hlo, f"{batch},{heads_kv},128,{-(-seq_k // 32) * 32}")
+
+
+def test_v_layout_env_overrides_the_rule(monkeypatch):
+    short, long = (2, 100, 70, 4, 2), (1, 8192, 8192, 8, 8)
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "transposed")
+    assert_transposed(lower_fp8_for_cuda(*short), "2,2,128,96")
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
+    assert_staged(lower_fp8_for_cuda(*long), "1,8192,8,128")
+    # MLA's q/k 192 too: vt's rows are v's head dim (128).
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "transposed")
+    assert_transposed(lower_fp8_for_cuda(1, 64, 100, 2, 2, head_dim=192), "1,2,128,128")
+
+
+def test_v_layout_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "vt")
+    with pytest.raises(ValueError, match=FP8_V_LAYOUT_ENV):
+        lower_fp8_for_cuda(1, 64, 64, 2, 2)
+
+
+@pytest.mark.parametrize("layout", ["staged", "transposed"])
+def test_both_v_layouts_are_the_emulation_off_cuda(rng, monkeypatch, layout):
+    """Off CUDA the transposed layout round-trips V through fp8_value_operand: the same result."""
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
+    (q8, k8, v8), descales = random_fp8_qkv(rng, batch=1, seq_q=30, seq_k=75, heads_q=2, heads_kv=1)
+    out, lse = flash_attention_fp8_kernel(
+        q8, k8, v8, descales, softmax_scale=0.125, causal=True, lean_p=True, kernel_required=False
+    )
+    want_out, want_lse = attention_fp8_emulated(
+        q8, k8, v8, *descales, causal=True, softmax_scale=0.125, lean_p=True, integer_reference=True
+    )
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
 
 
 def test_kernel_gate(rng, monkeypatch):

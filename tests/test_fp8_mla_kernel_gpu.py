@@ -24,7 +24,7 @@ from test_kernel_gpu import relative_l2
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_primitive import FFI_TARGET_FP8
+from jzyfa.fp8_primitive import FFI_TARGET_FP8, fp8_value_operand_p
 from jzyfa.primitive import TILE_COUNTER
 from jzyfa.quantize import fp8_quantize
 
@@ -131,7 +131,7 @@ def case_id(case):
 
 @pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_fp8_mla_kernel_against_emulation_and_float64(case, lean_p):
+def test_fp8_mla_kernel_against_emulation_and_float64(fp8_v_layout, case, lean_p):
     batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity = case
     seed = seq_q * 7 + seq_k
     (q8, k8, v8), descales = fp8_mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, granularity)
@@ -188,11 +188,12 @@ def test_fp8_mla_kernel_is_bitwise_deterministic():
             np.testing.assert_array_equal(a, np.asarray(b).view(np.uint8))
 
 
-def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None):
-    """The FFI handler itself (no dispatch in between), out taking v's head dim (or out_head_dim)."""
+def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None, v_transposed=False):
+    """The FFI handler itself (no dispatch in between), out taking v's head dim (or out_head_dim); with
+    v_transposed, v8 is V^T [B, Hkv, 128, keys]."""
     b, sq, hq, _ = q8.shape
     results = (
-        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or v8.shape[3]), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or v8.shape[2 if v_transposed else 3]), jnp.bfloat16),
         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
         jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
     )
@@ -207,6 +208,7 @@ def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None):
         window_left=np.int64(window[0]),
         window_right=np.int64(window[1]),
         lean_p=True,
+        v_transposed=v_transposed,
     )
 
 
@@ -228,3 +230,11 @@ def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():
         jax.block_until_ready(handler_call(q8, k8[..., :128], v8, descales))
     with pytest.raises(Exception, match="out .* must have the shape of q .* with head_dim 128"):
         jax.block_until_ready(handler_call(q8, k8, v8, descales, out_head_dim=192))
+    # v_transposed: vt [B, Hkv, 128, roundup32(Sk)] from the layout kernel, the same result.
+    vt8 = fp8_value_operand_p.bind(v8)
+    out_t, _, _ = jax.block_until_ready(handler_call(q8, k8, vt8, descales, v_transposed=True))
+    np.testing.assert_array_equal(np.asarray(out_t.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+    with pytest.raises(Exception, match="vt must hold seqlen_k rounded up to a multiple of 32 keys"):
+        jax.block_until_ready(handler_call(q8, k8, vt8[..., :288], descales, v_transposed=True))
+    with pytest.raises(Exception, match="and vt .* disagree"):
+        jax.block_until_ready(handler_call(q8, k8, v8, descales, v_transposed=True))

@@ -23,6 +23,7 @@ from jzyfa.fp8_primitive import (
     flash_attention_fp8_kernel,
     flash_attention_fp8_shard_p,
     fp8_kernel_config_problem,
+    fp8_value_layout,
 )
 from jzyfa.quantize import fp8_quantize
 
@@ -155,7 +156,8 @@ def test_verified_gate_runs_fp8_mla_on_the_primitive(rng, monkeypatch):
 def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(causal, lean_p):
     """implementation="kernel": one FP8 call on V as it is (the kernel transposes V's tiles itself): q and
     k 192 wide, v and out 128, lse [B, Hq, Sq], the tile counter; no window; the default scale is
-    1/sqrt(192)."""
+    1/sqrt(192). (300 x 4 query rows per KV head: V staged by the rule, jzyfa/fp8_primitive.py.)"""
+    assert fp8_value_layout(300, 8, 2) == "staged"
     hlo = cuda_hlo(fp8_call(causal, None, "kernel", lean_p), Q, K, V, DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET_FP8)
     assert "api_version=API_VERSION_TYPED_FFI" in call
@@ -267,8 +269,8 @@ def test_primitive_off_cuda_is_the_emulation(
 
 
 def test_abstract_evals_and_vmap_keep_v_head_dim():
-    """out takes v's head dim in the primitive's and the per-shard primitive's abstract evals; vmap folds
-    into one call."""
+    """out takes v's head dim in the primitive's and the per-shard primitive's abstract evals (from V^T's
+    rows where v is V^T); vmap folds into one call."""
     fn = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.1, causal=True, lean_p=True, kernel_required=False
     )
@@ -276,10 +278,13 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
     out, lse = jax.eval_shape(lambda q, k, v, *d: fn(q, k, v, d), Q, K, V, *descales)
     assert (out.shape, out.dtype, lse.shape) == ((2, 300, 8, 128), jnp.bfloat16, (2, 8, 300))
     d = jax.ShapeDtypeStruct((4,), jnp.float32)
-    shard_out, shard_lse = flash_attention_fp8_shard_p.abstract_eval(
-        Q, K, V, d, d, d, softmax_scale=0.1, causal=True, window=(-1, -1), lean_p=True, kernel_required=False
-    )[0]
-    assert shard_out.shape == (2, 300, 8, 128) and shard_lse.shape == (2, 8, 300)
+    params = dict(softmax_scale=0.1, causal=True, window=(-1, -1), lean_p=True, kernel_required=False)
+    vt = jax.ShapeDtypeStruct((2, 2, 128, 512), F8)
+    for v, v_transposed in ((V, False), (vt, True)):
+        shard_out, shard_lse = flash_attention_fp8_shard_p.abstract_eval(
+            Q, K, v, d, d, d, **params, v_transposed=v_transposed
+        )[0]
+        assert shard_out.shape == (2, 300, 8, 128) and shard_lse.shape == (2, 8, 300)
 
     stacked = [jax.ShapeDtypeStruct((3,) + x.shape, x.dtype) for x in (Q, K, V)]
     with pytest.MonkeyPatch.context() as mp:

@@ -124,7 +124,7 @@ CASES = [
 @pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
 @pytest.mark.parametrize("batch, seq_q, seq_k, heads_q, heads_kv, window, granularity", CASES)
 def test_fp8_windows_against_emulation_and_float64(
-    rng, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, window, granularity
+    rng, fp8_v_layout, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, window, granularity
 ):
     check_window(
         rng,

@@ -23,12 +23,13 @@ pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason
 
 
 # The translation units that hold kernels: the 16-bit forward, its variable-length instantiation, the
-# FP8 forward and its variable-length instantiation.
+# FP8 forward, its variable-length instantiation and the FP8 kernel's V-operand layout.
 KERNEL_SOURCES = (
     "flash_fwd",
     "flash_fwd_varlen",
     "flash_fwd_fp8",
     "flash_fwd_fp8_varlen",
+    "fp8_value_operand",
 )
 
 
@@ -225,9 +226,9 @@ def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Kernel" in name}
-    assert len(found) == 2, list(found)  # lean P, exact P
+    assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
-        lean = "ILb1E" in name  # FlashFwdFp8Kernel<true>
+        lean = "ILb1E" in name  # FlashFwdFp8Kernel<true, ...>
         # S = Q K^T on 64x128x32, P V on 64x136x32 (8 columns that sum the rounded P).
         assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
         assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
@@ -249,7 +250,7 @@ def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
     mask works from per-row bounds), the producer at 40 registers (setmaxnreg), lean P without MUFU."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8WindowKernel" in name}
-    assert len(found) == 2, list(found)  # lean P, exact P
+    assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         assert "WindowedArgs" in name and "Fp8Args" in name, name
         check_fp8_instantiation(name, text, lean="ILb1E" in name)
@@ -275,7 +276,7 @@ def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
     128-byte slices of Q and K), P V in 4 on 64x136x32, no local memory."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8MlaKernel" in name}
-    assert len(found) == 2, list(found)  # lean P, exact P
+    assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         assert "Fp8Args" in name and "WindowedArgs" not in name, name
         check_fp8_instantiation(name, text, lean="ILb1E" in name)
@@ -297,6 +298,29 @@ def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
         assert "Fp8VarlenArgs" in name, name
         check_fp8_instantiation(name, text, lean=True)
         assert "UTMASTG" not in text, name
+
+
+def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
+    """ffi/fp8_value_operand.cu: per thread four 16-byte evict-first loads of key rows into shared
+    memory, sixteen conflict-free 4-byte shared loads, the byte transpose in PRMT (8 per 4 x 4
+    bytes), four 16-byte shared stores of V^T rows, then four 16-byte loads of them and four 16-byte
+    global stores; two barriers, no local memory."""
+    _, sass = compiled
+    (text,) = [text for name, text in kernels(sass).items() if "Fp8ValueOperandKernel" in name]
+    assert len(re.findall(r"\bLDG\b", text)) == len(re.findall(r"\bLDG\.E\.EF\.128\b", text)) == 4
+    assert len(re.findall(r"\bSTG\b", text)) == len(re.findall(r"\bSTG\.E\.128\b", text)) == 4
+    assert len(re.findall(r"\bSTS\b", text)) == len(re.findall(r"\bSTS\.128\b", text)) == 8
+    assert len(re.findall(r"\bLDS\.128\b", text)) == 4
+    assert len(re.findall(r"\bLDS\s", text)) == 16  # 32-bit: one word of a key row per lane
+    assert len(re.findall(r"\bPRMT\b", text)) == 32
+    assert len(re.findall(r"\bBAR\.SYNC\b", text)) == 2
+    assert not re.search(r"\b(LDL|STL)\b", text)
+
+
+def staged_v(name: str) -> bool:
+    """Whether an FP8 kernel builds V^T in shared memory (kStagedV; the varlen kernels always do) rather
+    than loading the layout kernel's V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin."""
+    return not re.search(r"ILb[01]ELb0EEEv", name)
 
 
 def reachable(text: str, start: str) -> list[str]:
@@ -342,18 +366,23 @@ def highest_register(instruction: str) -> int:
 
 
 def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
-    """V^T is built in the FP8 kernels (ffi/fp8_value_transpose.cuh): after the producer's setmaxnreg to 40
-    (which ptxas does not enforce by itself), the code its warps can reach (the TMA thread's loop and the
-    transposing warps') uses R0..R39 only; per 16-key piece 16 conflict-free 4-byte shared loads, 24 PRMT
-    (ptxas recomputes up to 8 rather than hold them) and 4 16-byte shared stores, then the proxy fence
-    (FENCE.VIEW.ASYNC.S) before v_full's arrival."""
+    """V^T is built in the staged FP8 kernels (ffi/fp8_value_transpose.cuh): after the producer's setmaxnreg
+    to 40 (which ptxas does not enforce by itself), the code its warps can reach (the TMA thread's loop and
+    the transposing warps') uses R0..R39 only; per 16-key piece 16 conflict-free 4-byte shared loads, 24
+    PRMT (ptxas recomputes up to 8 rather than hold them) and 4 16-byte shared stores, then the proxy fence
+    (FENCE.VIEW.ASYNC.S) before v_full's arrival. The V^T-loading kernels' producer stays within R0..R39
+    too, with no transposing code."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name}
-    assert len(found) == 8, list(found)  # plain, window, MLA (lean, exact), varlen, varlen window
+    assert len(found) == 14, list(found)  # plain, window, MLA (lean, exact; V staged, V^T), varlen (2)
+    assert sum(staged_v(name) for name in found) == 8, list(found)
     for name, text in found.items():
         producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b")
         assert max(highest_register(i) for i in producer) < 40, name
         ops = [i.split()[1 if i.startswith("@") else 0] for i in producer]
+        if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)
+            assert "STS.128" not in ops and "PRMT" not in ops and "LDS" not in ops, name
+            continue
         assert ops.count("LDS") >= 16 and ops.count("STS.128") == 4, name
         assert 24 <= ops.count("PRMT") <= 32, name
         assert "FENCE.VIEW.ASYNC.S" in ops, name

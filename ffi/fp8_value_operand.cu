@@ -1,0 +1,177 @@
+// The FP8 attention kernel's V operand, built on the device: V e4m3 [B, Sk, Hkv, 128] ->
+// V^T [B, Hkv, 128, Sk'], keys padded with zeros to Sk' (a multiple of 32) and permuted inside
+// each 32-key group (jzyfa/fp8_layout.py: column k of group g holds key 32 g + physical_key(k)).
+//
+// A tile transpose staged in shared memory, one block of 8 warps per (batch, KV head, 128-key
+// tile), so that every global access is a whole 128-byte row moved by 8 consecutive lanes:
+// - load: the tile's 128 key rows (128 bytes each) as 16-byte pieces into in_tile[key][128 bytes];
+//   keys past Sk are zeros (not read);
+// - transpose: warp w takes 16 keys of 32-key group w / 2 (half w % 2), lane l the head-dim
+//   bytes 4l .. 4l+3 of each (16 conflict-free 4-byte shared loads), transposes the 4 x 16 bytes
+//   with PRMT (the permutation is in which bytes it picks) and writes 16 bytes to each of its four
+//   rows of out_tile[head dim][128 keys], the 16-byte chunk index XOR-swizzled so that no two of
+//   the 8 lanes of a store phase share banks;
+// - store: out_tile's 128 rows, each 128 contiguous bytes of a V^T row (32, 64 or 96 in the last
+//   tile of a row when Sk' is not a multiple of 128).
+// Every byte of V is read once and every byte of V^T written once, in whole 32-byte sectors.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "fp8_value_operand.h"
+#include "launch_utils.h"
+
+namespace jzyfa {
+namespace {
+
+constexpr int kHeadDim = 128;   // bytes of one e4m3 key row: one 4-byte word per lane
+constexpr int kKeyGroup = 32;   // the k of one FP8 wgmma: the permutation repeats every 32 keys
+constexpr int kTileKeys = 128;  // keys per block: four 32-key groups
+constexpr int kThreads = 256;   // 8 warps: two per 32-key group
+constexpr int kChunks = 8;      // 16-byte pieces of a 128-byte row (key row or V^T tile row)
+constexpr int kPiecesPerThread = kTileKeys * kChunks / kThreads;  // 4 loads and 4 stores
+static_assert(kHeadDim == 4 * 32, "one 4-byte word of each key row per lane");
+static_assert(kHeadDim == 16 * kChunks && kTileKeys == 16 * kChunks, "128 x 128-byte tiles");
+static_assert(kThreads / 32 == 2 * (kTileKeys / kKeyGroup), "two warps per 32-key group");
+
+// rows[e] = byte e of w0, w1, w2, w3 (w0's in the lowest byte): a 4 x 4 byte transpose.
+__device__ __forceinline__ void Transpose4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
+                                             uint32_t (&rows)[4]) {
+  const uint32_t lo01 = __byte_perm(w0, w1, 0x5140);  // w0.0 w1.0 w0.1 w1.1
+  const uint32_t hi01 = __byte_perm(w0, w1, 0x7362);  // w0.2 w1.2 w0.3 w1.3
+  const uint32_t lo23 = __byte_perm(w2, w3, 0x5140);
+  const uint32_t hi23 = __byte_perm(w2, w3, 0x7362);
+  rows[0] = __byte_perm(lo01, lo23, 0x5410);  // w0.0 w1.0 w2.0 w3.0
+  rows[1] = __byte_perm(lo01, lo23, 0x7632);
+  rows[2] = __byte_perm(hi01, hi23, 0x5410);
+  rows[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+// Where 16-byte chunk `chunk` of out_tile's row `row` is kept: the 8 lanes of a transpose store
+// phase (rows 4l + e, l = 0..7) write one chunk index each to 8 different bank quads.
+__device__ __forceinline__ unsigned SwizzledChunk(unsigned row, unsigned chunk) {
+  return chunk ^ ((row >> 2) & (kChunks - 1));
+}
+
+// Blocks in (batch, head, tile) order, tile fastest: adjacent blocks write adjacent 128-byte
+// pieces of the same V^T rows. The grid has at most INT_MAX blocks (ValidateFp8ValueOperand), so
+// tiles and heads_kv fit in 32 bits; offsets are 64-bit.
+__global__ void __launch_bounds__(kThreads)
+    Fp8ValueOperandKernel(const uint4* __restrict__ v, uint4* __restrict__ vt, int64_t seqlen_k,
+                          int64_t seqlen_k_padded, unsigned heads_kv, unsigned tiles) {
+  __shared__ uint4 in_tile[kTileKeys][kChunks];  // [key][16-byte piece of the head dim]
+  __shared__ uint4 out_tile[kHeadDim][kChunks];  // [head-dim row][swizzled 16-byte piece of keys]
+  const unsigned tile = blockIdx.x % tiles, batch_head = blockIdx.x / tiles;
+  const unsigned batch = batch_head / heads_kv, head = batch_head % heads_kv;
+  const int64_t key0 = int64_t{tile} * kTileKeys;
+  const unsigned thread = threadIdx.x;
+
+  // Loads and stores: thread t moves 16-byte piece t % 8 of the tile's rows t / 8 + 32 j,
+  // j = 0 .. 3 (8 consecutive lanes per 128-byte row).
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  const unsigned piece = thread % kChunks, first_row = thread / kChunks;
+
+  // Load: key rows key0 + first_row + 32 j; keys past seqlen_k are zeros.
+  const int64_t key_stride = int64_t{heads_kv} * kChunks;  // in 16-byte pieces
+  const uint4* src =
+      v + ((batch * seqlen_k + key0 + first_row) * heads_kv + head) * kChunks + piece;
+  const int64_t keys_left = seqlen_k - key0 - first_row;  // key0 < Sk since Sk' - Sk < 32
+  uint4 pieces[kPiecesPerThread];
+#pragma unroll
+  for (int j = 0; j < kPiecesPerThread; ++j) {
+    pieces[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (kRowsPerPass * j < keys_left) {
+      pieces[j] = __ldcs(src + kRowsPerPass * j * key_stride);  // read once: evict-first
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPiecesPerThread; ++j) {
+    in_tile[first_row + kRowsPerPass * j][piece] = pieces[j];
+  }
+  __syncthreads();
+
+  // Transpose: warp (group, half) builds columns 32 group + 16 half .. + 15 of the tile, lane
+  // the rows 4 lane .. 4 lane + 3. Word i of those 16 columns (columns 16 half + 4i + {0..3} of
+  // the group) holds, per physical_key, keys 16 half + 2i + {0, 1, 8, 9}.
+  const unsigned warp = thread / 32, lane = thread % 32;
+  const unsigned group = warp / 2, half = warp % 2;
+  const unsigned first_key = kKeyGroup * group + 16 * half;
+  const uint32_t* in_words = reinterpret_cast<const uint32_t*>(in_tile);
+  uint32_t w[16];  // w[j] = head-dim bytes 4 lane .. 4 lane + 3 of key first_key + j
+#pragma unroll
+  for (int j = 0; j < 16; ++j) w[j] = in_words[(first_key + j) * (kHeadDim / 4) + lane];
+  uint32_t words[4][4];  // [i][e]
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    Transpose4x4(w[2 * i], w[2 * i + 1], w[2 * i + 8], w[2 * i + 9], words[i]);
+  }
+  const unsigned chunk = 2 * group + half;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const unsigned row = 4 * lane + e;
+    out_tile[row][SwizzledChunk(row, chunk)] =
+        make_uint4(words[0][e], words[1][e], words[2][e], words[3][e]);
+  }
+  __syncthreads();
+
+  // Store: V^T rows first_row + 32 j of (batch, head), columns key0 .. key0 + 127; columns past
+  // Sk' (only in a row's last tile) are not written.
+  const int64_t row_stride = seqlen_k_padded / 16;  // in 16-byte pieces: Sk' is a multiple of 32
+  uint4* dst = vt + (int64_t{batch_head} * kHeadDim + first_row) * row_stride + key0 / 16 + piece;
+  if (piece < (seqlen_k_padded - key0) / 16) {  // 2, 4, 6 or 8 and more pieces left in the row
+#pragma unroll
+    for (int j = 0; j < kPiecesPerThread; ++j) {
+      const unsigned row = first_row + kRowsPerPass * j;
+      dst[kRowsPerPass * j * row_stride] = out_tile[row][SwizzledChunk(row, piece)];
+    }
+  }
+}
+
+}  // namespace
+
+std::string ValidateFp8ValueOperand(const Fp8ValueOperandParams& p) {
+  if (p.batch < 0 || p.seqlen_k < 0 || p.heads_kv < 0) {
+    return "v's batch, seq_k and heads_kv must not be negative";
+  }
+  if (p.head_dim != kHeadDim) {
+    return "v's head_dim must be 128 for the jzyfa FP8 kernel's V operand, got " +
+           std::to_string(p.head_dim);
+  }
+  const int64_t padded = (p.seqlen_k + kKeyGroup - 1) / kKeyGroup * kKeyGroup;
+  if (p.seqlen_k_padded != padded) {
+    return "vt must hold seq_k rounded up to a multiple of 32 keys (" + std::to_string(padded) +
+           "), got " + std::to_string(p.seqlen_k_padded);
+  }
+  // One block per 128-key tile of each (batch, head): their count must fit the grid's x extent,
+  // which also keeps every byte offset far inside int64 (V and V^T under 2^45 bytes).
+  const int64_t max_blocks = INT_MAX;
+  const int64_t tiles = (padded + kTileKeys - 1) / kTileKeys;
+  if ((p.batch > 0 && p.heads_kv > max_blocks / p.batch) ||
+      (p.batch * p.heads_kv > 0 && tiles > max_blocks / (p.batch * p.heads_kv))) {
+    return "v is too large for the jzyfa V-operand kernel: batch * heads_kv * ceil(seq_k / 128) "
+           "must be at most 2^31 - 1";
+  }
+  return "";
+}
+
+std::string LaunchFp8ValueOperand(const Fp8ValueOperandParams& p, cudaStream_t stream) {
+  std::string error = ValidateFp8ValueOperand(p);
+  if (!error.empty()) return error;
+  const int64_t tiles = (p.seqlen_k_padded + kTileKeys - 1) / kTileKeys;
+  const int64_t blocks = p.batch * p.heads_kv * tiles;
+  if (blocks == 0) return "";  // vt is empty: nothing to write
+  if (p.v == nullptr || p.vt == nullptr) return "v and vt must be device buffers";
+  if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0 || reinterpret_cast<uintptr_t>(p.vt) % 16 != 0) {
+    return "v and vt must be 16-byte aligned";  // XLA's buffers are
+  }
+  Fp8ValueOperandKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(p.v), static_cast<uint4*>(p.vt), p.seqlen_k, p.seqlen_k_padded,
+      static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(tiles));
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 V-operand kernel", err);
+  return "";
+}
+
+}  // namespace jzyfa
