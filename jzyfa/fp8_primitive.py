@@ -62,6 +62,14 @@ FP8_KERNEL_HEAD_DIM = 128
 # the pass. 2048 rows sits between the measured wins (16 x 1024: 1024 rows staged; 4 x 4096: 4096
 # rows transposed).
 FP8_STAGED_V_MAX_ROWS = 2048
+
+# The staged kernels ran their GPU tests once whole (2026-12-01, 62 passed), then, run again under
+# both layouts with new random inputs, one dense case failed (staged, Sq = 200 > Sk = 64, exact P)
+# while the same case in the transposed kernels passed; the failing check is not known (the call's
+# time ran out; docs/fp8.md 10.13). Until that is understood, the rule above is off: every dense
+# call takes the transposed layout, whose kernels are byte for byte the ones verified before
+# (JZYFA_FP8_V_LAYOUT=staged still selects the staged ones, for measuring and debugging).
+FP8_STAGED_V_VERIFIED = False
 FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
 FP8_V_LAYOUTS = ("staged", "transposed")
 
@@ -228,8 +236,9 @@ mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platfo
 
 
 def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
-    """"staged" or "transposed": where one shard's call builds V's operand layout (module docstring).
-    JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides the rule; read at trace time."""
+    """"staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
+    the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then.
+    JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides both; read at trace time."""
     override = os.environ.get(FP8_V_LAYOUT_ENV, "")
     if override:
         if override not in FP8_V_LAYOUTS:
@@ -238,6 +247,8 @@ def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
                 f"rule), got {override!r}"
             )
         return override
+    if not FP8_STAGED_V_VERIFIED:
+        return "transposed"
     return "staged" if seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS else "transposed"
 
 

@@ -153,10 +153,12 @@ def test_verified_gate_runs_fp8_mla_on_the_primitive(rng, monkeypatch):
 @pytest.mark.usefixtures("fp8_mla_gate_variable")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lean_p", [True, False])
-def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(causal, lean_p):
-    """implementation="kernel": one FP8 call on V as it is (the kernel transposes V's tiles itself): q and
-    k 192 wide, v and out 128, lse [B, Hq, Sq], the tile counter; no window; the default scale is
-    1/sqrt(192). (300 x 4 query rows per KV head: V staged by the rule, jzyfa/fp8_primitive.py.)"""
+def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(monkeypatch, causal, lean_p):
+    """implementation="kernel", V staged (JZYFA_FP8_V_LAYOUT=staged; the default is the layout kernel
+    until the staged kernels are verified): one FP8 call on V as it is (the kernel transposes V's tiles
+    itself): q and k 192 wide, v and out 128, lse [B, Hq, Sq], the tile counter; no window; the default
+    scale is 1/sqrt(192)."""
+    monkeypatch.setenv("JZYFA_FP8_V_LAYOUT", "staged")
     assert fp8_value_layout(300, 8, 2) == "staged"
     hlo = cuda_hlo(fp8_call(causal, None, "kernel", lean_p), Q, K, V, DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET_FP8)
@@ -291,5 +293,6 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
         mp.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
         vmapped = jax.vmap(fp8_call(True, None, "kernel"), in_axes=(0, 0, 0, None, None, None))
         (call,) = custom_call_lines(cuda_hlo(vmapped, *stacked, *descales), FFI_TARGET_FP8)
-    for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", "f8e4m3fn[6,500,2,128]"):
+    # V^T from the layout kernel (the default layout): [6, 2, 128, 512], v's head dim 128.
+    for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", "f8e4m3fn[6,2,128,512]"):
         assert shape in call
