@@ -280,7 +280,7 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
     out, lse = jax.eval_shape(lambda q, k, v, *d: fn(q, k, v, d), Q, K, V, *descales)
     assert (out.shape, out.dtype, lse.shape) == ((2, 300, 8, 128), jnp.bfloat16, (2, 8, 300))
     d = jax.ShapeDtypeStruct((4,), jnp.float32)
-    params = dict(softmax_scale=0.1, causal=True, window=(-1, -1), lean_p=True, kernel_required=False)
+    params = {"softmax_scale": 0.1, "causal": True, "window": (-1, -1), "lean_p": True, "kernel_required": False}
     vt = jax.ShapeDtypeStruct((2, 2, 128, 512), F8)
     for v, v_transposed in ((V, False), (vt, True)):
         shard_out, shard_lse = flash_attention_fp8_shard_p.abstract_eval(
