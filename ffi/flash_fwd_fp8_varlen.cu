@@ -1,8 +1,9 @@
 // Launch planning for the FP8 kernel over packed variable-length batches: validation, tensor maps
 // over the packed q, k and v (or the varlen V^T), the persistent grid, and the instantiations
 // (plain and sliding-window, lean P; each with V as it is, transposed in the kernel, or V^T from
-// jzyfa/fp8_layout.py's fp8_varlen_value_operand: FlashFwdFp8VarlenParams::v_transposed). The kernel is flash_fwd_fp8_kernel.cuh's, with Fp8VarlenArgs;
-// the tile plan and the tail of tokens outside every sequence are the 16-bit varlen kernel's.
+// jzyfa/fp8_layout.py's fp8_varlen_value_operand: FlashFwdFp8VarlenParams::v_transposed). The
+// kernel is flash_fwd_fp8_kernel.cuh's, with Fp8VarlenArgs; the tile plan and the tail of tokens
+// outside every sequence are the 16-bit varlen kernel's.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -106,7 +107,7 @@ std::string ValidateFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& p) {
   }
   if (p.v == nullptr || p.descale_q == nullptr || p.descale_k == nullptr ||
       p.descale_v == nullptr) {
-    return "v or a descale is missing";
+    return std::string(p.v_transposed ? "vt" : "v") + " or a descale is missing";
   }
   return "";
 }
