@@ -341,25 +341,44 @@ ffi::Error FlashAttentionFp8VarlenFwdImpl(
     ffi::Buffer<ffi::F32> descale_v, ffi::Result<ffi::Buffer<ffi::BF16>> out,
     ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
     float softmax_scale, bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    int64_t window_left, int64_t window_right) {
+    int64_t window_left, int64_t window_right, bool v_transposed) {
   const std::string name = "jzyfa_flash_attention_fp8_varlen_fwd: ";
+  const char* const v_name = v_transposed ? "vt" : "v";
   if (!AllE4m3({&q, &k, &v})) {
-    return ffi::Error::InvalidArgument(name + "q, k and v must be float8_e4m3fn");
+    return ffi::Error::InvalidArgument(name + "q, k and " + v_name + " must be float8_e4m3fn");
   }
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
              od = out->dimensions(), ld = lse->dimensions();
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
-    return ffi::Error::InvalidArgument(name +
-                                       "q, k and v must be packed [total_tokens, heads, head_dim]");
+    return ffi::Error::InvalidArgument(
+        name + (v_transposed ? "q and k must be packed [total_tokens, heads, head_dim], vt [heads_kv, "
+                               "128, roundup32(total_k) + 32 * (num_seqs + 1)] (v_transposed)"
+                             : "q, k and v must be packed [total_tokens, heads, head_dim]"));
   }
-  if (kd[2] != qd[2] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
+  // v [total_k, heads_kv, 128], or vt [heads_kv, 128, vt_keys] (its key count: below).
+  const bool agree = v_transposed ? (vd[0] == kd[1] && vd[1] == kd[2])
+                                  : (vd[0] == kd[0] && vd[1] == kd[1] && vd[2] == kd[2]);
+  if (kd[2] != qd[2] || !agree) {
     return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and v " + ShapeString(vd) + " disagree");
+                                       " and " + v_name + " " + ShapeString(vd) + " disagree" +
+                                       (v_transposed ? " (vt: [heads_kv, 128, roundup32(total_k) + "
+                                                       "32 * (num_seqs + 1)])"
+                                                     : ""));
   }
-  ffi::Error checked = CheckVarlenOperands(name, qd, vd[2], cu_seqlens_q, cu_seqlens_k, od, ld,
-                                          tile_counter->element_count());
+  const int64_t head_dim_v = v_transposed ? vd[1] : vd[2];
+  ffi::Error checked = CheckVarlenOperands(name, qd, head_dim_v, cu_seqlens_q, cu_seqlens_k, od,
+                                          ld, tile_counter->element_count());
   if (checked.failure()) return checked;
   const int64_t num_seqs = cu_seqlens_q.dimensions()[0] - 1;
+  if (v_transposed) {
+    const int64_t want_keys = Fp8VarlenValueKeys(kd[0], num_seqs);
+    if (vd[2] != want_keys) {
+      return ffi::Error::InvalidArgument(
+          name + "vt must be [heads_kv, 128, roundup32(total_k) + 32 * (num_seqs + 1)] = [" +
+          std::to_string(kd[1]) + ", " + std::to_string(kd[2]) + ", " + std::to_string(want_keys) +
+          "], got " + ShapeString(vd));
+    }
+  }
   ffi::Error descales =
       CheckDescales(name, descale_q, descale_k, descale_v, "num_seqs", num_seqs, kd[1]);
   if (descales.failure()) return descales;
@@ -368,7 +387,9 @@ ffi::Error FlashAttentionFp8VarlenFwdImpl(
   SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
                   max_seqlen_q, max_seqlen_k, window_left, window_right);
   p.v = v.untyped_data();
-  p.head_dim_v = vd[2];
+  p.head_dim_v = head_dim_v;
+  p.v_transposed = v_transposed;
+  if (v_transposed) p.vt_keys = vd[2];
   SetDescales(p, descale_q, descale_k, descale_v);
 
   return ValidateAndLaunch(name, p, ValidateFlashFwdFp8Varlen, LaunchFlashFwdFp8Varlen, stream);
@@ -475,7 +496,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8Varle
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q, e4m3 [total_q, Hq, 128]
                                   .Arg<ffi::AnyBuffer>()  // k, e4m3 [total_k, Hkv, 128]
-                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [total_k, Hkv, 128]
+                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [total_k, Hkv, 128], or vt
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
@@ -489,7 +510,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8Varle
                                   .Attr<int64_t>("max_seqlen_q")
                                   .Attr<int64_t>("max_seqlen_k")
                                   .Attr<int64_t>("window_left")  // -1: unbounded
-                                  .Attr<int64_t>("window_right"),
+                                  .Attr<int64_t>("window_right")
+                                  // v is vt [Hkv, 128, Fp8VarlenValueKeys] (fp8_varlen_value_operand)
+                                  .Attr<bool>("v_transposed"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,

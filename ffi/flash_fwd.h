@@ -117,13 +117,24 @@ struct FlashFwdVarlenParams {
 
 // One FP8 forward call over a packed variable-length batch (head dim 128): the fields of
 // FlashFwdVarlenParams, with q, k and v e4m3 and out bf16, plus the descales, float32, each one
-// value or one per (sequence, KV head). P is always lean (FlashFwdFp8Params::lean_p).
+// value or one per (sequence, KV head). v is V as it is, [total_k, heads_kv, 128] (the kernel
+// transposes its tiles in shared memory), or, v_transposed, V^T e4m3 [heads_kv, 128, vt_keys]:
+// sequence s's keys from column roundup32(cu_seqlens_k[s]) + 32 s, permuted inside each 32-key
+// group, zeros between sequences, vt_keys = Fp8VarlenValueKeys(total_k, num_seqs)
+// (jzyfa/fp8_layout.py, fp8_varlen_value_operand). P is always lean (FlashFwdFp8Params::lean_p).
 struct FlashFwdFp8VarlenParams : FlashFwdVarlenParams {
   const float* descale_q = nullptr;
   const float* descale_k = nullptr;
   const float* descale_v = nullptr;
   int64_t descale_count = 1;  // 1 or num_seqs * heads_kv, the same for all three
+  bool v_transposed = false;  // v is V^T (above), not V as it is
+  int64_t vt_keys = 0;        // v_transposed: V^T's key columns
 };
+
+// vt's key columns for a varlen FP8 call (FlashFwdFp8VarlenParams, v_transposed).
+inline int64_t Fp8VarlenValueKeys(int64_t total_k, int64_t num_seqs) {
+  return (total_k + 31) / 32 * 32 + 32 * (num_seqs + 1);
+}
 
 // The mask a launch (16-bit or FP8) runs with: causal or not (the plain kernels), or a sliding
 // window (the windowed kernels, bounds in 0..2^30 or -1).

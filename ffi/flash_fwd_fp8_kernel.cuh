@@ -59,7 +59,9 @@ struct Fp8Args {
 // A packed variable-length batch (jzyfa.flash_attention_varlen with e4m3 inputs): the 16-bit
 // kernel's varlen arguments (q [total_q, heads_q, 128], k and v [total_k, heads_kv, 128],
 // cu_seqlens on the device, out bf16 [total_q, heads_q, 128], lse [heads_q, total_q]) plus the
-// descales, one value or one per (sequence, KV head); exact P is not instantiated.
+// descales, one value or one per (sequence, KV head); exact P is not instantiated. With V^T
+// (kStagedV false) v is [heads_kv, 128, vt_keys] with sequence s's keys from column
+// Fp8VarlenValueColumn (jzyfa/fp8_layout.py, fp8_varlen_value_operand).
 struct Fp8VarlenArgs : VarlenFwdArgs {
   const float* descale_q;
   const float* descale_k;
@@ -76,6 +78,14 @@ constexpr bool kIsVarlen<WindowedArgs<Fp8VarlenArgs>> = true;
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& args) {
   return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));
+}
+
+// The V^T column of a sequence's first key, given its first key's token k_offset and its index:
+// roundup32(k_offset) + 32 seq, so every sequence starts on a 32-key group of the permuted layout and
+// no two overlap (jzyfa/fp8_layout.py). A windowed tile's k_offset moved by whole key blocks (multiples
+// of 32), which moves the column by as much.
+__device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
+  return ((k_offset + 31) & ~31) + 32 * seq;
 }
 
 // The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
@@ -348,9 +358,10 @@ struct Fp8StagingBarriers {
 // while a P V may still read it. Every V^T byte comes from V's bytes or TMA's zeros (keys past the
 // tensor's end), never from uninitialized shared memory.
 //
-// With Tile::kStagedV false (dense batches only), tmap_v is V^T's map ([batch, heads_kv, 128,
-// keys padded to 32]: fp8_value_operand.cu) and the TMA thread loads each stage's V^T tile
-// directly (completing v_full); warps 1..3 exit at once and there are no staging buffers.
+// With Tile::kStagedV false, tmap_v is V^T's map ([batch, heads_kv, 128, keys padded to 32]:
+// fp8_value_operand.cu; varlen: [1, heads_kv, 128, vt_keys], Fp8VarlenValueColumn) and the TMA
+// thread loads each stage's V^T tile directly (completing v_full); warps 1..3 exit at once and
+// there are no staging buffers.
 template <bool kLeanP, typename Tile = Fp8Tile, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                                  const CUtensorMap& tmap_v, const Args& args) {
@@ -360,7 +371,6 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   static_assert(!kMla || (!kWindow && !kVarlen), "MLA's FP8 tile serves dense causal / no-mask calls");
   static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
   constexpr bool kStagedV = Tile::kStagedV;
-  static_assert(kStagedV || !kVarlen, "varlen's FP8 kernels build V^T in shared memory");
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
   using Slot = RingSlot<kStages>;
@@ -462,10 +472,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     };
     if constexpr (!kStagedV) {
       // V^T: 128 keys (the box's inner, contiguous dimension) x the 128 head-dim rows. A window's
-      // first key is a multiple of 128, so every box starts on a 32-key group of the permuted layout.
+      // first key is a multiple of 128, and a varlen sequence's first column one of 32, so every
+      // box starts on a 32-key group of the permuted layout.
       auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
-        ptx::tma_load_4d(smem_vt(stage), &tmap_v, bar, first_key(work, block), 0, work.kv_head,
-                         work.batch);
+        int column = first_key(work, block), batch = work.batch;
+        if constexpr (kVarlen) column += Fp8VarlenValueColumn(work.k_offset, work.batch), batch = 0;
+        ptx::tma_load_4d(smem_vt(stage), &tmap_v, bar, column, 0, work.kv_head, batch);
       };
       ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
                                                      Tile::kVtBytes, load_q, load_k, load_vt);
@@ -833,24 +845,24 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
 }
 
 // Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps
-// cover [1, total, heads, 128]. Templates like the kernels above, so that only the translation unit
-// that launches them defines them.
-template <bool kLeanP>
+// cover [1, total, heads, 128] (V^T's, kStagedV false: [1, heads_kv, 128, vt_keys]). Templates like
+// the kernels above, so that only the translation unit that launches them defines them.
+template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v, const Fp8VarlenArgs args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
 }
 
 // The same with a sliding window that is neither causal nor none, per sequence.
-template <bool kLeanP>
+template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v,
                                   const WindowedArgs<Fp8VarlenArgs> args) {
-  FlashFwdFp8Tiles<kLeanP>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
 }
 
 }  // namespace jzyfa

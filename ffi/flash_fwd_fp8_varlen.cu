@@ -1,7 +1,9 @@
 // Launch planning for the FP8 kernel over packed variable-length batches: validation, tensor maps
-// over the packed q, k and v, the persistent grid, and the two instantiations
-// (plain and sliding-window, lean P). The kernel is flash_fwd_fp8_kernel.cuh's, with Fp8VarlenArgs;
-// the tile plan and the tail of tokens outside every sequence are the 16-bit varlen kernel's.
+// over the packed q, k and v (or the varlen V^T), the persistent grid, and the instantiations
+// (plain and sliding-window, lean P; each with V as it is, transposed in the kernel, or V^T from
+// jzyfa/fp8_layout.py's fp8_varlen_value_operand: FlashFwdFp8VarlenParams::v_transposed). The
+// kernel is flash_fwd_fp8_kernel.cuh's, with Fp8VarlenArgs; the tile plan and the tail of tokens
+// outside every sequence are the 16-bit varlen kernel's.
 #include <cmath>
 #include <string>
 #include <type_traits>
@@ -13,20 +15,20 @@
 namespace jzyfa {
 namespace {
 
-// The plain kernel, or the sliding-window one; lean P (the FP8 kernel's default) only.
-template <bool kWindow>
+// The plain kernel, or the sliding-window one, for the tile's V source; lean P (the FP8 kernel's
+// default) only.
+template <typename Tile, bool kWindow>
 constexpr auto Fp8VarlenKernel() {
   if constexpr (kWindow) {
-    return FlashFwdFp8VarlenWindowKernel<true>;
+    return FlashFwdFp8VarlenWindowKernel<true, Tile::kStagedV>;
   } else {
-    return FlashFwdFp8VarlenKernel<true>;
+    return FlashFwdFp8VarlenKernel<true, Tile::kStagedV>;
   }
 }
 
-template <bool kWindow>
+template <typename Tile, bool kWindow>
 std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8Tile;
-  constexpr auto kernel = Fp8VarlenKernel<kWindow>();
+  constexpr auto kernel = Fp8VarlenKernel<Tile, kWindow>();
   const DeviceInfo* info = nullptr;
   std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
@@ -41,10 +43,23 @@ std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaS
   if (!EncodeRowMap(&tmap_q, p.q, kBytes, 1, 1, p.total_q, p.heads_q, kD, kD,
                     Tile::kRowsPerConsumer, &error) ||
       !EncodeRowMap(&tmap_k, p.k, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
-                    &error) ||
-      !EncodeRowMap(&tmap_v, p.v, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
-                    &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+                    &error)) {
     return error;
+  }
+  if constexpr (Tile::kStagedV) {
+    if (!EncodeRowMap(&tmap_v, p.v, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
+                      &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+      return error;
+    }
+  } else {
+    // V^T [1, heads_kv, 128, vt_keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows; a
+    // tile's boxes start at its sequence's column (Fp8VarlenValueColumn).
+    const uint64_t keys = static_cast<uint64_t>(p.vt_keys), d = Tile::kHeadDim;
+    const uint64_t heads_kv = static_cast<uint64_t>(p.heads_kv);
+    const uint64_t vt_dims[4] = {keys, d, heads_kv, 1};
+    const uint64_t vt_strides[3] = {keys, d * keys, heads_kv * d * keys};
+    const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
+    if (!EncodeTensorMap4d(&tmap_v, p.v, kBytes, vt_dims, vt_strides, vt_box, &error)) return error;
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8VarlenArgs>, Fp8VarlenArgs> args;
   args.out = p.out;
@@ -78,9 +93,21 @@ std::string ValidateFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& p) {
            std::to_string(p.num_seqs * p.heads_kv) + ") values, got " +
            std::to_string(p.descale_count);
   }
+  if (p.v_transposed) {
+    const int64_t want_keys = Fp8VarlenValueKeys(p.total_k, p.num_seqs);
+    if (p.vt_keys != want_keys) {
+      return "vt must hold roundup32(total_k) + 32 * (num_seqs + 1) = " +
+             std::to_string(want_keys) + " key columns, got " + std::to_string(p.vt_keys);
+    }
+    // V^T columns (a box starts up to 128 keys past a sequence's end) stay int32.
+    if (p.vt_keys > (int64_t{1} << 31) - 1024) {
+      return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " +
+             std::to_string(p.vt_keys);
+    }
+  }
   if (p.v == nullptr || p.descale_q == nullptr || p.descale_k == nullptr ||
       p.descale_v == nullptr) {
-    return "v or a descale is missing";
+    return std::string(p.v_transposed ? "vt" : "v") + " or a descale is missing";
   }
   return "";
 }
@@ -93,7 +120,12 @@ std::string LaunchFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& p, cudaStream
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.max_seqlen_q, p.max_seqlen_k,
                       &mask);
   if (!error.empty()) return error;
-  return mask.windowed ? Launch<true>(p, mask, stream) : Launch<false>(p, mask, stream);
+  if (p.v_transposed) {
+    return mask.windowed ? Launch<Fp8VtTile, true>(p, mask, stream)
+                         : Launch<Fp8VtTile, false>(p, mask, stream);
+  }
+  return mask.windowed ? Launch<Fp8Tile, true>(p, mask, stream)
+                       : Launch<Fp8Tile, false>(p, mask, stream);
 }
 
 }  // namespace jzyfa

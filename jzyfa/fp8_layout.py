@@ -6,7 +6,8 @@ takes V as it is ([B, Sk, Hkv, 128], or packed [total_k, Hkv, 128]) and builds e
 in shared memory after its TMA load (ffi/fp8_value_transpose.cuh; tests/test_fp8_value_transpose.py
 simulates it against `fp8_value_operand` below, the layout's definition), or a layout kernel writes
 `fp8_value_operand(v)` to device memory first and the kernel loads its tiles (long calls:
-jzyfa/fp8_primitive.py, `fp8_value_layout`). The kernel also
+jzyfa/fp8_primitive.py, `fp8_value_layout`; packed varlen batches by default, through
+`fp8_varlen_value_operand` below: `fp8_varlen_value_layout`). The kernel also
 feeds P from registers without moving a byte between lanes: the f32 accumulator of S = Q K^T gives a
 thread, for each row it owns, the key pairs {2t, 2t+1} of every 8-key chunk (t = lane % 4), while the
 8-bit A operand wants four consecutive k's {4t .. 4t+3} per 32-bit register. Rather than shuffling P,
@@ -26,6 +27,8 @@ register 2 the same of chunks 2 and 3 (keys 16 + ...), registers 1 and 3 the d[2
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -88,3 +91,64 @@ def value_from_operand(vt: jax.Array, seq_k: int) -> jax.Array:
     groups = vt.reshape(batch, heads_kv, head_dim, padded // KEY_GROUP, KEY_GROUP)
     restored = jnp.take(groups, jnp.argsort(_key_permutation()), axis=4)
     return restored.transpose(0, 3, 4, 1, 2).reshape(batch, padded, heads_kv, head_dim)[:, :seq_k]
+
+
+# Packed variable-length batches (`flash_attention_varlen` with e4m3 inputs), "transposed" source (the
+# default: jzyfa/fp8_varlen_primitive.py). The kernel's key blocks start at each sequence's first key, so
+# each sequence's V^T must start on a 32-key group of its own: sequence s's keys start at column
+# roundup32(cu_seqlens_k[s]) + 32 s. These ranges never overlap (the next one starts at least 32 columns
+# past cu_seqlens_k[s + 1] - 1 + 32 s, this one ends before it), need no prefix sum, and the columns
+# between them are zeros (finite, so that a key past a sequence's end, whose probability is 0, adds
+# 0 * 0 to O). The "staged" source needs none of this: the kernel takes the packed V as it is.
+
+
+def varlen_padded_keys(total_k: int, num_seqs: int) -> int:
+    """Key columns of the varlen V^T: every sequence's columns with room for its 32-column offsets."""
+    return padded_keys(total_k) + KEY_GROUP * (num_seqs + 1)
+
+
+def varlen_value_columns(cu_seqlens_k: jax.Array) -> jax.Array:
+    """The V^T column of each sequence's first key, [num_seqs] (the kernel's Fp8VarlenValueColumn)."""
+    starts = cu_seqlens_k[:-1]
+    return -(-starts // KEY_GROUP) * KEY_GROUP + KEY_GROUP * jnp.arange(starts.shape[0], dtype=starts.dtype)
+
+
+def varlen_value_tokens(cu_seqlens_k: jax.Array, total_k: int) -> jax.Array:
+    """The packed token each column of the varlen V^T holds before the 32-key permutation, [W]: sequence
+    s's key j at column `varlen_value_columns(...)[s] + j`; total_k (past the end: a zero) elsewhere."""
+    num_seqs = cu_seqlens_k.shape[0] - 1
+    starts = varlen_value_columns(cu_seqlens_k)
+    column = jnp.arange(varlen_padded_keys(total_k, num_seqs), dtype=jnp.int32)
+    seq = jnp.searchsorted(starts, column, side="right").astype(jnp.int32) - 1  # the column's sequence
+    in_seq = jnp.clip(seq, 0, num_seqs - 1)
+    key = column - starts[in_seq]
+    valid = (seq >= 0) & (key < cu_seqlens_k[in_seq + 1] - cu_seqlens_k[in_seq])
+    return jnp.where(valid, cu_seqlens_k[in_seq] + key, total_k)
+
+
+def fp8_varlen_value_operand(
+    v: jax.Array, cu_seqlens_k: jax.Array, value_operand: Callable = fp8_value_operand
+) -> jax.Array:
+    """Packed V [total_k, Hkv, D] (e4m3) as the varlen FP8 kernel reads it with v_transposed: [Hkv, D, W],
+    W = `varlen_padded_keys(total_k, num_seqs)`, sequence s's keys from column `varlen_value_columns(...)[s]`
+    on, permuted inside each 32-key group as `fp8_value_operand` does, zeros elsewhere.
+
+    Two steps: a gather of whole token rows into the sequences' columns (each starts on a 32-key group),
+    then the dense layout (`value_operand`: `fp8_value_operand`, or on CUDA its kernel, bitwise the same)
+    of that as one batch of W keys, whose 32-key groups then never straddle two sequences. cu_seqlens_k
+    may be traced (it must be non-decreasing, as everywhere).
+    """
+    if v.ndim != 3:
+        raise ValueError(f"v must be packed [total_k, heads_kv, head_dim], got shape {v.shape}")
+    tokens = varlen_value_tokens(jnp.asarray(cu_seqlens_k, jnp.int32), v.shape[0])
+    rows = jnp.take(v, tokens, axis=0, mode="fill", fill_value=0)  # [W, Hkv, D]
+    return value_operand(rows[None])[0]
+
+
+def varlen_value_from_operand(vt: jax.Array, cu_seqlens_k: jax.Array, total_k: int) -> jax.Array:
+    """The inverse of `fp8_varlen_value_operand` (for tests and debugging): back to [total_k, Hkv, D]."""
+    rows = value_from_operand(vt[None], vt.shape[2])[0]  # [W, Hkv, D], columns un-permuted
+    tokens = varlen_value_tokens(jnp.asarray(cu_seqlens_k, jnp.int32), total_k)
+    # Each token sits in exactly one column; scatter the columns back (the zero columns point past the end).
+    out = jnp.zeros((total_k,) + rows.shape[1:], vt.dtype)
+    return out.at[tokens].set(rows, mode="drop")

@@ -19,7 +19,9 @@ one of two ways, chosen per shard from its static shapes at trace time (`fp8_val
 The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed. The
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
 is read when a call is traced (a function already traced for the same shapes keeps its layout until
-`jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls always stage V.
+`jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls
+(jzyfa/fp8_varlen_primitive.py) take no shape rule: "transposed" unless JZYFA_FP8_V_LAYOUT=staged
+(`fp8_varlen_value_layout`).
 """
 
 from __future__ import annotations
@@ -235,21 +237,33 @@ mlir.register_lowering(fp8_value_operand_p, _value_operand_fallback)
 mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platform="cuda")
 
 
+def _v_layout_override() -> str:
+    """JZYFA_FP8_V_LAYOUT's value ("staged" | "transposed"), or "" when unset; read at trace time."""
+    override = os.environ.get(FP8_V_LAYOUT_ENV, "")
+    if override and override not in FP8_V_LAYOUTS:
+        raise ValueError(
+            f"{FP8_V_LAYOUT_ENV} must be one of {', '.join(FP8_V_LAYOUTS)} (or unset for the default), "
+            f"got {override!r}"
+        )
+    return override
+
+
 def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     """"staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
     the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then.
     JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides both; read at trace time."""
-    override = os.environ.get(FP8_V_LAYOUT_ENV, "")
-    if override:
-        if override not in FP8_V_LAYOUTS:
-            raise ValueError(
-                f"{FP8_V_LAYOUT_ENV} must be one of {', '.join(FP8_V_LAYOUTS)} (or unset for the shape "
-                f"rule), got {override!r}"
-            )
+    if override := _v_layout_override():
         return override
     if not FP8_STAGED_V_VERIFIED:
         return "transposed"
     return "staged" if seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS else "transposed"
+
+
+def fp8_varlen_value_layout() -> str:
+    """The same for a packed varlen call (jzyfa/fp8_varlen_primitive.py): "transposed" (the varlen V^T,
+    `fp8_layout.fp8_varlen_value_operand`, then the kernel), unless JZYFA_FP8_V_LAYOUT=staged (V as it
+    is, transposed in the kernel's shared memory). No shape rule; read at trace time."""
+    return _v_layout_override() or "transposed"
 
 
 def fp8_attention_shard(

@@ -3,8 +3,12 @@
 `flash_attention_fp8_varlen_p` takes e4m3 q [total_q, Hq, 128], k and v [total_k, Hkv, 128], cu_seqlens_q
 and cu_seqlens_k int32 [num_seqs + 1] (on the device, never read by the host) and float32 descales
 [num_seqs, Hkv]; its results are out bf16 [total_q, Hq, 128] and lse float32 [Hq, total_q]. On CUDA it
-lowers to the FFI custom call of that name (`_kernel_call_p`; the kernel builds V's operand layout in shared
-memory from V's packed rows); every other platform lowers to the pure-JAX path
+lowers to the FFI custom call of that name (`_kernel_call_p`), with V's operand layout built one of two
+ways (`fp8_primitive.fp8_varlen_value_layout`, read when the call is lowered): by default "transposed", V
+brought into the varlen V^T layout first (`fp8_layout.fp8_varlen_value_operand`: a gather of token rows,
+then the dense layout's kernel) and passed with v_transposed=True; with JZYFA_FP8_V_LAYOUT=staged, V's
+packed rows as they are (v_transposed=False; the kernel transposes each tile in shared memory). Every
+other platform lowers to the pure-JAX path
 (`jzyfa.varlen.fp8_varlen_attention_reference`: dequantize, exact attention), unless the caller demanded
 the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
 
@@ -22,15 +26,20 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from jzyfa import _validation
+from jzyfa.fp8_layout import fp8_varlen_value_operand, varlen_padded_keys
+from jzyfa.fp8_primitive import fp8_value_operand_p, fp8_varlen_value_layout
 from jzyfa.primitive import TILE_COUNTER, _vary_alike, refuse_required_kernel
 from jzyfa.varlen import fp8_varlen_attention_reference
 from jzyfa.varlen_primitive import varlen_bind_params, varlen_ffi_attributes, varlen_shape_problem
 
 FFI_TARGET_FP8_VARLEN = "jzyfa_flash_attention_fp8_varlen_fwd"
+# The launch keeps V^T's columns in int32 (ffi/flash_fwd_fp8_varlen.cu; the "transposed" layout).
+KERNEL_MAX_VALUE_KEYS = (1 << 31) - 1024
 
 flash_attention_fp8_varlen_p = Primitive(FFI_TARGET_FP8_VARLEN)
 flash_attention_fp8_varlen_p.multiple_results = True
-# The custom call itself, descales flattened; bound only by the CUDA lowering below.
+# The custom call itself, descales flattened, V or V^T (v_transposed); bound only by the CUDA lowering
+# below.
 _kernel_call_p = Primitive(FFI_TARGET_FP8_VARLEN + "_call")
 _kernel_call_p.multiple_results = True
 
@@ -124,18 +133,26 @@ def _reference_fallback(
 
 
 def _kernel_call(q8, k8, v8, cu_q, cu_k, dq, dk, dv, *, kernel_required, **params):
-    """On CUDA: the custom call (descales as [num_seqs * Hkv])."""
+    """On CUDA: V into the varlen V^T layout (its 32-key permutation by the dense layout's kernel) unless
+    the layout is "staged", then the custom call (descales as [num_seqs * Hkv])."""
     del kernel_required  # Only decides what non-CUDA platforms do.
-    return _kernel_call_p.bind(q8, k8, v8, cu_q, cu_k, *(d.reshape(-1) for d in (dq, dk, dv)), **params)
+    v_transposed = fp8_varlen_value_layout() == "transposed"
+    if v_transposed:
+        v8 = fp8_varlen_value_operand(v8, cu_k, value_operand=fp8_value_operand_p.bind)
+    return _kernel_call_p.bind(
+        q8, k8, v8, cu_q, cu_k, *(d.reshape(-1) for d in (dq, dk, dv)), v_transposed=v_transposed, **params
+    )
 
 
 _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET_FP8_VARLEN)
 
 
-def _ffi_call_lowering(ctx, *operands, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window):
+def _ffi_call_lowering(
+    ctx, *operands, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window, v_transposed
+):
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])  # the tile queue, dropped below
     attributes = varlen_ffi_attributes(max_seqlen_q, max_seqlen_k, softmax_scale, causal, window)
-    out, lse, _ = _ffi_lowering(ctx, *operands, **attributes)
+    out, lse, _ = _ffi_lowering(ctx, *operands, **attributes, v_transposed=bool(v_transposed))
     return [out, lse]
 
 
@@ -151,4 +168,12 @@ mlir.register_lowering(_kernel_call_p, _ffi_call_lowering, platform="cuda")
 def fp8_varlen_kernel_config_problem(q8, k8, num_seqs: int, max_seqlen_q: int) -> str | None:
     """None when the FP8 varlen kernel serves a validated call (head dim 128 is checked before), else why
     not."""
-    return varlen_shape_problem(q8, k8, num_seqs, max_seqlen_q)
+    if problem := varlen_shape_problem(q8, k8, num_seqs, max_seqlen_q):
+        return problem
+    transposed = fp8_varlen_value_layout() == "transposed"
+    if transposed and varlen_padded_keys(k8.shape[0], num_seqs) > KERNEL_MAX_VALUE_KEYS:
+        return (
+            f"the FP8 varlen kernel takes total_k + 32 * (num_seqs + 1) < 2^31 - 1024 (V^T's columns), got "
+            f"{k8.shape[0]} keys"
+        )
+    return None

@@ -1,5 +1,6 @@
 """FP8 (e4m3) inputs to `flash_attention_varlen` on the CPU: argument checks, the pure-JAX path against
-dense FP8 attention per sequence, the CUDA custom call and the kernel's gate. (The
+dense FP8 attention per sequence, the varlen V^T layout, the CUDA custom call (V^T by default, V as it is
+with JZYFA_FP8_V_LAYOUT=staged) and the kernel's gate. (The
 kernel itself: tests/test_fp8_varlen_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
@@ -13,6 +14,15 @@ from attention_oracle import dequantized_f64, naive_varlen_f64, offsets, random_
 
 import jzyfa
 from jzyfa import api
+from jzyfa.fp8_layout import (
+    KEY_GROUP,
+    KEY_PERMUTATION,
+    fp8_varlen_value_operand,
+    varlen_padded_keys,
+    varlen_value_columns,
+    varlen_value_from_operand,
+)
+from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, FP8_V_LAYOUT_ENV
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
@@ -107,6 +117,51 @@ def test_sliding_window_pure_jax_path(rng):
     np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-2, rtol=2e-2)
 
 
+def value_operand_np(v: np.ndarray, cu_k: np.ndarray) -> np.ndarray:
+    """The varlen V^T built key by key: sequence s's key j at column roundup32(cu_k[s]) + 32 s + the
+    column of j in its permuted group; zeros elsewhere."""
+    total_k, heads_kv, head_dim = v.shape
+    num_seqs = len(cu_k) - 1
+    vt = np.zeros((heads_kv, head_dim, varlen_padded_keys(total_k, num_seqs)), v.dtype)
+    column_of = np.argsort(KEY_PERMUTATION)  # column k of a group holds key KEY_PERMUTATION[k]
+    for s in range(num_seqs):
+        start = -(-cu_k[s] // 32) * 32 + 32 * s
+        for j in range(cu_k[s + 1] - cu_k[s]):
+            vt[:, :, start + 32 * (j // 32) + column_of[j % 32]] = v[cu_k[s] + j]
+    return vt
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[1, 63, 64, 65, 0, 127, 129], [32, 32], [0, 0, 5], [300], [31, 33, 0]],
+)
+def test_varlen_value_operand(rng, lengths):
+    cu_k = offsets(lengths)
+    v = rng.integers(1, 256, (int(cu_k[-1]), 2, 128), dtype=np.uint8)  # no zero bytes: gaps show
+    v = v & np.uint8(0x7E) | np.uint8(1)  # no NaN codes (0x7F, 0xFF) either
+    v8 = jnp.asarray(v).view(E4M3)
+    vt = jax.jit(fp8_varlen_value_operand)(v8, cu_k)
+    np.testing.assert_array_equal(np.asarray(vt.view(jnp.uint8)), value_operand_np(v, cu_k))
+    # Every sequence starts on a 32-key group; ranges never overlap and stay inside the buffer.
+    starts = np.asarray(varlen_value_columns(jnp.asarray(cu_k)))
+    assert np.all(starts % KEY_GROUP == 0)
+    ends = starts + np.diff(cu_k)
+    assert np.all(ends[:-1] <= starts[1:]) and ends[-1] <= vt.shape[2]
+    # And back: every token from its one column.
+    back = jax.jit(varlen_value_from_operand, static_argnums=2)(vt, cu_k, int(cu_k[-1]))
+    np.testing.assert_array_equal(np.asarray(back.view(jnp.uint8)), v)
+
+
+def test_value_operand_with_traced_offsets():
+    """One compiled program serves every packing with the same totals."""
+    v8 = jnp.asarray(np.arange(1, 41, dtype=np.uint8).reshape(40, 1, 1).repeat(128, axis=2)).view(E4M3)
+    fn = jax.jit(fp8_varlen_value_operand)
+    for lengths in ([10, 30], [40, 0], [0, 40]):
+        cu = offsets(lengths)
+        want = value_operand_np(np.asarray(v8.view(jnp.uint8)), cu)
+        np.testing.assert_array_equal(np.asarray(fn(v8, jnp.asarray(cu)).view(jnp.uint8)), want)
+
+
 def fp8_varlen_custom_calls(
     implementation, window=None, per_head=False, causal=True, target=FFI_TARGET_FP8_VARLEN
 ) -> list[str]:
@@ -127,26 +182,50 @@ def fp8_varlen_custom_calls(
     return [line for line in hlo.splitlines() if "custom-call(" in line and f'"{target}"' in line]
 
 
+@pytest.mark.parametrize("layout", [None, "transposed", "staged"])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(
     "window, causal_attr, bounds", [(None, "true", (-1, -1)), ((16, 0), "false", (16, 0))]
 )
-def test_cuda_lowering_is_the_fp8_varlen_custom_call(monkeypatch, per_head, window, causal_attr, bounds):
+def test_cuda_lowering_is_the_fp8_varlen_custom_call(
+    monkeypatch, layout, per_head, window, causal_attr, bounds
+):
+    """By default (and with JZYFA_FP8_V_LAYOUT=transposed) V's varlen V^T first (a gather, then the
+    layout kernel), then the kernel with v_transposed; with JZYFA_FP8_V_LAYOUT=staged the kernel alone on
+    V as it is."""
     monkeypatch.setenv(api.UNVERIFIED_FP8_VARLEN_KERNEL_ENV, "1")
+    if layout is not None:
+        monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
+    staged = layout == "staged"
     (call,) = fp8_varlen_custom_calls("kernel", window, per_head)
     assert f'custom_call_target="{FFI_TARGET_FP8_VARLEN}"' in call
-    # q, k and v as they are (the kernel builds V's operand layout in shared memory), the offsets,
-    # three descales [2 * 2].
-    operands = "f8e4m3fn[10,4,128]{2,1,0}, f8e4m3fn[12,2,128]{2,1,0}, f8e4m3fn[12,2,128]{2,1,0}, "
+    # q, k, v as it is [12, 2, 128] (staged) or the varlen V^T [Hkv, 128, roundup32(12) + 32 * 3], the
+    # offsets, three descales [2 * 2].
+    v_operand = "f8e4m3fn[12,2,128]{2,1,0}" if staged else "f8e4m3fn[2,128,128]{2,1,0}"
+    operands = f"f8e4m3fn[10,4,128]{{2,1,0}}, f8e4m3fn[12,2,128]{{2,1,0}}, {v_operand}, "
     operands += "s32[3]{0}, s32[3]{0}, f32[4]{0}, f32[4]{0}, f32[4]{0}"
-    assert f"operand_layout_constraints={{{operands}}}" in call
+    assert f"operand_layout_constraints={{{operands}}}" in call, call
     assert re.search(r"bf16\[10,4,128\]\{2,1,0\}, f32\[4,10\]\{1,0\}, s32\[1\]", call)
     assert f"causal = {causal_attr}" in call
     assert f"window_left = {bounds[0]} : i64" in call and f"window_right = {bounds[1]} : i64" in call
     assert "max_seqlen_q = 200 : i64" in call and "max_seqlen_k = 260 : i64" in call
     assert re.search(r"softmax_scale = 2.50*e-01 : f32", call)
-    # No V layout pass before the kernel (the former custom call jzyfa_fp8_value_operand).
-    assert not fp8_varlen_custom_calls("kernel", window, per_head, target="jzyfa_fp8_value_operand")
+    assert f"v_transposed = {str(not staged).lower()}" in call, call
+    layouts = fp8_varlen_custom_calls("kernel", window, per_head, target=FFI_TARGET_VALUE_OPERAND)
+    if staged:
+        assert not layouts  # no V layout pass before the kernel
+    else:
+        # V's layout: token rows gathered into the sequences' columns, then the dense layout's kernel
+        # over them as one batch of 128 keys.
+        (layout_call,) = layouts
+        assert "operand_layout_constraints={f8e4m3fn[1,128,2,128]{3,2,1,0}}" in layout_call, layout_call
+
+
+def test_cuda_lowering_rejects_an_unknown_layout(monkeypatch):
+    monkeypatch.setenv(api.UNVERIFIED_FP8_VARLEN_KERNEL_ENV, "1")
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "sideways")
+    with pytest.raises(ValueError, match=FP8_V_LAYOUT_ENV):
+        fp8_varlen_custom_calls("kernel")
 
 
 def test_gate(rng, monkeypatch):

@@ -3,7 +3,8 @@ dense FP8 kernel run on that sequence alone (a tile's key blocks start at its se
 the arithmetic is the same: bitwise) and loosely against float64 attention of the dequantized inputs;
 outputs NaN-poisoned beforehand; rows that see no key and tokens of no sequence give O = 0 and
 LSE = -inf; per-tensor and per-(sequence, KV head) descales, GQA, causal or not, a sliding window;
-bitwise-identical reruns.
+bitwise-identical reruns. Every case runs under both V layouts (the `fp8_v_layout` fixture: the varlen
+V^T from the layout kernel, the default, and V staged in the kernel), the dense oracle under the same one.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
 with JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1, whatever jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED says (True
@@ -22,9 +23,10 @@ from test_kernel_gpu import relative_l2
 
 import jzyfa
 from jzyfa import api
+from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, fp8_varlen_value_layout
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 
-pytestmark = [pytest.mark.gpu, requires_hopper]
+pytestmark = [pytest.mark.gpu, requires_hopper, pytest.mark.usefixtures("fp8_v_layout")]
 
 LENGTHS = [1, 63, 64, 65, 0, 127, 129, 300, 1000]  # around block edges; an empty sequence
 
@@ -51,6 +53,8 @@ def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
     fn = jax.jit(call, donate_argnums=(8, 9), keep_unused=True)
     hlo = fn.lower(*args).compile().as_text()
     assert FFI_TARGET_FP8_VARLEN in hlo
+    # The varlen V^T's layout kernel runs first exactly when the layout is "transposed".
+    assert (FFI_TARGET_VALUE_OPERAND in hlo) == (fp8_varlen_value_layout() == "transposed"), hlo
     assert "input_output_alias" in hlo
     out, lse = fn(*args)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)

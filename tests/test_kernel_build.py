@@ -287,12 +287,15 @@ def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
 
 def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
     """The FP8 kernel over packed batches (ffi/flash_fwd_fp8_varlen.cu: plain and sliding-window, lean P
-    only), kernels of their own, built like the dense ones; O stored from registers (no TMA store)."""
+    only, each with V staged and V^T loaded), kernels of their own, built like the dense ones; O stored
+    from registers (no TMA store)."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Varlen" in name}
     assert sorted(name.split("EEEv14CUtensorMap")[0] for name in found) == [
-        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1",  # <true>: lean P
-        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1",
+        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1ELb0",  # <true, false>: lean P, V^T loaded
+        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1ELb1",  # <true, true>: lean P, V staged
+        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1ELb0",
+        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1ELb1",
     ], list(found)
     for name, text in found.items():
         assert "Fp8VarlenArgs" in name, name
@@ -318,8 +321,8 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
 
 
 def staged_v(name: str) -> bool:
-    """Whether an FP8 kernel builds V^T in shared memory (kStagedV; the varlen kernels always do) rather
-    than loading the layout kernel's V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin."""
+    """Whether an FP8 kernel builds V^T in shared memory (kStagedV) rather than loading the layout kernel's
+    V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin (the varlen kernels included)."""
     return not re.search(r"ILb[01]ELb0EEEv", name)
 
 
@@ -374,7 +377,8 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     too, with no transposing code."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name}
-    assert len(found) == 14, list(found)  # plain, window, MLA (lean, exact; V staged, V^T), varlen (2)
+    # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T)
+    assert len(found) == 16, list(found)
     assert sum(staged_v(name) for name in found) == 8, list(found)
     for name, text in found.items():
         producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b")
