@@ -34,7 +34,7 @@ def allow_unverified_kernel(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
 
 
-def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None):
+def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):
     """The kernel's emulation on the CPU, as NumPy (out float32, lse): XLA's GPU backend may keep
     excess precision across the emulation's f32 -> e4m3 -> f32 rounding, so the oracle runs where
     every rounding is honoured."""
@@ -42,7 +42,12 @@ def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None):
     args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
     with jax.default_device(cpu):
         out, lse = attention_fp8_emulated(
-            *args, causal=causal, window=window, lean_p=lean_p, integer_reference=True
+            *args,
+            causal=causal,
+            window=window,
+            softmax_scale=softmax_scale,  # None: 1/sqrt(q's head dim), as flash_attention's
+            lean_p=lean_p,
+            integer_reference=True,
         )
     return np.asarray(out, np.float32), np.asarray(lse)
 
@@ -72,7 +77,8 @@ def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
             implementation="kernel",
         )
 
-    b, sq, hq, d = q8.shape
+    b, sq, hq, _ = q8.shape
+    d = v8.shape[-1]  # out's head dim is v's (MLA: 128 where q has 192)
     poison = (jnp.full((b, sq, hq, d), jnp.nan, jnp.bfloat16), jnp.full((b, hq, sq), jnp.nan, jnp.float32))
     fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
     hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
