@@ -20,7 +20,7 @@ from test_kernel_gpu import attention_float64, relative_l2
 import jzyfa
 from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.fp8_primitive import FFI_TARGET_FP8
+from jzyfa.fp8_primitive import FFI_TARGET_FP8, FP8_V_LAYOUT_ENV
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -141,6 +141,43 @@ def test_fp8_kernel_against_emulation_and_float64(
         scale=128**-0.5,
     )
     assert relative_l2(out, ref_out) < FLOAT64_TOLERANCE
+
+
+@pytest.mark.parametrize("lean_p", [True, False], ids=["lean", "exact"])
+@pytest.mark.parametrize(
+    "batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity",
+    [
+        (1, 200, 64, 2, 2, True, "tensor"),  # the case whose staged run failed once (docs/fp8.md 10.13)
+        (2, 300, 300, 4, 2, True, "tensor"),
+        (2, 257, 513, 4, 4, False, "head"),
+        (1, 4096, 4096, 2, 1, True, "tensor"),
+    ],
+)
+def test_staged_and_transposed_v_are_bitwise_equal(
+    monkeypatch, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
+):
+    """V staged and transposed in the kernel, or V^T from the layout kernel: the same V^T bytes reach the
+    same P V, so O and LSE must be bitwise equal on the same inputs (several seeds per shape)."""
+    for seed in range(4):
+        (q8, k8, v8), descales = random_fp8_qkv(
+            np.random.default_rng(seed),
+            batch=batch,
+            seq_q=seq_q,
+            seq_k=seq_k,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            granularity=granularity,
+        )
+        results = {}
+        for layout in ("staged", "transposed"):
+            monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
+            jax.clear_caches()  # the layout is read when the call is traced
+            out, lse, custom_call = run_poisoned_call(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+            assert f"v_transposed = {str(layout == 'transposed').lower()}" in custom_call
+            results[layout] = (out, lse)
+        jax.clear_caches()
+        for name, a, b in zip(("O", "LSE"), results["staged"], results["transposed"]):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), f"{name}, seed {seed}")
 
 
 def test_fp8_kernel_is_bitwise_deterministic(rng):
