@@ -55,12 +55,10 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
     }
   } else {
     // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
-    const uint64_t keys = static_cast<uint64_t>(p.seqlen_k_padded), d = Tile::kHeadDimV;
-    const uint64_t vt_dims[4] = {keys, d, static_cast<uint64_t>(p.heads_kv),
-                                 static_cast<uint64_t>(p.batch)};
-    const uint64_t vt_strides[3] = {keys, d * keys, static_cast<uint64_t>(p.heads_kv) * d * keys};
-    const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
-    if (!EncodeTensorMap4d(&tmap_v, p.v, kBytes, vt_dims, vt_strides, vt_box, &error)) return error;
+    if (!EncodeValueOperandMap(&tmap_v, p.v, p.batch, p.heads_kv, Tile::kHeadDimV, p.seqlen_k_padded,
+                               Tile::kBlockN, &error)) {
+      return error;
+    }
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8Args>, Fp8Args> args;
   args.out = static_cast<__nv_bfloat16*>(p.out);

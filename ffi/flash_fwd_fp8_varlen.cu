@@ -54,12 +54,10 @@ std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaS
   } else {
     // V^T [1, heads_kv, 128, vt_keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows; a
     // tile's boxes start at its sequence's column (Fp8VarlenValueColumn).
-    const uint64_t keys = static_cast<uint64_t>(p.vt_keys), d = Tile::kHeadDim;
-    const uint64_t heads_kv = static_cast<uint64_t>(p.heads_kv);
-    const uint64_t vt_dims[4] = {keys, d, heads_kv, 1};
-    const uint64_t vt_strides[3] = {keys, d * keys, heads_kv * d * keys};
-    const uint32_t vt_box[4] = {Tile::kBlockN, static_cast<uint32_t>(d), 1, 1};
-    if (!EncodeTensorMap4d(&tmap_v, p.v, kBytes, vt_dims, vt_strides, vt_box, &error)) return error;
+    if (!EncodeValueOperandMap(&tmap_v, p.v, 1, p.heads_kv, Tile::kHeadDim, p.vt_keys, Tile::kBlockN,
+                               &error)) {
+      return error;
+    }
   }
   std::conditional_t<kWindow, WindowedArgs<Fp8VarlenArgs>, Fp8VarlenArgs> args;
   args.out = p.out;

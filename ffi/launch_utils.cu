@@ -60,6 +60,16 @@ bool EncodeTensorMap4d(CUtensorMap* map, const void* ptr, CUtensorMapDataType ty
   return true;
 }
 
+bool EncodeValueOperandMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t heads_kv,
+                           int64_t head_dim, int64_t keys, int box_keys, std::string* error) {
+  const uint64_t k = static_cast<uint64_t>(keys), d = static_cast<uint64_t>(head_dim);
+  const uint64_t h = static_cast<uint64_t>(heads_kv), b = static_cast<uint64_t>(batch);
+  const uint64_t dims[4] = {k, d, h, b};
+  const uint64_t strides[3] = {k, d * k, h * d * k};
+  const uint32_t box[4] = {static_cast<uint32_t>(box_keys), static_cast<uint32_t>(d), 1, 1};
+  return EncodeTensorMap4d(map, ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, box, error);
+}
+
 bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,
                   int64_t batch, int64_t seq, int64_t heads, int64_t head_dim, int box_cols,
                   int box_rows, std::string* error, CUtensorMapSwizzle swizzle) {

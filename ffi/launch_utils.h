@@ -28,6 +28,11 @@ bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, i
                   int box_rows, std::string* error,
                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
+// The FP8 kernel's V^T operand, e4m3 [batch, heads_kv, head_dim, keys] (keys contiguous; a packed
+// varlen V^T is a batch of one): boxes of box_keys keys x the head_dim rows of one head, 128-byte swizzle.
+bool EncodeValueOperandMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t heads_kv,
+                           int64_t head_dim, int64_t keys, int box_keys, std::string* error);
+
 // The same for bf16 / f16 tensors: boxes of 64 head-dim columns (one 128-byte swizzle row).
 inline bool EncodeRowMap16(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch, int64_t seq,
                            int64_t heads, int64_t head_dim, int box_rows, std::string* error) {

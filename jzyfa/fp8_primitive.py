@@ -16,7 +16,8 @@ one of two ways, chosen per shard from its static shapes at trace time (`fp8_val
   - "transposed": `fp8_value_operand_p` writes V^T to device memory first (on CUDA the FFI kernel
     `jzyfa_fp8_value_operand`, elsewhere `fp8_layout.fp8_value_operand`) and the kernel TMA-loads its
     tiles (v_transposed=True).
-The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed. The
+The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed; it is
+off (every call transposed) while FP8_STAGED_V_VERIFIED is False (docs/fp8.md 10.13). The
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
 is read when a call is traced (a function already traced for the same shapes keeps its layout until
 `jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls
