@@ -14,18 +14,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
+from fp8_lse_slack import lse_rounding_slack
 from gpu_utils import assert_bitwise_reruns, requires_hopper
 from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
 from jzyfa import api
-from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.fp8_emulation import trace_attention_fp8_emulated
 from jzyfa.fp8_primitive import FFI_TARGET_FP8, FP8_V_LAYOUT_ENV
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
 EMULATION_TOLERANCE = 1e-2  # relative L2 of O, kernel against its emulation (same rounded P, mostly)
 FLOAT64_TOLERANCE = 8e-2  # relative L2 of O against float64 attention of the dequantized inputs
+# Relative L2 of LSE against the emulation, over rows that see a key, of what each row's difference
+# has beyond its rounding-tie slack (fp8_lse_slack). Some long rows differ by ~0.007 at LSE ~7, more than
+# float32 sums or the ties explain (measured 2026-12-01, docs/fp8.md 10.13): hence 1e-3, not noise.
 LSE_TOLERANCE = 1e-3
 
 
@@ -35,13 +39,13 @@ def allow_unverified_kernel(monkeypatch):
 
 
 def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):
-    """The kernel's emulation on the CPU, as NumPy (out float32, lse): XLA's GPU backend may keep
-    excess precision across the emulation's f32 -> e4m3 -> f32 rounding, so the oracle runs where
-    every rounding is honoured."""
+    """The kernel's emulation on the CPU, as NumPy (out float32, lse, reference exponents): XLA's GPU
+    backend may keep excess precision across the emulation's f32 -> e4m3 -> f32 rounding, so the
+    oracle runs where every rounding is honoured."""
     cpu = jax.devices("cpu")[0]
     args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
     with jax.default_device(cpu):
-        out, lse = attention_fp8_emulated(
+        trace = trace_attention_fp8_emulated(
             *args,
             causal=causal,
             window=window,
@@ -49,7 +53,43 @@ def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softma
             lean_p=lean_p,
             integer_reference=True,
         )
-    return np.asarray(out, np.float32), np.asarray(lse)
+    return np.asarray(trace.out, np.float32), np.asarray(trace.lse), np.asarray(trace.reference_exponent)
+
+
+def assert_matches_emulation(
+    out, lse, q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None
+):
+    """Kernel (out, lse) against the emulation: empty rows exactly (O = 0, LSE = -inf), O closely, and
+    LSE within LSE_TOLERANCE after each row's rounding-tie slack (a few-key row moves by up to
+    ln(1 + 1/8) where its largest probability sits at a tie). Returns the rows that see a key, [B, Hq, Sq]."""
+    emu_out, emu_lse, references = emulated_on_cpu(
+        q8, k8, v8, descales, causal=causal, lean_p=lean_p, window=window, softmax_scale=softmax_scale
+    )
+    assert emu_out.shape == out.shape
+    seen = np.isfinite(emu_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen, "rows with no visible key must give LSE = -inf")
+    assert np.all(np.isneginf(lse[~seen])), "rows with no visible key must give LSE = -inf"
+    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
+    err = relative_l2(out, emu_out)
+    assert err < EMULATION_TOLERANCE, f"relative L2 of O against the emulation {err:.2e}"
+    slack = lse_rounding_slack(
+        q8,
+        k8,
+        descales,
+        emu_lse,
+        references,
+        causal=causal,
+        lean_p=lean_p,
+        window=window,
+        softmax_scale=softmax_scale,
+    )
+    residual = np.maximum(np.abs(lse[seen] - emu_lse[seen]) - slack[seen], 0.0)
+    err = np.linalg.norm(residual) / np.linalg.norm(emu_lse[seen]) if seen.any() else 0.0
+    assert err < LSE_TOLERANCE, (
+        f"relative L2 of LSE against the emulation beyond rounding ties {err:.2e} "
+        f"(without the slack {relative_l2(lse[seen], emu_lse[seen]):.2e})"
+    )
+    return seen
 
 
 def run_poisoned(q8, k8, v8, descales, *, causal, lean_p, window=None):
@@ -119,13 +159,7 @@ def test_fp8_kernel_against_emulation_and_float64(
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
 
-    emu_out, emu_lse = emulated_on_cpu(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
-    seen = np.isfinite(emu_lse)
-    np.testing.assert_array_equal(np.isfinite(lse), seen, "rows with no visible key must give LSE = -inf")
-    assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
-    assert relative_l2(out, emu_out) < EMULATION_TOLERANCE
-    if seen.any():
-        assert relative_l2(lse[seen], emu_lse[seen]) < LSE_TOLERANCE
+    assert_matches_emulation(out, lse, q8, k8, v8, descales, causal=causal, lean_p=lean_p)
 
     def dequantized(x8, d, heads):
         d = np.asarray(d, np.float64)

@@ -146,9 +146,9 @@ def assert_transposed(hlo, vt_shape):
     ],
 )
 def test_v_layout_follows_rows_per_kv_head(monkeypatch, batch, seq_q, seq_k, heads_q, heads_kv, layout):
-    """The rule, once the staged kernels are verified (FP8_STAGED_V_VERIFIED)."""
+    """The rule, on by default (FP8_STAGED_V_VERIFIED)."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
-    monkeypatch.setattr(fp8_primitive, "FP8_STAGED_V_VERIFIED", True)
+    assert fp8_primitive.FP8_STAGED_V_VERIFIED is True
     assert fp8_value_layout(seq_q, heads_q, heads_kv) == layout
     assert (seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS) == (layout == "staged")
     hlo = lower_fp8_for_cuda(batch, seq_q, seq_k, heads_q, heads_kv)
@@ -158,11 +158,11 @@ def test_v_layout_follows_rows_per_kv_head(monkeypatch, batch, seq_q, seq_k, hea
         assert_transposed(hlo, f"{batch},{heads_kv},128,{-(-seq_k // 32) * 32}")
 
 
-def test_v_layout_is_transposed_until_the_staged_kernels_are_verified(monkeypatch):
-    """FP8_STAGED_V_VERIFIED is off (a staged GPU test failed, docs/fp8.md 10.13): every shape takes the
-    layout kernel and the V^T kernels, short calls included."""
+def test_v_layout_kill_switch_sends_every_shape_to_the_transposed_kernels(monkeypatch):
+    """With FP8_STAGED_V_VERIFIED switched off every shape takes the layout kernel and the V^T kernels,
+    short calls included."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
-    assert fp8_primitive.FP8_STAGED_V_VERIFIED is False
+    monkeypatch.setattr(fp8_primitive, "FP8_STAGED_V_VERIFIED", False)
     assert fp8_value_layout(1024, 16, 16) == "transposed"
     assert_transposed(lower_fp8_for_cuda(16, 1024, 1024, 16, 16), "16,16,128,1024")
 

@@ -20,6 +20,7 @@ from jzyfa import api
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
+    FP8_V_LAYOUT_ENV,
     flash_attention_fp8_kernel,
     flash_attention_fp8_shard_p,
     fp8_kernel_config_problem,
@@ -280,7 +281,13 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
     out, lse = jax.eval_shape(lambda q, k, v, *d: fn(q, k, v, d), Q, K, V, *descales)
     assert (out.shape, out.dtype, lse.shape) == ((2, 300, 8, 128), jnp.bfloat16, (2, 8, 300))
     d = jax.ShapeDtypeStruct((4,), jnp.float32)
-    params = {"softmax_scale": 0.1, "causal": True, "window": (-1, -1), "lean_p": True, "kernel_required": False}
+    params = {
+        "softmax_scale": 0.1,
+        "causal": True,
+        "window": (-1, -1),
+        "lean_p": True,
+        "kernel_required": False,
+    }
     vt = jax.ShapeDtypeStruct((2, 2, 128, 512), F8)
     for v, v_transposed in ((V, False), (vt, True)):
         shard_out, shard_lse = flash_attention_fp8_shard_p.abstract_eval(
@@ -292,7 +299,10 @@ def test_abstract_evals_and_vmap_keep_v_head_dim():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
         vmapped = jax.vmap(fp8_call(True, None, "kernel"), in_axes=(0, 0, 0, None, None, None))
-        (call,) = custom_call_lines(cuda_hlo(vmapped, *stacked, *descales), FFI_TARGET_FP8)
-    # V^T from the layout kernel (the default layout): [6, 2, 128, 512], v's head dim 128.
-    for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", "f8e4m3fn[6,2,128,512]"):
-        assert shape in call
+        for layout, v_shape in (("staged", "f8e4m3fn[6,500,2,128]"), ("transposed", "f8e4m3fn[6,2,128,512]")):
+            mp.setenv(FP8_V_LAYOUT_ENV, layout)
+            jax.clear_caches()  # the layout is read when the call is traced
+            (call,) = custom_call_lines(cuda_hlo(vmapped, *stacked, *descales), FFI_TARGET_FP8)
+            # v as it is, or V^T from the layout kernel: v's head dim 128 either way.
+            for shape in ("bf16[6,300,8,128]", "f8e4m3fn[6,500,2,192]", v_shape):
+                assert shape in call, (layout, shape)

@@ -46,7 +46,10 @@ python3 -c "import jzyfa; print('kernel_available', jzyfa.kernel_available(), jz
 step "GPU tests"
 # JZYFA_GPU_TESTS narrows the run (paths relative to the repository), e.g. tests/test_kernel_gpu.py.
 read -ra gpu_tests <<< "${JZYFA_GPU_TESTS:-tests}"
-timeout "${JZYFA_GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -q -rs -p no:cacheprovider "${gpu_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+# JZYFA_PYTEST_FLAGS adds pytest flags, e.g. "-v" so a run cut by the time limit still names each result.
+read -ra pytest_flags <<< "${JZYFA_PYTEST_FLAGS:-}"
+timeout "${JZYFA_GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -q -rs -p no:cacheprovider "${pytest_flags[@]}" \
+  "${gpu_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 if [ -z "${JZYFA_SKIP_EXAMPLE:-}" ]; then
