@@ -50,7 +50,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   }
   if constexpr (Tile::kStagedV) {
     if (!EncodeRowMap(&tmap_v, p.v, kBytes, 1, p.batch, p.seqlen_k, p.heads_kv, Tile::kHeadDimV,
-                      Tile::kHeadDimV, Tile::kBlockN, &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+                      Tile::kHeadDimV, Tile::kBlockN, &error, Tile::kVStagingSwizzle)) {
       return error;
     }
   } else {

@@ -131,6 +131,9 @@ struct Fp8TileT {
   // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
   // the producer's transposing warps build the stage's V^T from it (fp8_value_transpose.cuh).
   static constexpr int kVStagingBytes = kBlockN * kHeadDim;
+  // How TMA lays the staging tile out: as it is, or 128-byte swizzled for the matrix transpose.
+  static constexpr CUtensorMapSwizzle kVStagingSwizzle =
+      Fp8ValueTranspose::kSwizzledStaging ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
   // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
   // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
   // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
@@ -159,7 +162,7 @@ struct Fp8TileT {
                 "Q and K slices must stay 1024-byte aligned");
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
   static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
-  static_assert(kVStagingOffset % 128 == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
+  static_assert(kVStagingOffset % kSmemAlign == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
                 kVtBytes == Fp8ValueTranspose::kTileBytes);
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
@@ -419,7 +422,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       if (threadIdx.x >= 32) {
         // Warps 1..3: V^T of every K/V block the TMA thread loads, in the ring's order, until the
         // block count it stopped at. Warp t takes pieces t, t + 3, t + 6 of each tile.
-        const Fp8TransposeLane lane(threadIdx.x % 32);
+        const Fp8ValueTransposeLane lane(threadIdx.x % 32);
         const uint32_t first_piece = threadIdx.x / 32 - 1;
         for (uint32_t ring = 0;; ++ring) {
           const Slot slot(ring);

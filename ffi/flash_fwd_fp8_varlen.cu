@@ -48,7 +48,7 @@ std::string Launch(const FlashFwdFp8VarlenParams& p, const MaskPlan& mask, cudaS
   }
   if constexpr (Tile::kStagedV) {
     if (!EncodeRowMap(&tmap_v, p.v, kBytes, 1, 1, p.total_k, p.heads_kv, kD, kD, Tile::kBlockN,
-                      &error, CU_TENSOR_MAP_SWIZZLE_NONE)) {
+                      &error, Tile::kVStagingSwizzle)) {
       return error;
     }
   } else {

@@ -23,7 +23,14 @@
 
 namespace jzyfa {
 
+#ifndef JZYFA_FP8_V_TRANSPOSE_LDSM
+#define JZYFA_FP8_V_TRANSPOSE_LDSM 0  // 1: the LDSM.T / STSM transpose below (an experiment)
+#endif
+
 struct Fp8ValueTranspose {
+  // Whether the staging tile is 128-byte swizzled (the matrix transpose's loads need it; the TMA
+  // map of V then asks for CU_TENSOR_MAP_SWIZZLE_128B).
+  static constexpr bool kSwizzledStaging = JZYFA_FP8_V_TRANSPOSE_LDSM;
   static constexpr int kKeys = 128;      // key rows of the staging tile (one key block)
   static constexpr int kHeadDim = 128;   // bytes per key row = V^T rows
   static constexpr int kPieceKeys = 16;  // keys of one piece: one 16-byte chunk of each V^T row
@@ -105,5 +112,87 @@ __device__ __forceinline__ void TransposeValuePiece(uint32_t staging, uint32_t v
                    words[2][k], words[3][k]);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same piece with matrix instructions (JZYFA_FP8_V_TRANSPOSE_LDSM; ~31 instead of ~48
+// instructions per piece and lane). The staging tile is 128-byte swizzled here (TMA: chunk c of key
+// row n at chunk c ^ (n % 8)). A piece is done in 4 quarters q of the head dim (bytes 32 q .. 32 q +
+// 31), each one LDSM.x4.T, 4 PRMT and one STSM.x4:
+//   - ldmatrix .trans reads four 8 x 8 matrices of 16-bit elements: M0 = keys 0..7 of the piece x
+//     chunk 2q, M1 = keys 8..15 x chunk 2q, M2, M3 the same for chunk 2q + 1. Lane 8 i + l gives the
+//     address of row l of matrix i. Transposed, lane t receives from matrix i the 16-bit elements
+//     (row 2 (t % 4), column t / 4) and (row 2 (t % 4) + 1, column t / 4): the bytes of head-dim
+//     d, d + 1 (d = 16 chunk + 2 (t / 4)) of keys k0 = 2 (t % 4) and k0 + 1 (plus 8 in M1, M3).
+//     A matrix's 8 rows are 8 consecutive keys, so 8 different swizzled chunks: conflict-free.
+//   - PRMT 0x6420 of M0's and M1's words gives keys k0, k0 + 1, k0 + 8, k0 + 9 of row d, 0x7531 of
+//     row d + 1: word t % 4 of the piece's chunk in V^T's permuted key order (physical_key) comes
+//     out of the 16-bit transpose as it is.
+//   - stmatrix (not transposed) writes four 8 x 8 matrices; lane t gives word t % 4 of row t / 4 of
+//     each, lane 8 j + r the address of row r of matrix j. Lanes t < 16 put row d in matrix 0 and
+//     d + 1 in matrix 1, lanes t >= 16 the other way round (their selectors swap), so a matrix's rows
+//     are 32 q + {0, 2, 4, 6, 9, 11, 13, 15} (+ 1, + 16, + 17): 8 different rows % 8, 8 different
+//     swizzled chunks: conflict-free.
+// tests/test_fp8_value_transpose_ldsm.py simulates these lanes in NumPy against fp8_value_operand.
+struct Fp8MatrixTransposeLane {
+  uint32_t load_offset;     // its LDSM row's offset in a piece of the staging tile, quarter 0
+  uint32_t store_offset;    // its STSM row's offset in V^T (quarter 0), without the chunk
+  uint32_t store_row_mod8;  // that row % 8: the chunk's swizzle
+  uint32_t sel_even;        // PRMT selector of the word stored to matrices 0 and 2
+  uint32_t sel_odd;         // and to matrices 1 and 3
+
+  // Lane 8 i + l addresses row l of matrix i: key 8 (i % 2) + l (key % 8 = l) of the piece, logical
+  // chunk 2 q + i / 2, at swizzled chunk (2 q + i / 2) ^ l = 2 (q ^ (l / 2)) + ((i / 2) ^ l) % 2.
+  // Quarter q's bits (5, 6) sit above the rest and below the piece's, so quarter q's address is
+  // quarter 0's XOR (q << 5): one register per lane for all four.
+  __device__ __forceinline__ explicit Fp8MatrixTransposeLane(uint32_t lane) {
+    const uint32_t matrix = lane / 8, row = lane % 8;
+    load_offset =
+        (8u * (matrix & 1u) + row) * 128u + ((((matrix / 2u) ^ row) & 1u) << 4) + ((row / 2u) << 5);
+    const uint32_t vt_row = 16u * (matrix / 2u) + 2u * row + ((matrix & 1u) ^ (row >= 4u ? 1u : 0u));
+    store_offset = vt_row * 128u;
+    store_row_mod8 = vt_row % 8u;
+    sel_even = lane < 16u ? 0x6420u : 0x7531u;
+    sel_odd = lane < 16u ? 0x7531u : 0x6420u;
+  }
+};
+
+__device__ __forceinline__ void LoadMatrixX4Trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+__device__ __forceinline__ void StoreMatrixX4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                              uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+
+// TransposeValuePiece with matrix instructions, from a 128-byte swizzled staging tile.
+__device__ __forceinline__ void TransposeValuePiece(uint32_t staging, uint32_t vt, uint32_t piece,
+                                                    const Fp8MatrixTransposeLane& lane) {
+  using T = Fp8ValueTranspose;
+  const uint32_t src = staging + piece * (T::kPieceKeys * T::kHeadDim);
+  const uint32_t dst = vt + lane.store_offset + ((piece ^ lane.store_row_mod8) << 4);
+  uint32_t m[4][4];  // [quarter][matrix]
+#pragma unroll
+  for (int q = 0; q < 4; ++q) LoadMatrixX4Trans((src + lane.load_offset) ^ (q << 5), m[q]);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    StoreMatrixX4(dst + q * 32u * 128u, __byte_perm(m[q][0], m[q][1], lane.sel_even),
+                  __byte_perm(m[q][0], m[q][1], lane.sel_odd),
+                  __byte_perm(m[q][2], m[q][3], lane.sel_even),
+                  __byte_perm(m[q][2], m[q][3], lane.sel_odd));
+  }
+}
+
+// The transposing lanes' type: its TransposeValuePiece overload is the one the kernel calls.
+#if JZYFA_FP8_V_TRANSPOSE_LDSM
+using Fp8ValueTransposeLane = Fp8MatrixTransposeLane;
+#else
+using Fp8ValueTransposeLane = Fp8TransposeLane;
+#endif
 
 }  // namespace jzyfa

@@ -109,6 +109,41 @@ if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
   tar czf "$OUT_DIR/ncu.tar.gz" -C /tmp ncu
 fi
 
+if [ -n "${JZYFA_AB_CUDAFLAGS:-}" ]; then
+  # A second build with other CUDAFLAGS (B; the build above is A), e.g.
+  # JZYFA_AB_CUDAFLAGS=-DJZYFA_FP8_V_TRANSPOSE_LDSM=1 JZYFA_AB_GPU_TESTS=tests/test_fp8_kernel_gpu.py
+  # JZYFA_AB_BENCH="--dtype fp8 --impls jzyfa_fp8 --shapes 16x1024,4x4096": B's GPU tests, then each
+  # ";"-separated bench run on A and B in turn (A, B, A, B: clocks drift within a call).
+  step "A/B: build B with CUDAFLAGS=${JZYFA_AB_CUDAFLAGS}"
+  SITE_B=/tmp/jzyfa-site-b
+  rm -rf "$SITE_B"
+  CUDAFLAGS="$JZYFA_AB_CUDAFLAGS" python3 -m pip install -v --no-build-isolation --no-deps \
+    -C build-dir="/tmp/jzyfa-build-$(printf '%s' "$JZYFA_AB_CUDAFLAGS" | md5sum | cut -c1-8)" \
+    --target "$SITE_B" "$REPO" > "$OUT_DIR/build_b.log" 2>&1 \
+    || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
+  grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
+  if [ -n "${JZYFA_AB_GPU_TESTS:-}" ]; then
+    step "A/B: GPU tests on B"
+    read -ra ab_tests <<< "${JZYFA_AB_GPU_TESTS}"
+    PYTHONPATH="$SITE_B" timeout "${JZYFA_AB_GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
+      "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+  IFS=';' read -ra ab_runs <<< "${JZYFA_AB_BENCH:-}"
+  for run in "${ab_runs[@]}"; do
+    for round in 1 2; do
+      for build in A B; do
+        site=$SITE; [ "$build" = B ] && site=$SITE_B
+        step "A/B bench, build $build, round $round: $run"
+        # shellcheck disable=SC2086
+        PYTHONPATH="$site" timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown $run \
+          2>>"$OUT_DIR/bench_progress.log" | sed "s/^/$build$round /" | tee -a "$OUT_DIR/ab.md"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done
+    done
+  done
+fi
+
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" \
