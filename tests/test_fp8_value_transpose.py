@@ -126,15 +126,21 @@ def test_constants_are_the_kernels():
     assert sorted(lane_word(lane) for lane in range(32)) == list(range(32))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_transpose_builds_the_value_operand(seed):
+def assert_builds_the_value_operand(simulate_lanes, seed: int) -> None:
+    """simulate_lanes(V tile) -> (smem, writes, ...) of a transposer: the de-swizzled V^T tile is
+    fp8_value_operand of random V bytes, every byte written exactly once."""
     rng = np.random.default_rng(seed)
     tile = rng.integers(0, 256, (KEYS, HEAD_DIM), dtype=np.uint8)  # [key][head-dim byte], any bytes
-    smem, writes, _, _ = simulate(tile)
+    smem, writes, _, _ = simulate_lanes(tile)
     assert np.all(writes == 1), "every V^T byte written exactly once (none left uninitialized)"
     v = jnp.asarray(tile.reshape(1, KEYS, 1, HEAD_DIM)).view(jnp.float8_e4m3fn)
     want = np.asarray(fp8_value_operand(v).view(jnp.uint8))[0, 0]  # [128, 128]
     np.testing.assert_array_equal(deswizzle(smem), want)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_transpose_builds_the_value_operand(seed):
+    assert_builds_the_value_operand(simulate, seed)
 
 
 def test_shared_memory_accesses_are_conflict_free():

@@ -14,12 +14,16 @@ header so that the two cannot drift apart silently.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_fp8_value_transpose import HEADER, PIECE_KEYS, PIECES, WARPS, byte_perm, deswizzle
-
-from jzyfa.fp8_layout import fp8_value_operand
+from test_fp8_value_transpose import (
+    HEADER,
+    PIECE_KEYS,
+    PIECES,
+    WARPS,
+    assert_builds_the_value_operand,
+    byte_perm,
+)
 
 KEYS = HEAD_DIM = 128
 
@@ -125,13 +129,7 @@ def test_constants_are_the_kernels():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matrix_transpose_builds_the_value_operand(seed):
-    rng = np.random.default_rng(seed)
-    tile = rng.integers(0, 256, (KEYS, HEAD_DIM), dtype=np.uint8)  # [key][head-dim byte], any bytes
-    smem, writes, _, _ = simulate(tile)
-    assert np.all(writes == 1), "every V^T byte written exactly once (none left uninitialized)"
-    v = jnp.asarray(tile.reshape(1, KEYS, 1, HEAD_DIM)).view(jnp.float8_e4m3fn)
-    want = np.asarray(fp8_value_operand(v).view(jnp.uint8))[0, 0]  # [128, 128]
-    np.testing.assert_array_equal(deswizzle(smem), want)
+    assert_builds_the_value_operand(simulate, seed)
 
 
 def test_matrix_accesses_are_conflict_free():
