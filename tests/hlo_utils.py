@@ -24,5 +24,12 @@ def collective_result_shapes(hlo_text: str, collective: str) -> list[str]:
     return pattern.findall(hlo_text)
 
 
+def cuda_hlo(fn, *args) -> str:
+    """HLO text of jax.jit(fn) traced on args and lowered for CUDA (on any host, no GPU needed)."""
+    import jax
+
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+
+
 def custom_call_lines(hlo_text: str, target: str) -> list[str]:
     return [line for line in hlo_text.splitlines() if f'custom_call_target="{target}"' in line]

@@ -214,8 +214,9 @@ def test_staged_and_transposed_v_are_bitwise_equal(
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32), f"{name}, seed {seed}")
 
 
-def test_fp8_kernel_is_bitwise_deterministic(rng):
-    (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(rng, batch=2, seq_q=1024, heads_q=8, heads_kv=2)
+def assert_fp8_kernel_reruns_bitwise(q8, k8, v8, descales, reruns):
+    """The causal FP8 kernel call (O and LSE) gives the same bits `reruns` times (gpu_utils)."""
+    dq, dk, dv = descales
     fn = jax.jit(
         functools.partial(
             jzyfa.flash_attention,
@@ -227,4 +228,9 @@ def test_fp8_kernel_is_bitwise_deterministic(rng):
             implementation="kernel",
         )
     )
-    assert_bitwise_reruns(fn, (q8, k8, v8), reruns=100)
+    assert_bitwise_reruns(fn, (q8, k8, v8), reruns=reruns)
+
+
+def test_fp8_kernel_is_bitwise_deterministic(rng):
+    qkv, descales = random_fp8_qkv(rng, batch=2, seq_q=1024, heads_q=8, heads_kv=2)
+    assert_fp8_kernel_reruns_bitwise(*qkv, descales, reruns=100)

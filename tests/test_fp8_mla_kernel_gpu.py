@@ -10,24 +10,22 @@ jzyfa.api.FP8_MLA_KERNEL_VERIFIED says (on since this file passed on an H200 on 
 tests/test_fp8_kernel_gpu.py's.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64
-from gpu_utils import assert_bitwise_reruns, requires_hopper
+from gpu_utils import requires_hopper
 from test_fp8_kernel_gpu import (
     EMULATION_TOLERANCE,
     FLOAT64_TOLERANCE,
+    assert_fp8_kernel_reruns_bitwise,
     assert_matches_emulation,
     emulated_on_cpu,
     run_poisoned,
 )
 from test_kernel_gpu import relative_l2
 
-import jzyfa
 from jzyfa import api
 from jzyfa.fp8_primitive import FFI_TARGET_FP8, fp8_value_operand_p
 from jzyfa.primitive import TILE_COUNTER
@@ -119,19 +117,8 @@ def test_fp8_mla_kernel_against_emulation_and_float64(fp8_v_layout, case, lean_p
 
 
 def test_fp8_mla_kernel_is_bitwise_deterministic():
-    (q8, k8, v8), (dq, dk, dv) = fp8_mla_qkv(11, 2, 1000, 1000, 8, 2, "tensor")
-    fn = jax.jit(
-        functools.partial(
-            jzyfa.flash_attention,
-            descale_q=dq,
-            descale_k=dk,
-            descale_v=dv,
-            causal=True,
-            return_lse=True,
-            implementation="kernel",
-        )
-    )
-    assert_bitwise_reruns(fn, (q8, k8, v8), reruns=20)
+    qkv, descales = fp8_mla_qkv(11, 2, 1000, 1000, 8, 2, "tensor")
+    assert_fp8_kernel_reruns_bitwise(*qkv, descales, reruns=20)
 
 
 def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None, v_transposed=False):

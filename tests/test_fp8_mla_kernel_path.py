@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 
 import jzyfa
 from jzyfa import api
@@ -83,10 +83,6 @@ def fp8_call(causal=False, window=None, implementation=None, lean_p=True):
         )
 
     return fn
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
 def test_the_kill_switch_keeps_fp8_mla_on_the_pure_jax_path(rng, monkeypatch):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 
 from jzyfa.fp8_layout import KEY_GROUP, KEY_PERMUTATION, fp8_value_operand, padded_keys
 from jzyfa.fp8_primitive import (
@@ -69,14 +69,10 @@ def test_vmap_folds_into_the_batch(rng):
         np.testing.assert_array_equal(as_bytes(got[:, i]), as_bytes(fp8_value_operand(vs[:, i])))
 
 
-def lower_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
-
-
 @pytest.mark.parametrize("seq_k, padded", [(1, 32), (300, 320), (4096, 4096)])
 def test_cuda_lowering_is_the_ffi_custom_call(seq_k, padded):
     v = jax.ShapeDtypeStruct((2, seq_k, 3, 128), jnp.float8_e4m3fn)
-    (call,) = custom_call_lines(lower_for_cuda(fp8_value_operand_p.bind, v), FFI_TARGET_VALUE_OPERAND)
+    (call,) = custom_call_lines(cuda_hlo(fp8_value_operand_p.bind, v), FFI_TARGET_VALUE_OPERAND)
     assert "api_version=API_VERSION_TYPED_FFI" in call
     # Row-major operand and result, as the handler reads and writes them.
     assert f"f8e4m3fn[2,3,128,{padded}]{{3,2,1,0}} custom-call(" in call
@@ -88,7 +84,7 @@ def test_cuda_lowering_is_the_ffi_custom_call(seq_k, padded):
     [((2, 40, 3, 64), jnp.float8_e4m3fn), ((2, 40, 3, 128), jnp.float32)],
 )
 def test_cuda_lowering_falls_back_where_the_kernel_does_not_serve(shape, dtype):
-    hlo = lower_for_cuda(fp8_value_operand_p.bind, jax.ShapeDtypeStruct(shape, dtype))
+    hlo = cuda_hlo(fp8_value_operand_p.bind, jax.ShapeDtypeStruct(shape, dtype))
     assert FFI_TARGET_VALUE_OPERAND not in hlo
 
 
@@ -106,7 +102,7 @@ def test_fp8_kernel_path_takes_v_from_the_value_operand_call(rng, monkeypatch):
     fn = functools.partial(
         flash_attention_fp8_kernel, softmax_scale=0.125, causal=True, lean_p=True, kernel_required=True
     )
-    hlo = lower_for_cuda(fn, q8, k8, v8, descales)
+    hlo = cuda_hlo(fn, q8, k8, v8, descales)
     (layout,) = custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)
     (attention,) = custom_call_lines(hlo, FFI_TARGET_FP8)
     assert "f8e4m3fn[2,2,128,96]{3,2,1,0} custom-call(" in layout

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
@@ -56,10 +56,6 @@ def fp8_call(causal, window, implementation):
         )
 
     return fn
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
 def window_attributes(call: str) -> tuple[int, int]:
@@ -182,7 +178,14 @@ def test_primitive_off_cuda_is_the_emulation_with_the_window(rng, lean_p, seq_q,
     )
     out, lse = jax.jit(fn)(q8, k8, v8, descales)
     want_out, want_lse = attention_fp8_emulated(
-        q8, k8, v8, *descales, causal=causal, window=window, softmax_scale=scale, lean_p=lean_p,
+        q8,
+        k8,
+        v8,
+        *descales,
+        causal=causal,
+        window=window,
+        softmax_scale=scale,
+        lean_p=lean_p,
         integer_reference=True,
     )
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))

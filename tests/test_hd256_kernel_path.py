@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 
 import jzyfa
 from jzyfa import api
@@ -28,10 +28,6 @@ def no_gate_variables(monkeypatch):
     """Every test here starts from the defaults: the gates' variables unset."""
     monkeypatch.delenv(api.UNVERIFIED_HD256_KERNEL_ENV, raising=False)
     monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
 def test_gate_is_on_since_verified():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 
 import jzyfa
 from jzyfa import api, primitive
@@ -37,10 +37,6 @@ def no_gate_variables(monkeypatch):
 @pytest.fixture
 def mla_gate_variable(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_MLA_KERNEL_ENV, "1")
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
 def kernel_call(fn, *args) -> str:

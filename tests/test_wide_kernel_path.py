@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, naive_varlen_f64
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines
 
 import jzyfa
 from jzyfa import api
@@ -71,10 +71,6 @@ def packed_specs(head_dims, dtype=jnp.bfloat16):
     shapes = [(300, 8, qk), (500, 2, qk), (500, 2, dv)]
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
     return (*(jax.ShapeDtypeStruct(s, dtype) for s in shapes), cu, cu)
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
 
 
 def dense_calls(head_dims, **kwargs) -> list[str]:
