@@ -125,8 +125,10 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}" ]; then
   if [ -n "${JZYFA_AB_GPU_TESTS:-}" ]; then
     step "A/B: GPU tests on B"
     read -ra ab_tests <<< "${JZYFA_AB_GPU_TESTS}"
+    # JZYFA_AB_PYTEST_FLAGS: pytest flags for B's tests only, e.g. "-kstaged" (the kernels B changes).
+    read -ra ab_pytest_flags <<< "${JZYFA_AB_PYTEST_FLAGS:-}"
     PYTHONPATH="$SITE_B" timeout "${JZYFA_AB_GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
-      "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
+      "${ab_pytest_flags[@]}" "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
   IFS=';' read -ra ab_runs <<< "${JZYFA_AB_BENCH:-}"
