@@ -2,6 +2,8 @@
 // the K/V ring's positions, the shared-memory barriers and the ping-pong barrier ids.
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 #include "sm90_mma.cuh"
@@ -33,6 +35,61 @@ struct FwdBarriers {
 constexpr int kPingPongBarrier = 1;
 // Named barriers 3 and 4: consumer c's 128 threads around its epilogue's shared-memory O tile.
 constexpr int kEpilogueBarrier = 3;
+
+// The TMA-store epilogue of one consumer warpgroup (64 rows): O goes into the consumer's tile in
+// shared memory, laid out as the TMA store box wants it (64-column slices of 16-bit elements,
+// kSliceBytes each, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one
+// thread stores it with TMA, which also drops rows past the tensor's end. The consumers hand O to
+// the store and move on to the next tile, where plain global stores from registers would hold them
+// until every store has issued (measured +2-10% at hd128, docs/benchmarks.md).
+template <int kHeadDimV, int kSliceBytes>
+struct TmaEpilogue {
+  uint8_t* tile;       // this consumer's O tile (generic address)
+  uint32_t tile_addr;  // the same, as a shared-memory address
+  int consumer;
+  bool store_thread;   // the consumer's first thread issues the stores
+
+  __device__ __forceinline__ TmaEpilogue(uint8_t* tile, uint32_t tile_addr, int consumer)
+      : tile(tile), tile_addr(tile_addr), consumer(consumer), store_thread(threadIdx.x % 128 == 0) {}
+
+  // Before the first write: the previous tile's store has read the tile.
+  __device__ __forceinline__ void Begin() const {
+    if (store_thread) ptx::tma_store_wait_read<0>();
+    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+  }
+
+  // Row tile_row of the tile: this thread's column pairs 8 c + quad_col (accumulator values
+  // 4 c + 2 h and 4 c + 2 h + 1 of a wgmma m64nN result) times inv.
+  template <typename Element, int kValues>
+  __device__ __forceinline__ void WriteRow(const float (&o)[kValues], int h, int tile_row,
+                                           int quad_col, float inv) const {
+#pragma unroll
+    for (int c = 0; c < kHeadDimV / 8; ++c) {
+      const int chunk = (c % 8) ^ (tile_row % 8);
+      *reinterpret_cast<uint32_t*>(tile + (c / 8) * kSliceBytes + tile_row * 128 + chunk * 16 +
+                                   quad_col * 2) =
+          PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+    }
+  }
+
+  // After the last write: every thread's writes are visible to the async proxy, then one store per
+  // 64-column slice at (rows_start, head, batch).
+  __device__ __forceinline__ void Store(const CUtensorMap* tmap_o, int rows_start, int head,
+                                        int batch) const {
+    ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
+    ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
+    if (store_thread) {
+      for (int s = 0; s < kHeadDimV / 64; ++s)
+        ptx::tma_store_4d(tmap_o, tile_addr + s * kSliceBytes, s * 64, rows_start, head, batch);
+      ptx::tma_store_commit();
+    }
+  }
+
+  // At the kernel's end: shared memory must outlive the stores.
+  __device__ __forceinline__ static void Finish() {
+    if (threadIdx.x % 128 == 0) ptx::tma_store_wait<0>();
+  }
+};
 
 // Launches of packed variable-length batches (VarlenFwdArgs below, the FP8 kernel's Fp8VarlenArgs,
 // and their windows) specialise this to true.

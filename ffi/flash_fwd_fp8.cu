@@ -60,6 +60,13 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
       return error;
     }
   }
+  // O (bf16 [batch, seq_q, heads_q, 128]) in Q's boxes of 64 rows, 64 columns (one 128-byte swizzle
+  // row) wide, for the TMA-store epilogue (Fp8TileT::kEpilogueTma; unused otherwise).
+  CUtensorMap tmap_o;
+  if (!EncodeRowMap16(&tmap_o, p.out, /*bf16=*/true, p.batch, p.seqlen_q, p.heads_q, Tile::kHeadDimV,
+                      Tile::kRowsPerConsumer, &error)) {
+    return error;
+  }
   std::conditional_t<kWindow, WindowedArgs<Fp8Args>, Fp8Args> args;
   args.out = static_cast<__nv_bfloat16*>(p.out);
   args.lse = p.lse;
@@ -74,7 +81,8 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
-  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args);
+  kernel<<<grid, Tile::kThreads, Tile::kDynamicSmemBytes, stream>>>(tmap_q, tmap_k, tmap_v, args,
+                                                                     tmap_o);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 forward kernel", err);
   return "";

@@ -93,11 +93,17 @@ __device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
 // slices of 128 columns each, laid out back to back (slice s at s * rows * 128 bytes), TMA filling the
 // columns past kHeadDimQK with zeros that no wgmma reads. kStagedV: V's operand built in shared
 // memory from V as it is (staging buffers, transposing warps), or TMA-loaded from a V^T in global
-// memory (no staging buffers).
-template <int kHeadDimQK_, bool kStagedV_ = true>
+// memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
+// memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
+// next sequence).
+#ifndef JZYFA_FP8_EPILOGUE_TMA
+#define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
+#endif
+template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA>
 struct Fp8TileT {
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
+
   static constexpr int kHeadDimV = 128;
   static constexpr int kHeadDim = kHeadDimV;
   static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
@@ -154,14 +160,23 @@ struct Fp8TileT {
       kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   static constexpr int kVStagingOffset = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
-  static constexpr int kSmemBytes = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
+  // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
+  // 64-column slices (128-byte swizzle rows).
+  static constexpr int kOSliceBytes = kRowsPerConsumer * 128;
+  static constexpr int kOConsumerBytes = kOSliceBytes * (kHeadDimV / 64);
+  static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
   static constexpr int kSmemAlign = 1024;
+  // Where the O tiles fit: not MLA's staged tile (207 KB before them).
+  static constexpr bool kEpilogueTma =
+      kEpilogueTma_ && kOTileOffset + kConsumers * kOConsumerBytes + kSmemAlign <= 227 * 1024;
+  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kConsumers * kOConsumerBytes : 0);
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
   static_assert(kQSliceBytes % kSmemAlign == 0 && kKSliceBytes % kSmemAlign == 0,
                 "Q and K slices must stay 1024-byte aligned");
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
   static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
+  static_assert(kOTileOffset % kSmemAlign == 0, "O tiles must stay 1024-byte aligned (swizzle)");
   static_assert(kVStagingOffset % kSmemAlign == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
                 kVtBytes == Fp8ValueTranspose::kTileBytes);
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
@@ -173,6 +188,9 @@ using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 // The same tiles reading V^T from global memory (kStagedV false).
 using Fp8VtTile = Fp8TileT<128, false>;
 using Fp8MlaVtTile = Fp8TileT<192, false>;
+// The varlen kernels' tiles (O stored from registers).
+using Fp8VarlenTile = Fp8TileT<128, true, false>;
+using Fp8VarlenVtTile = Fp8TileT<128, false, false>;
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
@@ -365,11 +383,17 @@ struct Fp8StagingBarriers {
 // fp8_value_operand.cu; varlen: [1, heads_kv, 128, vt_keys], Fp8VarlenValueColumn) and the TMA
 // thread loads each stage's V^T tile directly (completing v_full); warps 1..3 exit at once and
 // there are no staging buffers.
+//
+// tmap_o: O's map, bf16 [batch, seq_q, heads_q, 128] in boxes of 64 columns x 64 rows, for the tiles
+// with the TMA-store epilogue (Tile::kEpilogueTma); the others store from registers (nullptr).
 template <bool kLeanP, typename Tile = Fp8Tile, typename Args>
 __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
-                                                 const CUtensorMap& tmap_v, const Args& args) {
+                                                 const CUtensorMap& tmap_v, const CUtensorMap* tmap_o,
+                                                 const Args& args) {
   constexpr bool kWindow = kHasWindow<Args>;
   constexpr bool kVarlen = kIsVarlen<Args>;
+  constexpr bool kTmaEpilogue = Tile::kEpilogueTma;
+  static_assert(!(kVarlen && kTmaEpilogue), "varlen stores O from registers");
   constexpr bool kMla = Tile::kHeadDimQK != Tile::kHeadDimV;
   static_assert(!kMla || (!kWindow && !kVarlen), "MLA's FP8 tile serves dense causal / no-mask calls");
   static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
@@ -776,10 +800,21 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     }
 
     // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):
-    // O = 0, LSE = -inf.
+    // O = 0, LSE = -inf. kTmaEpilogue: O through this consumer's shared-memory tile and one TMA
+    // store (TmaEpilogue), which also drops rows past seqlen_q.
     const float descale_v = args.descale_v[descale_index];
     const int quad_col = 2 * (lane % 4);
-    // Row h of this thread to out[out_row ..] and lse[lse_index].
+    const TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes> epilogue(
+        smem_aligned + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes,
+        smem_base + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes, consumer);
+    if constexpr (kTmaEpilogue) epilogue.Begin();
+    auto store_lse = [&](int h, float total, int64_t lse_index) {
+      if (lane % 4 == 0) {
+        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
+        args.lse[lse_index] = lse;
+      }
+    };
+    // Row h of this thread to out[out_row ..] and lse[lse_index], from registers.
     auto store_row = [&](int h, float total, float inv, int64_t out_row, int64_t lse_index) {
       __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(args.out);
 #pragma unroll
@@ -787,10 +822,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
             PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
       }
-      if (lane % 4 == 0) {
-        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
-        args.lse[lse_index] = lse;
-      }
+      store_lse(h, total, lse_index);
     };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -805,15 +837,23 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
                     static_cast<int64_t>(rows.head) * args.total_q + token);
         });
       } else {
-        if (row >= args.seqlen_q) continue;
-        const int64_t out_row =
-            ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-            Tile::kHeadDim;
-        store_row(h, total, inv, out_row,
-                  (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row);
+        const int64_t lse_index =
+            (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
+        if constexpr (kTmaEpilogue) {
+          epilogue.template WriteRow<__nv_bfloat16>(o, h, row - rows_start, quad_col, inv);
+          if (row < args.seqlen_q) store_lse(h, total, lse_index);
+        } else {
+          if (row >= args.seqlen_q) continue;
+          const int64_t out_row =
+              ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+              Tile::kHeadDim;
+          store_row(h, total, inv, out_row, lse_index);
+        }
       }
     }
+    if constexpr (kTmaEpilogue) epilogue.Store(tmap_o, rows_start, work.head, work.batch);
   }
+  if constexpr (kTmaEpilogue) TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes>::Finish();
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
@@ -823,8 +863,9 @@ template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
                       const __grid_constant__ CUtensorMap tmap_k,
-                      const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
+                      const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
+                      const __grid_constant__ CUtensorMap tmap_o) {
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
 }
 
 // MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its
@@ -833,8 +874,9 @@ template <bool kLeanP, bool kStagedV>
 __global__ void __launch_bounds__(Fp8MlaTile::kThreads, 1)
     FlashFwdFp8MlaKernel(const __grid_constant__ CUtensorMap tmap_q,
                          const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<192, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
+                         const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
+                         const __grid_constant__ CUtensorMap tmap_o) {
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<192, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
 }
 
 // Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
@@ -843,8 +885,9 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8WindowKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v,
-                            const WindowedArgs<Fp8Args> args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
+                            const WindowedArgs<Fp8Args> args,
+                            const __grid_constant__ CUtensorMap tmap_o) {
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
 }
 
 // Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps
@@ -855,7 +898,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v, const Fp8VarlenArgs args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false>>(tmap_q, tmap_k, tmap_v, nullptr, args);
 }
 
 // The same with a sliding window that is neither causal nor none, per sequence.
@@ -865,7 +908,7 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                                   const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v,
                                   const WindowedArgs<Fp8VarlenArgs> args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false>>(tmap_q, tmap_k, tmap_v, nullptr, args);
 }
 
 }  // namespace jzyfa

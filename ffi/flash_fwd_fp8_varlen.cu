@@ -119,11 +119,11 @@ std::string LaunchFlashFwdFp8Varlen(const FlashFwdFp8VarlenParams& p, cudaStream
                       &mask);
   if (!error.empty()) return error;
   if (p.v_transposed) {
-    return mask.windowed ? Launch<Fp8VtTile, true>(p, mask, stream)
-                         : Launch<Fp8VtTile, false>(p, mask, stream);
+    return mask.windowed ? Launch<Fp8VarlenVtTile, true>(p, mask, stream)
+                         : Launch<Fp8VarlenVtTile, false>(p, mask, stream);
   }
-  return mask.windowed ? Launch<Fp8Tile, true>(p, mask, stream)
-                       : Launch<Fp8Tile, false>(p, mask, stream);
+  return mask.windowed ? Launch<Fp8VarlenTile, true>(p, mask, stream)
+                       : Launch<Fp8VarlenTile, false>(p, mask, stream);
 }
 
 }  // namespace jzyfa

@@ -507,16 +507,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     // visible key have a zero sum: O = 0, LSE = -inf.
     Element* out = static_cast<Element*>(args.out);
     const int quad_col = 2 * (lane % 4);
-    // kTmaEpilogue: O goes through this consumer's shared-memory tile, laid out as the TMA box
-    // (64-column slices, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one
-    // thread stores it with TMA, which also drops rows past seqlen_q.
-    const bool store_thread = threadIdx.x % 128 == 0;
-    uint8_t* o_tile = nullptr;
-    if constexpr (kTmaEpilogue) {
-      if (store_thread) ptx::tma_store_wait_read<0>();  // the last tile's store has read the tile
-      ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
-      o_tile = smem_raw + (smem_o(consumer) - SmemAddress(smem_raw));
-    }
+    // kTmaEpilogue: O goes through this consumer's shared-memory tile and one TMA store
+    // (TmaEpilogue), which also drops rows past seqlen_q.
+    const TmaEpilogue<kHeadDimV, Tile::kQSliceBytes> epilogue(
+        smem_raw + (smem_o(consumer) - SmemAddress(smem_raw)), smem_o(consumer), consumer);
+    if constexpr (kTmaEpilogue) epilogue.Begin();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = QuadSum(softmax.row_sum[h]);
@@ -548,14 +543,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         }
       } else {
         if constexpr (kTmaEpilogue) {
-          const int tile_row = row - rows_start;
-#pragma unroll
-          for (int c = 0; c < kHeadDimV / 8; ++c) {
-            const int chunk = (c % 8) ^ (tile_row % 8);
-            *reinterpret_cast<uint32_t*>(o_tile + (c / 8) * Tile::kQSliceBytes + tile_row * 128 +
-                                         chunk * 16 + quad_col * 2) =
-                PackPair<Element>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-          }
+          epilogue.template WriteRow<Element>(o, h, row - rows_start, quad_col, inv);
           if (row >= args.seqlen_q) continue;
         } else {
           if (row >= args.seqlen_q) continue;
@@ -578,20 +566,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         }
       }
     }
-    if constexpr (kTmaEpilogue) {
-      ptx::fence_proxy_async_shared();  // the tile's writes, before the async proxy reads them
-      ptx::named_barrier_sync(kEpilogueBarrier + consumer, 128);
-      if (store_thread) {
-        for (int s = 0; s < Tile::kVSlices; ++s)
-          ptx::tma_store_4d(tmap_o, smem_o(consumer) + s * Tile::kQSliceBytes, s * 64, rows_start,
-                            work.head, work.batch);
-        ptx::tma_store_commit();
-      }
-    }
+    if constexpr (kTmaEpilogue) epilogue.Store(tmap_o, rows_start, work.head, work.batch);
   }
-  if constexpr (kTmaEpilogue) {
-    if (threadIdx.x % 128 == 0) ptx::tma_store_wait<0>();  // shared memory must outlive the stores
-  }
+  if constexpr (kTmaEpilogue) TmaEpilogue<kHeadDimV, Tile::kQSliceBytes>::Finish();
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 

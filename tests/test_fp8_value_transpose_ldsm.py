@@ -1,5 +1,5 @@
 """The FP8 kernel's matrix-instruction V transpose (ffi/fp8_value_transpose.cuh: `Fp8MatrixTransposeLane`
-and its `TransposeValuePiece`, built with -DJZYFA_FP8_V_TRANSPOSE_LDSM=1), simulated lane by lane in
+and its `TransposeValuePiece`, the default; -DJZYFA_FP8_V_TRANSPOSE_LDSM=0 builds the PRMT one), simulated lane by lane in
 NumPy: TMA's 128-byte swizzle of the staging tile, `ldmatrix.m8n8.x4.trans.b16` (lane 8 i + l gives
 the address of row l of matrix i; transposed, lane t receives from matrix i the 16-bit elements (row
 2 (t % 4), column t / 4) and (row 2 (t % 4) + 1, column t / 4), the first in the low half),

@@ -368,28 +368,52 @@ def highest_register(instruction: str) -> int:
     return highest
 
 
+def producer_ops(text: str) -> list[str]:
+    """The opcodes an FP8 kernel's producer warps can reach after their setmaxnreg to 40 (which ptxas does
+    not enforce by itself), checked to use R0..R39 only."""
+    producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b")
+    assert max(highest_register(i) for i in producer) < 40
+    return [i.split()[1 if i.startswith("@") else 0] for i in producer]
+
+
 def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
-    """V^T is built in the staged FP8 kernels (ffi/fp8_value_transpose.cuh): after the producer's setmaxnreg
-    to 40 (which ptxas does not enforce by itself), the code its warps can reach (the TMA thread's loop and
-    the transposing warps') uses R0..R39 only; per 16-key piece 16 conflict-free 4-byte shared loads, 24
-    PRMT (ptxas recomputes up to 8 rather than hold them) and 4 16-byte shared stores, then the proxy fence
-    (FENCE.VIEW.ASYNC.S) before v_full's arrival. The V^T-loading kernels' producer stays within R0..R39
-    too, with no transposing code."""
+    """V^T is built in the staged FP8 kernels (ffi/fp8_value_transpose.cuh, the matrix-instruction
+    transpose, the default): the code the producer's warps can reach (the TMA thread's loop and the
+    transposing warps') uses R0..R39 only; per 16-key piece and lane 4 LDSM.16.MT88.4 (ldmatrix .trans), 16
+    PRMT and 4 STSM.16.M88.4, then the proxy fence (FENCE.VIEW.ASYNC.S) before v_full's arrival. The V^T-loading
+    kernels' producer stays within R0..R39 too, with no transposing code."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name}
     # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T)
     assert len(found) == 16, list(found)
     assert sum(staged_v(name) for name in found) == 8, list(found)
     for name, text in found.items():
-        producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b")
-        assert max(highest_register(i) for i in producer) < 40, name
-        ops = [i.split()[1 if i.startswith("@") else 0] for i in producer]
+        ops = producer_ops(text)
         if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)
-            assert "STS.128" not in ops and "PRMT" not in ops and "LDS" not in ops, name
+            assert not {"STS.128", "PRMT", "LDS", "LDSM.16.MT88.4", "STSM.16.M88.4"} & set(ops), name
             continue
+        # ptxas unrolls the piece loop (its 3/3/2 trips) into several copies of the piece's 4 + 16 + 4.
+        loads = ops.count("LDSM.16.MT88.4")
+        assert loads >= 4 and loads % 4 == 0 and ops.count("STSM.16.M88.4") == loads, name
+        assert ops.count("PRMT") == 4 * loads, name
+        assert "FENCE.VIEW.ASYNC.S" in ops, name
+
+
+def test_prmt_transpose_variant_builds(tmp_path):
+    """The measurable alternative transpose (-DJZYFA_FP8_V_TRANSPOSE_LDSM=0): per 16-key piece 16
+    conflict-free 4-byte shared loads, 24 PRMT (ptxas recomputes up to 8 rather than hold them) and 4
+    16-byte shared stores in the staged kernels' producer, within its 40 registers, no spills."""
+    nvcc, cuobjdump, env = toolchain(tmp_path)
+    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd_fp8", ("JZYFA_FP8_V_TRANSPOSE_LDSM=0",))
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert frames and all(f == ("0", "0", "0") for f in frames), report
+    staged = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name and staged_v(name)}
+    assert len(staged) == 6, list(staged)
+    for name, text in staged.items():
+        ops = producer_ops(text)
         assert ops.count("LDS") >= 16 and ops.count("STS.128") == 4, name
         assert 24 <= ops.count("PRMT") <= 32, name
-        assert "FENCE.VIEW.ASYNC.S" in ops, name
+        assert "LDSM.16.MT88.4" not in ops and "FENCE.VIEW.ASYNC.S" in ops, name
 
 
 def test_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
@@ -403,6 +427,24 @@ def test_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         wide = "Li256E" in name or "FlashFwdMla" in name
         assert stores == (0 if wide else 2 if "Li128E" in name else 1), name
+
+
+def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
+    """The FP8 kernels' epilogue (JZYFA_FP8_EPILOGUE_TMA=1, the default): the plain and windowed kernels, and
+    MLA's with V^T loaded, write bf16 O through shared memory and one TMA store per 64-column slice (two),
+    and only the LSE from registers; MLA's staged kernels (no room for the O tiles next to the staging
+    buffers) and the varlen kernels store O from registers."""
+    _, sass = compiled
+    fp8 = {n: t for n, t in kernels(sass).items() if "FlashFwdFp8" in n}
+    assert len(fp8) == 16, list(fp8)
+    for name, text in fp8.items():
+        tma = "Varlen" not in name and not ("Mla" in name and staged_v(name))
+        stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
+        global_stores = len(re.findall(r"\bSTG\.E\b", text))
+        if tma:
+            assert stores == 2 and global_stores <= 2, f"{name}: {stores} UTMASTG, {global_stores} STG"
+        else:
+            assert stores == 0 and global_stores >= 32, f"{name}: {stores} UTMASTG, {global_stores} STG"
 
 
 def test_register_epilogue_variant_builds(tmp_path):
