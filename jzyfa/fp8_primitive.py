@@ -21,8 +21,8 @@ The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, el
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
 is read when a call is traced (a function already traced for the same shapes keeps its layout until
 `jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls
-(jzyfa/fp8_varlen_primitive.py) take no shape rule: "transposed" unless JZYFA_FP8_V_LAYOUT=staged
-(`fp8_varlen_value_layout`).
+(jzyfa/fp8_varlen_primitive.py) take the same rule on max_seqlen_q * (heads_q // heads_kv) against
+FP8_VARLEN_STAGED_V_MAX_ROWS (`fp8_varlen_value_layout`).
 """
 
 from __future__ import annotations
@@ -55,16 +55,25 @@ FFI_TARGET_FP8 = "jzyfa_flash_attention_fp8_fwd"
 FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
 FP8_KERNEL_HEAD_DIM = 128
 
-# Where V's operand layout is built (module docstring). Measured on the H200 (whole call, TFLOP/s,
-# staged vs transposed): 16x1024 478 vs 435, varlen 688 vs 637, 4x4096 765 vs 774, 1x16384 825 vs ~875,
-# 1x32768 816 vs ~880. The layout kernel costs one pass over V's bytes (~22 us per 32 MB at ~3 TB/s),
-# a cost per V byte; the staged kernel is ~8-9% slower per key block (its transposing warps take issue
-# slots from the issue-bound softmax), a cost per block of work, i.e. per query row that shares the V.
-# So the rows that share one KV head's V, seq_q * (heads_q // heads_kv) per shard, decide: few rows
-# (short or prefill-chunk calls) pay less in the staged kernel than a pass over V; many rows amortize
-# the pass. 2048 rows sits between the measured wins (16 x 1024: 1024 rows staged; 4 x 4096: 4096
-# rows transposed).
+# Where V's operand layout is built (module docstring). Measured on the H200 in one run (whole call,
+# TFLOP/s, staged vs transposed, LDSM transpose and TMA-store epilogue, 2026-12-01; docs/fp8.md 10.16):
+# 16x1024 544 vs 494, 4x4096 817 vs 819, 2x8192 874 vs 907, 1x16384 877 vs 931, 1x32768 862 vs 908.
+# The layout kernel costs one pass over V's bytes (~22 us per 32 MB at ~3 TB/s), a cost per V byte; the
+# staged kernel is ~4-6% slower per key block (its transposing warps take issue slots from the
+# issue-bound softmax), a cost per block of work, i.e. per query row that shares the V. So the rows
+# that share one KV head's V, seq_q * (heads_q // heads_kv) per shard, decide: few rows (short or
+# prefill-chunk calls) pay less in the staged kernel than a pass over V; many rows amortize the pass.
+# 4096 rows is the measured break-even; 2048 keeps the calls between staged's clear win (1024 rows)
+# and it.
 FP8_STAGED_V_MAX_ROWS = 2048
+
+# The same for packed varlen calls, on the longest sequence's rows, max_seqlen_q * (heads_q //
+# heads_kv). Their V^T costs more than a dense one (an XLA gather of token rows into the sequences'
+# columns, then the layout kernel: 82 us for 16320 tokens of 16 heads, 16% of the call), so staging
+# pays for more rows: measured (same run) on the bench's 8-sequence batch (8192, 4096, ..., 64 tokens)
+# 701 TFLOP/s staged against 633 transposed. Above 8192 rows unmeasured; by the two costs above a
+# single 16K sequence is near break-even.
+FP8_VARLEN_STAGED_V_MAX_ROWS = 8192
 
 # Kill switch for the rule above: False sends every dense call to the transposed layout. The staged
 # kernels pass the GPU suites under both layouts, and give O and LSE bitwise equal to the transposed
@@ -260,11 +269,17 @@ def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     return "staged" if seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS else "transposed"
 
 
-def fp8_varlen_value_layout() -> str:
-    """The same for a packed varlen call (jzyfa/fp8_varlen_primitive.py): "transposed" (the varlen V^T,
-    `fp8_layout.fp8_varlen_value_operand`, then the kernel), unless JZYFA_FP8_V_LAYOUT=staged (V as it
-    is, transposed in the kernel's shared memory). No shape rule; read at trace time."""
-    return _v_layout_override() or "transposed"
+def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
+    """The same for a packed varlen call (jzyfa/fp8_varlen_primitive.py): "staged" (V as it is, transposed
+    in the kernel's shared memory) when max_seqlen_q * (heads_q // heads_kv) <= FP8_VARLEN_STAGED_V_MAX_ROWS,
+    else "transposed" (the varlen V^T, `fp8_layout.fp8_varlen_value_operand`, then the kernel); the kill
+    switch and JZYFA_FP8_V_LAYOUT as for dense calls. Read at trace time."""
+    if override := _v_layout_override():
+        return override
+    if not FP8_STAGED_V_VERIFIED:
+        return "transposed"
+    rows = max_seqlen_q * (heads_q // heads_kv)
+    return "staged" if rows <= FP8_VARLEN_STAGED_V_MAX_ROWS else "transposed"
 
 
 def fp8_attention_shard(

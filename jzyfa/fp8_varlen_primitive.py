@@ -4,10 +4,12 @@
 and cu_seqlens_k int32 [num_seqs + 1] (on the device, never read by the host) and float32 descales
 [num_seqs, Hkv]; its results are out bf16 [total_q, Hq, 128] and lse float32 [Hq, total_q]. On CUDA it
 lowers to the FFI custom call of that name (`_kernel_call_p`), with V's operand layout built one of two
-ways (`fp8_primitive.fp8_varlen_value_layout`, read when the call is lowered): by default "transposed", V
-brought into the varlen V^T layout first (`fp8_layout.fp8_varlen_value_operand`: a gather of token rows,
-then the dense layout's kernel) and passed with v_transposed=True; with JZYFA_FP8_V_LAYOUT=staged, V's
-packed rows as they are (v_transposed=False; the kernel transposes each tile in shared memory). Every
+ways (`fp8_primitive.fp8_varlen_value_layout` of max_seqlen_q and the heads, read when the call is
+lowered): "staged", V's packed rows as they are (v_transposed=False; the kernel transposes each tile in
+shared memory), for up to FP8_VARLEN_STAGED_V_MAX_ROWS rows per KV head in the longest sequence;
+beyond, "transposed", V brought into the varlen V^T layout first (`fp8_layout.fp8_varlen_value_operand`:
+a gather of token rows, then the dense layout's kernel) and passed with v_transposed=True.
+JZYFA_FP8_V_LAYOUT overrides the rule. Every
 other platform lowers to the pure-JAX path
 (`jzyfa.varlen.fp8_varlen_attention_reference`: dequantize, exact attention), unless the caller demanded
 the kernel (`kernel_required=True`), in which case lowering for a non-CUDA platform is an error.
@@ -136,7 +138,7 @@ def _kernel_call(q8, k8, v8, cu_q, cu_k, dq, dk, dv, *, kernel_required, **param
     """On CUDA: V into the varlen V^T layout (its 32-key permutation by the dense layout's kernel) unless
     the layout is "staged", then the custom call (descales as [num_seqs * Hkv])."""
     del kernel_required  # Only decides what non-CUDA platforms do.
-    v_transposed = fp8_varlen_value_layout() == "transposed"
+    v_transposed = fp8_varlen_value_layout(params["max_seqlen_q"], q8.shape[1], k8.shape[1]) == "transposed"
     if v_transposed:
         v8 = fp8_varlen_value_operand(v8, cu_k, value_operand=fp8_value_operand_p.bind)
     return _kernel_call_p.bind(
@@ -170,7 +172,7 @@ def fp8_varlen_kernel_config_problem(q8, k8, num_seqs: int, max_seqlen_q: int) -
     not."""
     if problem := varlen_shape_problem(q8, k8, num_seqs, max_seqlen_q):
         return problem
-    transposed = fp8_varlen_value_layout() == "transposed"
+    transposed = fp8_varlen_value_layout(max_seqlen_q, q8.shape[1], k8.shape[1]) == "transposed"
     if transposed and varlen_padded_keys(k8.shape[0], num_seqs) > KERNEL_MAX_VALUE_KEYS:
         return (
             f"the FP8 varlen kernel takes total_k + 32 * (num_seqs + 1) < 2^31 - 1024 (V^T's columns), got "

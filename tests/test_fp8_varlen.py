@@ -1,6 +1,7 @@
 """FP8 (e4m3) inputs to `flash_attention_varlen` on the CPU: argument checks, the pure-JAX path against
-dense FP8 attention per sequence, the varlen V^T layout, the CUDA custom call (V^T by default, V as it is
-with JZYFA_FP8_V_LAYOUT=staged) and the kernel's gate. (The
+dense FP8 attention per sequence, the varlen V^T layout, the CUDA custom call (V as it is up to
+FP8_VARLEN_STAGED_V_MAX_ROWS rows per KV head in the longest sequence, else V^T; JZYFA_FP8_V_LAYOUT
+overrides) and the kernel's gate. (The
 kernel itself: tests/test_fp8_varlen_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
@@ -13,7 +14,7 @@ import pytest
 from attention_oracle import dequantized_f64, naive_varlen_f64, offsets, random_fp8_packed
 
 import jzyfa
-from jzyfa import api
+from jzyfa import api, fp8_primitive
 from jzyfa.fp8_layout import (
     KEY_GROUP,
     KEY_PERMUTATION,
@@ -190,13 +191,13 @@ def fp8_varlen_custom_calls(
 def test_cuda_lowering_is_the_fp8_varlen_custom_call(
     monkeypatch, layout, per_head, window, causal_attr, bounds
 ):
-    """By default (and with JZYFA_FP8_V_LAYOUT=transposed) V's varlen V^T first (a gather, then the
-    layout kernel), then the kernel with v_transposed; with JZYFA_FP8_V_LAYOUT=staged the kernel alone on
-    V as it is."""
+    """By default (400 rows per KV head: the rule stages V) and with JZYFA_FP8_V_LAYOUT=staged the kernel
+    alone on V as it is; with JZYFA_FP8_V_LAYOUT=transposed V's varlen V^T first (a gather, then the
+    layout kernel), then the kernel with v_transposed."""
     monkeypatch.setenv(api.UNVERIFIED_FP8_VARLEN_KERNEL_ENV, "1")
     if layout is not None:
         monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
-    staged = layout == "staged"
+    staged = layout != "transposed"
     (call,) = fp8_varlen_custom_calls("kernel", window, per_head)
     assert f'custom_call_target="{FFI_TARGET_FP8_VARLEN}"' in call
     # q, k, v as it is [12, 2, 128] (staged) or the varlen V^T [Hkv, 128, roundup32(12) + 32 * 3], the
@@ -219,6 +220,29 @@ def test_cuda_lowering_is_the_fp8_varlen_custom_call(
         # over them as one batch of 128 keys.
         (layout_call,) = layouts
         assert "operand_layout_constraints={f8e4m3fn[1,128,2,128]{3,2,1,0}}" in layout_call, layout_call
+
+
+@pytest.mark.parametrize(
+    "max_seqlen_q, heads_q, heads_kv, layout",
+    [
+        (8192, 16, 16, "staged"),  # the bench's batch (8192, 4096, ..., 64): measured 701 vs 633 TFLOP/s
+        (4096, 16, 8, "staged"),  # GQA: 8192 rows, the threshold
+        (8193, 16, 16, "transposed"),
+        (2048, 32, 4, "transposed"),  # 8 query heads per KV head: 16384 rows
+        (32768, 16, 16, "transposed"),
+    ],
+)
+def test_varlen_v_layout_follows_rows_per_kv_head(monkeypatch, max_seqlen_q, heads_q, heads_kv, layout):
+    """The varlen rule (FP8_VARLEN_STAGED_V_MAX_ROWS on the longest sequence's rows per KV head), its kill
+    switch and the override."""
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    assert fp8_primitive.fp8_varlen_value_layout(max_seqlen_q, heads_q, heads_kv) == layout
+    rows = max_seqlen_q * (heads_q // heads_kv)
+    assert (rows <= fp8_primitive.FP8_VARLEN_STAGED_V_MAX_ROWS) == (layout == "staged")
+    monkeypatch.setattr(fp8_primitive, "FP8_STAGED_V_VERIFIED", False)
+    assert fp8_primitive.fp8_varlen_value_layout(max_seqlen_q, heads_q, heads_kv) == "transposed"
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
+    assert fp8_primitive.fp8_varlen_value_layout(max_seqlen_q, heads_q, heads_kv) == "staged"
 
 
 def test_cuda_lowering_rejects_an_unknown_layout(monkeypatch):
