@@ -600,6 +600,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
     const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
+    timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
     const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
     const int first_row = rows_start + 16 * warp + lane / 4;
@@ -733,8 +734,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
+      timeline.MarkTile(round, kFirstScores);
       after_qk(0, first.stage);
       softmax_step(s_acc, p_even, alpha, 0);  // O is 0: nothing to rescale
+      timeline.MarkTile(round, kFirstSoftmax);
 
       auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
@@ -785,6 +788,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
+      timeline.MarkTile(round, kLastOutput);
       release(bars.v_empty[last.stage]);
       ring += work.num_blocks;
       if (promoted) {
@@ -852,6 +856,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       }
     }
     if constexpr (kTmaEpilogue) epilogue.Store(tmap_o, rows_start, work.head, work.batch);
+    timeline.MarkTile(round, kTileEnd);
   }
   if constexpr (kTmaEpilogue) TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes>::Finish();
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over

@@ -347,6 +347,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
     const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
+    timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
     int seqlen_k;  // this tile's keys
     if constexpr (kVarlen) {
@@ -437,9 +438,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
+      timeline.MarkTile(round, kFirstScores);
       after_qk(0, first.stage);
       softmax_step(s_acc, p_even, correction, 0);
       if constexpr (kOneP) Softmax::Pack(s_acc, p_even);
+      timeline.MarkTile(round, kFirstSoftmax);
 
       // Block b: S_b and P_{b-1} V_{b-1} go to the tensor cores, then softmax(S_b) runs
       // while P V is in flight; O is rescaled once P V has landed.
@@ -499,6 +502,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       end_turn();
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
+      timeline.MarkTile(round, kLastOutput);
       release(bars.v_empty[last.stage]);
       ring += work.num_blocks;
     }
@@ -567,6 +571,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       }
     }
     if constexpr (kTmaEpilogue) epilogue.Store(tmap_o, rows_start, work.head, work.batch);
+    timeline.MarkTile(round, kTileEnd);
   }
   if constexpr (kTmaEpilogue) TmaEpilogue<kHeadDimV, Tile::kQSliceBytes>::Finish();
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over

@@ -5,8 +5,10 @@
 // With it, thread 0 of each consumer warpgroup of the first kCtas CTAs writes the SM clock
 // (clock64) at fixed points of each steady-state key-block iteration (TimelineEvent) into a
 // __device__ array, one row of kEvents per iteration, for its first kIterations iterations
-// across tiles. Each translation unit that includes this header has its own array (internal
-// linkage) and reads it back with ReadTimeline (host code in the same .cu file).
+// across tiles; and at fixed points of each tile (TileEvent: what happens outside the key-block
+// loop, the per-tile cost that short sequences pay), one row of kTileEvents per tile, for its first
+// kTiles tiles, after the iterations' rows. Each translation unit that includes this header has its
+// own array (internal linkage) and reads it back with ReadTimeline (host code in the same .cu file).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,7 +24,10 @@ struct TimelineLayout {
   static constexpr int kConsumers = 2;
   static constexpr int kIterations = 2048;
   static constexpr int kEvents = 9;
-  static constexpr int kSlots = kCtas * kConsumers * kIterations * kEvents;
+  static constexpr int kTiles = 512;
+  static constexpr int kTileEvents = 5;
+  static constexpr int kIterationSlots = kCtas * kConsumers * kIterations * kEvents;
+  static constexpr int kSlots = kIterationSlots + kCtas * kConsumers * kTiles * kTileEvents;
 };
 
 // Points of one iteration (block b: Q K^T of b and P V of b - 1), in program order. A kernel may
@@ -39,12 +44,23 @@ enum TimelineEvent : int {
   kIterationEnd = 8,    // after the rescale / bookkeeping
 };
 
+// Points of one tile (a consumer's 64 rows of it), in program order. Between kFirstSoftmax and
+// kLastOutput run the tile's iterations (TimelineEvent). A kernel may leave a point out.
+enum TileEvent : int {
+  kTileStart = 0,     // the tile's index and Q are there (q_full passed)
+  kFirstScores = 1,   // Q K^T of block 0 complete (issued and waited for with no P V beside it)
+  kFirstSoftmax = 2,  // P of block 0 packed
+  kLastOutput = 3,    // the last P V complete
+  kTileEnd = 4,       // O and LSE handed to their stores (the epilogue done)
+};
+
 // The recorder's interface, recording nothing: the sliding-window kernels use it in JZYFA_TIMELINE
 // builds too (their stamps' registers would spill).
 struct NoTimeline {
   __device__ explicit NoTimeline(int) {}
   __device__ void Mark(TimelineEvent) {}
   __device__ void Next() {}
+  __device__ void MarkTile(int, TileEvent) {}
 };
 
 #if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
@@ -64,6 +80,19 @@ class TimelineRecorder {
     }
   }
   __device__ void Next() { ++iteration_; }
+  // Tile `round` of this consumer (its loop's counter: no register of the recorder's own). The
+  // row's address is formed again from the block and thread indices.
+  __device__ void MarkTile(int round, TileEvent event) {
+    if (row_ != nullptr && round < TimelineLayout::kTiles) {
+      const int consumer = threadIdx.x / 128 - 1;  // warpgroup 0 is the producer
+      g_timeline[TimelineLayout::kIterationSlots +
+                 ((static_cast<int64_t>(blockIdx.x) * TimelineLayout::kConsumers + consumer) *
+                      TimelineLayout::kTiles +
+                  round) *
+                     TimelineLayout::kTileEvents +
+                 event] = clock64();
+    }
+  }
 
  private:
   uint64_t* row_ = nullptr;
@@ -87,6 +116,7 @@ class TimelineRecorder {
   __device__ explicit TimelineRecorder(int) {}
   __device__ void Mark(TimelineEvent) {}
   __device__ void Next() {}
+  __device__ void MarkTile(int, TileEvent) {}
 };
 
 static inline std::string ReadTimeline(std::vector<uint64_t>* out) {

@@ -53,5 +53,6 @@ NB_MODULE(_jzyfa_ffi, m) {
         return nb::bytes(reinterpret_cast<const char*>(stamps.data()), stamps.size() * sizeof(uint64_t));
       },
       "SM-clock timestamps of the kernel's consumer loops (ffi/kernel_timeline.cuh), uint64 bytes "
-      "[cta][consumer][iteration][event]; zeroed after reading. Needs a -DJZYFA_TIMELINE=1 build.");
+      "[cta][consumer][iteration][event], then [cta][consumer][tile][tile event]; zeroed after "
+      "reading. Needs a -DJZYFA_TIMELINE=1 build.");
 }

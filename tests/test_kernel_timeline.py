@@ -3,6 +3,7 @@ the extension's reader refuses clearly when the timeline is not compiled in."""
 
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +12,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def timeline():
+def timeline_module():
     spec = importlib.util.spec_from_file_location("kernel_timeline", REPO / "tools" / "kernel_timeline.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def timeline():
+    return timeline_module()
 
 
 def synthetic(timeline, steps, iterations, tile_gap_every=0, offsets=(0, 0)):
@@ -118,5 +123,60 @@ def test_extension_reader_needs_the_timeline_build():
         raw = ffi.kernel_timeline("fp8")
     except RuntimeError as e:
         assert "JZYFA_TIMELINE" in str(e)
-    else:  # a timeline build: the whole array, zeroed after reading
-        assert len(raw) == 4 * 2 * 2048 * 8 * 8
+    else:  # a timeline build: the whole array (iterations, then tiles), zeroed after reading
+        assert len(raw) == 8 * (timeline_module().ITERATION_SLOTS + timeline_module().TILE_SLOTS)
+
+
+def synthetic_tiles(timeline, steps, wait, tiles, empty_every=0):
+    """Tile stamps whose phases last `steps` cycles and `wait` cycles apart, for CTA 0, both consumers;
+    every `empty_every`-th tile has no key block (only its start and end recorded)."""
+    stamps = np.zeros((timeline.CTAS, timeline.CONSUMERS, timeline.TILES, timeline.TILE_EVENTS), np.uint64)
+    for consumer in range(2):
+        t = 500 + consumer
+        for i in range(tiles):
+            row = np.cumsum([t, *steps])
+            if empty_every and i % empty_every == empty_every - 1:
+                stamps[0, consumer, i, [0, 4]] = [t, t + 50]
+                t += 50 + wait
+            else:
+                stamps[0, consumer, i] = row
+                t = int(row[-1]) + wait
+    return stamps
+
+
+def test_tile_summary_recovers_the_phases_outside_the_loop(timeline):
+    steps = [300, 1200, 20_000, 700]
+    tiles = timeline.summarize_tiles(synthetic_tiles(timeline, steps, wait=400, tiles=30, empty_every=10))
+    assert tiles["tiles"] == 2 * 27  # the empty tiles have no block 0
+    assert [tiles["phases"][name] for name in timeline.TILE_PHASES] == steps
+    assert tiles["phases"][timeline.TILE_WAIT] == 400
+    assert tiles["outside"] == pytest.approx(300 + 1200 + 700 + 400)
+    assert tiles["outside_share"] == pytest.approx(2600 / (2600 + 20_000))
+    text = timeline.format_tiles(tiles)
+    assert "outside the key-block loop: 2600 cycles per tile" in text and "merge, epilogue" in text
+
+
+def test_tile_summary_without_tiles_says_so(timeline):
+    empty = np.zeros((timeline.CTAS, timeline.CONSUMERS, timeline.TILES, timeline.TILE_EVENTS), np.uint64)
+    assert timeline.summarize_tiles(empty) == {"tiles": 0}
+    assert "no tile" in timeline.format_tiles({"tiles": 0})
+
+
+def test_the_extension_array_splits_into_iterations_and_tiles(timeline):
+    flat = np.arange(timeline.ITERATION_SLOTS + timeline.TILE_SLOTS, dtype=np.uint64)
+    iterations, tiles = timeline.split_stamps(flat.tobytes())
+    assert iterations.shape == (timeline.CTAS, timeline.CONSUMERS, timeline.ITERATIONS, timeline.EVENTS)
+    assert tiles.shape == (timeline.CTAS, timeline.CONSUMERS, timeline.TILES, timeline.TILE_EVENTS)
+    assert tiles.flat[0] == timeline.ITERATION_SLOTS
+    with pytest.raises(ValueError, match="rebuild"):
+        timeline.split_stamps(flat[:-1].tobytes())
+
+
+def test_the_tool_matches_the_kernel_header(timeline):
+    header = (REPO / "ffi" / "kernel_timeline.cuh").read_text()
+    for name, value in [("kCtas", timeline.CTAS), ("kConsumers", timeline.CONSUMERS),
+                        ("kIterations", timeline.ITERATIONS), ("kEvents", timeline.EVENTS),
+                        ("kTiles", timeline.TILES), ("kTileEvents", timeline.TILE_EVENTS)]:  # fmt: skip
+        assert f"static constexpr int {name} = {value};" in header, name
+    assert len(re.findall(r"^  k\w+ = \d+,", header, re.MULTILINE)) == timeline.EVENTS + timeline.TILE_EVENTS
+

@@ -6,8 +6,10 @@ Needs a build with the timeline compiled in (ffi/kernel_timeline.cuh), on a Hopp
     python tools/kernel_timeline.py --dtype fp8 --batch 1 --seq 32768
 
 Runs one causal call (after a warm-up), reads the SM-clock timestamps that thread 0 of each
-consumer warpgroup of the first CTAs wrote at fixed points of each key-block iteration, and prints
-the median cycles between consecutive points, next to the tensor-core cycles one block needs.
+consumer warpgroup of the first CTAs wrote at fixed points of each key-block iteration and of each
+tile, and prints the median cycles between consecutive points, next to the tensor-core cycles one
+block needs, and what each tile costs outside its key-block loop (block 0, the epilogue, the wait
+for the next tile: what short sequences pay per key block).
 tools/gpu_session.sh runs it through JZYFA_TIMELINE_RUNS.
 """
 
@@ -20,8 +22,21 @@ from collections.abc import Sequence
 
 import numpy as np
 
-# ffi/kernel_timeline.cuh: TimelineLayout and TimelineEvent, in order.
+# ffi/kernel_timeline.cuh: TimelineLayout, TimelineEvent and TileEvent, in order.
 CTAS, CONSUMERS, ITERATIONS, EVENTS = 4, 2, 2048, 9
+TILES, TILE_EVENTS = 512, 5
+ITERATION_SLOTS = CTAS * CONSUMERS * ITERATIONS * EVENTS
+TILE_SLOTS = CTAS * CONSUMERS * TILES * TILE_EVENTS
+# The phases of a tile outside its key-block loop, and the loop (kTileStart .. kTileEnd), and the
+# wait from one tile's end to the next one's start (the next tile's index and Q).
+TILE_PHASES = (
+    "block 0: Q K^T alone",  # kTileStart -> kFirstScores
+    "block 0: softmax",  # -> kFirstSoftmax
+    "blocks 1.. and the last P V",  # -> kLastOutput (the iterations)
+    "merge, epilogue",  # -> kTileEnd
+)
+TILE_WAIT = "wait for the next tile"  # kTileEnd of one tile -> kTileStart of the next
+LOOP = TILE_PHASES[2]
 # The phase that ends at event e + 1. A kernel may leave an event out (its stamps stay 0): the two
 # phases around it then count as one (MERGED names it, else the names joined by " + ").
 PHASES = (
@@ -153,6 +168,58 @@ def summarize(stamps: np.ndarray) -> dict:
     }
 
 
+def summarize_tiles(tiles: np.ndarray) -> dict:
+    """Per-tile phases outside the key-block loop, over the recorded tiles with at least one key block.
+
+    tiles: uint64 [CTAS, CONSUMERS, TILES, TILE_EVENTS]; rows of zeros were not recorded (tiles with no
+    key block record only their start and end). Returns the tile count, the median and mean cycles of
+    each phase (TILE_PHASES, and TILE_WAIT between consecutive tiles of one consumer), and `outside`:
+    the mean cycles a tile spends outside its loop (all phases but LOOP, the wait included) and their
+    share of the recorded time."""
+    phases: dict[str, list[float]] = {name: [] for name in (*TILE_PHASES, TILE_WAIT)}
+    for cta in range(tiles.shape[0]):
+        for consumer in range(tiles.shape[1]):
+            rows = tiles[cta, consumer].astype(np.int64)
+            started = rows[rows[:, 0] > 0]
+            if len(started) > 1:
+                waits = started[1:, 0] - started[:-1, -1]
+                phases[TILE_WAIT].extend(waits[started[:-1, -1] > 0].tolist())
+            full = started[np.all(started > 0, axis=1)]
+            for p, name in enumerate(TILE_PHASES):
+                phases[name].extend(np.diff(full, axis=1)[:, p].tolist())
+    count = len(phases[TILE_PHASES[0]])
+    if count == 0:
+        return {"tiles": 0}
+    means = {name: float(np.mean(v)) if v else 0.0 for name, v in phases.items()}
+    outside = sum(c for name, c in means.items() if name != LOOP)
+    loop_share = means[LOOP] / (means[LOOP] + outside) if means[LOOP] + outside else float("nan")
+    return {
+        "tiles": count,
+        "phases": {name: float(np.median(v)) if v else 0.0 for name, v in phases.items()},
+        "means": means,
+        "outside": outside,
+        "outside_share": 1.0 - loop_share,
+    }
+
+
+def format_tiles(tiles: dict) -> str:
+    if not tiles["tiles"]:
+        return "no tile with a key block recorded"
+    lines = [
+        f"{tiles['tiles']} tiles recorded; cycles per tile (one consumer):",
+        f"  {'phase':34s} {'median':>8s} {'mean':>8s}",
+    ]
+    lines += [
+        f"  {name:34s} {tiles['phases'][name]:8.0f} {tiles['means'][name]:8.0f}"
+        for name in (*TILE_PHASES, TILE_WAIT)
+    ]
+    lines.append(
+        f"outside the key-block loop: {tiles['outside']:.0f} cycles per tile (mean), "
+        f"{tiles['outside_share']:.0%} of a tile's time"
+    )
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict, dtype: str) -> str:
     tensor = tensor_cycles_per_block(dtype)
     lines = [
@@ -175,7 +242,17 @@ def format_summary(summary: dict, dtype: str) -> str:
     return "\n".join(lines)
 
 
-def run(dtype: str, batch: int, seq: int, heads: int) -> np.ndarray:
+def split_stamps(raw: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The extension's array as (iteration stamps [CTAS, CONSUMERS, ITERATIONS, EVENTS], tile stamps
+    [CTAS, CONSUMERS, TILES, TILE_EVENTS])."""
+    flat = np.frombuffer(raw, np.uint64)
+    if flat.size != ITERATION_SLOTS + TILE_SLOTS:
+        raise ValueError(f"expected {ITERATION_SLOTS + TILE_SLOTS} stamps, got {flat.size}: rebuild jzyfa")
+    iterations = flat[:ITERATION_SLOTS].reshape(CTAS, CONSUMERS, ITERATIONS, EVENTS)
+    return iterations, flat[ITERATION_SLOTS:].reshape(CTAS, CONSUMERS, TILES, TILE_EVENTS)
+
+
+def run(dtype: str, batch: int, seq: int, heads: int) -> tuple[np.ndarray, np.ndarray]:
     import jax
     from profile_call import kernel_call  # tools/, next to this file
 
@@ -185,8 +262,7 @@ def run(dtype: str, batch: int, seq: int, heads: int) -> np.ndarray:
     jax.block_until_ready(call(*inputs))  # compile, warm up
     ffi.kernel_timeline(kernel)  # discard the warm-up's stamps
     jax.block_until_ready(call(*inputs))
-    raw = ffi.kernel_timeline(kernel)
-    return np.frombuffer(raw, np.uint64).reshape(CTAS, CONSUMERS, ITERATIONS, EVENTS)
+    return split_stamps(ffi.kernel_timeline(kernel))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -196,7 +272,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_call_arguments(parser, default_seq=32768)
     args = parser.parse_args(argv)
     print(f"{args.dtype}, causal, batch {args.batch}, {args.seq} tokens, {args.heads} heads, head dim 128")
-    print(format_summary(summarize(run(args.dtype, args.batch, args.seq, args.heads)), args.dtype))
+    iterations, tiles = run(args.dtype, args.batch, args.seq, args.heads)
+    try:
+        print(format_summary(summarize(iterations), args.dtype))
+    except ValueError as e:  # tiles of one key block (short sequences) have no iterations
+        print(e)
+    print(format_tiles(summarize_tiles(tiles)))
 
 
 if __name__ == "__main__":
