@@ -11,7 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def model():
-    spec = importlib.util.spec_from_file_location("fp8_accumulator_model", REPO / "tools" / "fp8_accumulator_model.py")
+    spec = importlib.util.spec_from_file_location(
+        "fp8_accumulator_model", REPO / "tools" / "fp8_accumulator_model.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,7 +33,9 @@ def test_enough_bits_give_the_exact_sum_of_e4m3_values(model):
 
 
 def test_the_row_sum_runs_low_and_more_so_between_rarer_promotions(model):
-    errors = [model.mean_sum_error(np.random.default_rng(2), 2048, 14, blocks, rows=4) for blocks in (1, 4, 8)]
+    errors = [
+        model.mean_sum_error(np.random.default_rng(2), 2048, 14, blocks, rows=4) for blocks in (1, 4, 8)
+    ]
     assert all(e < 0 for e in errors)
     assert errors[0] > errors[1] > errors[2]
     assert -1e-2 < errors[2] < -2e-3  # kPromoteBlocks = 8: about the kernel's LSE bias (docs/fp8.md 10.18)

@@ -404,7 +404,9 @@ def test_prmt_transpose_variant_builds(tmp_path):
     conflict-free 4-byte shared loads, 24 PRMT (ptxas recomputes up to 8 rather than hold them) and 4
     16-byte shared stores in the staged kernels' producer, within its 40 registers, no spills."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd_fp8", ("JZYFA_FP8_V_TRANSPOSE_LDSM=0",))
+    report, sass = compile_kernels(
+        nvcc, cuobjdump, env, tmp_path, "flash_fwd_fp8", ("JZYFA_FP8_V_TRANSPOSE_LDSM=0",)
+    )
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     staged = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name and staged_v(name)}

@@ -179,4 +179,3 @@ def test_the_tool_matches_the_kernel_header(timeline):
                         ("kTiles", timeline.TILES), ("kTileEvents", timeline.TILE_EVENTS)]:  # fmt: skip
         assert f"static constexpr int {name} = {value};" in header, name
     assert len(re.findall(r"^  k\w+ = \d+,", header, re.MULTILINE)) == timeline.EVENTS + timeline.TILE_EVENTS
-
