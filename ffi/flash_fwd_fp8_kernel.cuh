@@ -22,6 +22,8 @@
 //     against 5% for the same algorithm in float32). Every kPromoteBlocks key blocks a consumer
 //     adds its wgmma accumulator into a float32 copy of O in shared memory and the next P V
 //     starts from zero (scale-d = 0), as DeepSeek-V3 does for FP8 GEMMs.
+//   - The epilogue hands bf16 O to a TMA store through a tile in shared memory (TmaEpilogue; the
+//     varlen kernels and MLA's staged one store from registers) and writes the LSE from registers.
 #pragma once
 
 #include <cuda.h>
@@ -103,7 +105,6 @@ template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8
 struct Fp8TileT {
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
-
   static constexpr int kHeadDimV = 128;
   static constexpr int kHeadDim = kHeadDimV;
   static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
