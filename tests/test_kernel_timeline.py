@@ -152,6 +152,8 @@ def test_tile_summary_recovers_the_phases_outside_the_loop(timeline):
     assert tiles["phases"][timeline.TILE_WAIT] == 400
     assert tiles["outside"] == pytest.approx(300 + 1200 + 700 + 400)
     assert tiles["outside_share"] == pytest.approx(2600 / (2600 + 20_000))
+    # 27 full tiles and 3 empty ones (50 cycles), each followed by a 400-cycle wait but the last.
+    assert tiles["span"] == 27 * (300 + 1200 + 20_000 + 700) + 3 * 50 + 29 * 400
     text = timeline.format_tiles(tiles)
     assert "outside the key-block loop: 2600 cycles per tile" in text and "merge, epilogue" in text
 

@@ -175,12 +175,17 @@ def summarize_tiles(tiles: np.ndarray) -> dict:
     key block record only their start and end). Returns the tile count, the median and mean cycles of
     each phase (TILE_PHASES, and TILE_WAIT between consecutive tiles of one consumer), and `outside`:
     the mean cycles a tile spends outside its loop (all phases but LOOP, the wait included) and their
-    share of the recorded time."""
+    share of the recorded time; and `span`, the median over the recorded consumers of the cycles from
+    their first tile's start to their last tile's end (against the kernel's time at the SM clock, what
+    the launch costs outside the tiles: ramp-up and tail)."""
     phases: dict[str, list[float]] = {name: [] for name in (*TILE_PHASES, TILE_WAIT)}
+    spans = []
     for cta in range(tiles.shape[0]):
         for consumer in range(tiles.shape[1]):
             rows = tiles[cta, consumer].astype(np.int64)
             started = rows[rows[:, 0] > 0]
+            if len(started) and started[-1, -1] > 0:
+                spans.append(float(started[-1, -1] - started[0, 0]))
             if len(started) > 1:
                 waits = started[1:, 0] - started[:-1, -1]
                 phases[TILE_WAIT].extend(waits[started[:-1, -1] > 0].tolist())
@@ -199,6 +204,7 @@ def summarize_tiles(tiles: np.ndarray) -> dict:
         "means": means,
         "outside": outside,
         "outside_share": 1.0 - loop_share,
+        "span": float(np.median(spans)) if spans else 0.0,
     }
 
 
@@ -216,6 +222,10 @@ def format_tiles(tiles: dict) -> str:
     lines.append(
         f"outside the key-block loop: {tiles['outside']:.0f} cycles per tile (mean), "
         f"{tiles['outside_share']:.0%} of a tile's time"
+    )
+    lines.append(
+        f"first tile's start to last tile's end: {tiles['span']:.0f} cycles (median over the consumers; "
+        "the kernel's time minus this at the SM clock is what the launch costs outside the tiles)"
     )
     return "\n".join(lines)
 
