@@ -46,6 +46,7 @@ sequence-length sweep) and says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -69,6 +70,7 @@ from absl import app, flags
 from jzyfa import _timing, _validation, peers, realistic_inputs
 from jzyfa._errors import short_error
 from jzyfa.accuracy import attention_float64, take_pairs
+from jzyfa.fp8_primitive import FP8_V_LAYOUT_ENV
 from jzyfa.peers import (
     Problem,
     Unsupported,
@@ -145,6 +147,14 @@ flags.DEFINE_bool(
     False,
     "Where jzyfa's kernel cannot serve on a GPU (FP8 today), time jzyfa's pure-JAX path instead, "
     "reported as jzyfa...[xla-fallback]; without it the kernel's absence is reported.",
+)
+flags.DEFINE_enum(
+    "fp8_v_layout",
+    None,
+    ["staged", "transposed"],
+    "Where the FP8 kernel's V operand is built, for every FP8 call of the run (JZYFA_FP8_V_LAYOUT while "
+    "it runs): staged in the kernel, or transposed by the layout kernel first. Default: the per-call "
+    "rule (docs/fp8.md 10.13, 10.16).",
 )
 flags.DEFINE_integer(
     "iters",
@@ -457,6 +467,7 @@ def _jzyfa_status() -> dict[str, Any]:
         info["version"] = None
     # Set, it lets implementation="kernel" run the FP8 kernel before it has passed its GPU tests.
     info["unverified_fp8_kernel_env"] = os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV)
+    info["fp8_v_layout_env"] = os.environ.get(FP8_V_LAYOUT_ENV)  # --fp8_v_layout, or set outside
     # An installed copy is no git checkout: tools/gpu_session.sh can pass the commit it built.
     info["git_commit"] = os.environ.get("JZYFA_GIT_COMMIT") or _run_text(
         ["git", "-C", str(_package_dir()), "rev-parse", "--short", "HEAD"]
@@ -1000,6 +1011,7 @@ def resolve_config() -> dict[str, Any]:
         "inputs",
         "impls",
         "allow_xla_fallback",
+        "fp8_v_layout",
         "iters",
         "min_time_s",
         "warmup_s",
@@ -1052,8 +1064,31 @@ def resolve_inputs(text: str) -> list[str]:
     return list(dict.fromkeys(kinds))
 
 
+@contextlib.contextmanager
+def fp8_v_layout(layout: str | None):
+    """JZYFA_FP8_V_LAYOUT = layout while the benchmark traces and runs its calls (None: as it is, the
+    rule unless set outside), restored afterwards."""
+    if layout is None:
+        yield
+        return
+    before = os.environ.get(FP8_V_LAYOUT_ENV)
+    os.environ[FP8_V_LAYOUT_ENV] = layout
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FP8_V_LAYOUT_ENV, None)
+        else:
+            os.environ[FP8_V_LAYOUT_ENV] = before
+
+
 def run(config: dict[str, Any]) -> dict[str, Any]:
     """Runs the benchmark described by config (see resolve_config) and returns the report."""
+    with fp8_v_layout(config.get("fp8_v_layout")):
+        return _run(config)
+
+
+def _run(config: dict[str, Any]) -> dict[str, Any]:
     window = _config_window(config)
     impl_names = resolve_impls(config["impls"], config["dtype"])
     kinds = resolve_inputs(config["inputs"])

@@ -788,3 +788,23 @@ def test_top_kernel_ms_is_the_longest_kernel():
     assert bench.top_kernel_ms(result) == 0.14
     assert bench.top_kernel_ms({"kernel": None}) is None  # no CUPTI (wall-clock or smoke runs)
     assert bench.top_kernel_ms({}) is None
+
+
+def test_fp8_v_layout_flag_sets_the_variable_for_the_run_only(monkeypatch):
+    """--fp8_v_layout reaches the config, and run() holds JZYFA_FP8_V_LAYOUT at it while it traces and
+    times (recorded in the report's env), then restores what was there."""
+    from jzyfa.fp8_primitive import FP8_V_LAYOUT_ENV
+
+    assert resolve_config(["--fp8_v_layout", "staged"])["fp8_v_layout"] == "staged"
+    assert resolve_config([])["fp8_v_layout"] is None
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    with bench.fp8_v_layout("transposed"):
+        assert os.environ[FP8_V_LAYOUT_ENV] == "transposed"
+        assert bench._jzyfa_status()["fp8_v_layout_env"] == "transposed"
+    assert FP8_V_LAYOUT_ENV not in os.environ
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
+    with bench.fp8_v_layout("transposed"):
+        assert os.environ[FP8_V_LAYOUT_ENV] == "transposed"
+    assert os.environ[FP8_V_LAYOUT_ENV] == "staged"
+    with bench.fp8_v_layout(None):
+        assert os.environ[FP8_V_LAYOUT_ENV] == "staged"
