@@ -131,6 +131,19 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}" ]; then
       "${ab_pytest_flags[@]}" "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
+  # JZYFA_AB_TOOLS: ";"-separated tool runs (a script under the repository and its flags) on A and B in
+  # turn, e.g. JZYFA_AB_TOOLS="tools/fp8_lse_bias.py --seq 4096" with -DJZYFA_FP8_PROMOTE_BLOCKS=4 as B.
+  IFS=';' read -ra ab_tools <<< "${JZYFA_AB_TOOLS:-}"
+  for tool in "${ab_tools[@]}"; do
+    for build in A B; do
+      site=$SITE; [ "$build" = B ] && site=$SITE_B
+      step "A/B tool, build $build: $tool"
+      # shellcheck disable=SC2086
+      PYTHONPATH="$site" timeout 300 python3 "$REPO"/$tool 2>&1 | grep -v "Unable to initialize backend" \
+        | sed "s/^/$build /" | tee -a "$OUT_DIR/ab_tools.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    done
+  done
   IFS=';' read -ra ab_runs <<< "${JZYFA_AB_BENCH:-}"
   for run in "${ab_runs[@]}"; do
     for round in 1 2; do
