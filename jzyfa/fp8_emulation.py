@@ -287,6 +287,15 @@ def trace_attention_fp8_emulated(
     )
 
 
+def trace_attention_fp8_emulated_on_cpu(*arrays: jax.Array, **kwargs) -> Fp8AttentionTrace:
+    """`trace_attention_fp8_emulated` of (q8, k8, v8, descale_q, descale_k, descale_v) on the CPU, whatever
+    the default backend: XLA's GPU backend may keep excess precision across the emulation's f32 -> e4m3 ->
+    f32 rounding, so an oracle for the GPU kernel runs where every rounding is honoured."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return trace_attention_fp8_emulated(*(jax.device_put(x, cpu) for x in arrays), **kwargs)
+
+
 def attention_fp8_emulated(
     q8: jax.Array,
     k8: jax.Array,

@@ -262,11 +262,7 @@ def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     """ "staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
     the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then.
     JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides both; read at trace time."""
-    if override := _v_layout_override():
-        return override
-    if not FP8_STAGED_V_VERIFIED:
-        return "transposed"
-    return "staged" if seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS else "transposed"
+    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
@@ -274,12 +270,16 @@ def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> s
     in the kernel's shared memory) when max_seqlen_q * (heads_q // heads_kv) <= FP8_VARLEN_STAGED_V_MAX_ROWS,
     else "transposed" (the varlen V^T, `fp8_layout.fp8_varlen_value_operand`, then the kernel); the kill
     switch and JZYFA_FP8_V_LAYOUT as for dense calls. Read at trace time."""
+    return _layout_by_rows(max_seqlen_q * (heads_q // heads_kv), FP8_VARLEN_STAGED_V_MAX_ROWS)
+
+
+def _layout_by_rows(rows: int, max_staged_rows: int) -> str:
+    """The override, else the kill switch, else staged up to max_staged_rows query rows per KV head."""
     if override := _v_layout_override():
         return override
     if not FP8_STAGED_V_VERIFIED:
         return "transposed"
-    rows = max_seqlen_q * (heads_q // heads_kv)
-    return "staged" if rows <= FP8_VARLEN_STAGED_V_MAX_ROWS else "transposed"
+    return "staged" if rows <= max_staged_rows else "transposed"
 
 
 def fp8_attention_shard(

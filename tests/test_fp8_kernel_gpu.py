@@ -20,7 +20,7 @@ from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
 from jzyfa import api
-from jzyfa.fp8_emulation import trace_attention_fp8_emulated
+from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
 from jzyfa.fp8_primitive import FFI_TARGET_FP8, FP8_V_LAYOUT_ENV
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
@@ -39,20 +39,18 @@ def allow_unverified_kernel(monkeypatch):
 
 
 def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):
-    """The kernel's emulation on the CPU, as NumPy (out float32, lse, reference exponents): XLA's GPU
-    backend may keep excess precision across the emulation's f32 -> e4m3 -> f32 rounding, so the
-    oracle runs where every rounding is honoured."""
-    cpu = jax.devices("cpu")[0]
-    args = [jax.device_put(x, cpu) for x in (q8, k8, v8, *descales)]
-    with jax.default_device(cpu):
-        trace = trace_attention_fp8_emulated(
-            *args,
-            causal=causal,
-            window=window,
-            softmax_scale=softmax_scale,  # None: 1/sqrt(q's head dim), as flash_attention's
-            lean_p=lean_p,
-            integer_reference=True,
-        )
+    """The kernel's emulation on the CPU, as NumPy (out float32, lse, reference exponents)."""
+    trace = trace_attention_fp8_emulated_on_cpu(
+        q8,
+        k8,
+        v8,
+        *descales,
+        causal=causal,
+        window=window,
+        softmax_scale=softmax_scale,  # None: 1/sqrt(q's head dim), as flash_attention's
+        lean_p=lean_p,
+        integer_reference=True,
+    )
     return np.asarray(trace.out, np.float32), np.asarray(trace.lse), np.asarray(trace.reference_exponent)
 
 

@@ -40,7 +40,7 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
     import jax.numpy as jnp
 
     import jzyfa
-    from jzyfa.fp8_emulation import trace_attention_fp8_emulated
+    from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
 
     if implementation == "kernel" and not jzyfa.kernel_available():
         raise SystemExit(f"the FP8 kernel cannot run here: {jzyfa.kernel_unavailable_reason()}")
@@ -57,11 +57,7 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
             implementation=implementation,
         )
     )(q8, k8, v8, dq, dk, dv)
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu):
-        trace = trace_attention_fp8_emulated(
-            *(jax.device_put(x, cpu) for x in (q8, k8, v8, dq, dk, dv)), causal=False, integer_reference=True
-        )
+    trace = trace_attention_fp8_emulated_on_cpu(q8, k8, v8, dq, dk, dv, causal=False, integer_reference=True)
     out = np.asarray(out.astype(jnp.float32))
     emulated = np.asarray(trace.out, np.float32)
     o_err = float(np.linalg.norm(out - emulated) / np.linalg.norm(emulated))
