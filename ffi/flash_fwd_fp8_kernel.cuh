@@ -252,9 +252,12 @@ struct Fp8OnlineSoftmax {
   // map is that of r = 0 (a row with no visible key yet has only -inf scores: P~ = 0).
   float c1, c0[2];
 
-  __device__ __forceinline__ explicit Fp8OnlineSoftmax(float row_scale)
-      : c1(kLeanP ? (Fp8Softmax::kCodeSlope * Fp8Softmax::kCodeScale) * row_scale : row_scale),
-        c0{MapOffset(0.f), MapOffset(0.f)} {}
+  __device__ __forceinline__ Fp8OnlineSoftmax() : c0{MapOffset(0.f), MapOffset(0.f)} {}
+
+  // Before the first Step: row_scale = descale_q descale_k scale log2(e).
+  __device__ __forceinline__ void SetRowScale(float row_scale) {
+    c1 = kLeanP ? (Fp8Softmax::kCodeSlope * Fp8Softmax::kCodeScale) * row_scale : row_scale;
+  }
 
   // c0 for a finite r: lean, the code of 2^0 minus 8 r, scaled by 2^-7 (exact); exact, -r.
   __device__ __forceinline__ static float MapOffset(float r) {
@@ -614,9 +617,6 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     }
     const int descale_index =
         args.descale_per_head ? descale_batch * args.heads_kv + work.kv_head : 0;
-    // (descale_q * descale_k) * scale_log2, in the emulation's order.
-    const float row_scale =
-        (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
 
     // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal) are
     //   o + (promoted ? o_copy * copy_scale : 0),
@@ -683,13 +683,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         copy_scale[0] = copy_scale[1] = 1.f;
       }
     };
-    Fp8OnlineSoftmax<kLeanP> softmax(row_scale);
+    Fp8OnlineSoftmax<kLeanP> softmax;
+    float descale_v = 0.f;  // loaded while the last P V runs (no key: O = 0 whatever its value)
 
     if (work.num_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
       release(bars.q_empty);
     } else {
+      float row_scale;  // set once block 0's Q K^T is issued
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
                               int block) {
         if constexpr (kWindow) {
@@ -730,9 +732,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
       const Slot first(ring);
       ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
+      timeline.MarkTile(round, kFirstKeys);
       begin_turn();
       issue_qk(s_acc, first.stage);
       end_turn();
+      timeline.MarkTile(round, kFirstIssued);
+      // (descale_q * descale_k) * scale_log2, in the emulation's order: loaded and multiplied
+      // while block 0's Q K^T runs (before it, the loads' latency held up the tile's start).
+      row_scale = (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
+      softmax.SetRowScale(row_scale);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
       timeline.MarkTile(round, kFirstScores);
@@ -787,6 +795,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         issue_pv(o, p_odd, last.stage, pending > 0);
       }
       end_turn();
+      descale_v = args.descale_v[descale_index];  // its latency behind the last P V's
       ptx::wgmma_wait_group<0>();
       FenceRegisters(o);
       timeline.MarkTile(round, kLastOutput);
@@ -803,11 +812,11 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         }
       }
     }
+    timeline.MarkTile(round, kEpilogueStart);
 
     // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):
     // O = 0, LSE = -inf. kTmaEpilogue: O through this consumer's shared-memory tile and one TMA
     // store (TmaEpilogue), which also drops rows past seqlen_q.
-    const float descale_v = args.descale_v[descale_index];
     const int quad_col = 2 * (lane % 4);
     const TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes> epilogue(
         smem_aligned + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes,
@@ -829,9 +838,11 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       }
       store_lse(h, total, lse_index);
     };
+    float totals[2];  // kTmaEpilogue: the rows' sums, for their LSE once O's store is issued
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = o[Tile::kHeadDim / 2 + 2 * h];  // a sum column of row h
+      totals[h] = total;
       const float inv = total > 0.f ? descale_v / total : 0.f;
       const int row = first_row + 8 * h;
       if constexpr (kVarlen) {
@@ -842,13 +853,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
                     static_cast<int64_t>(rows.head) * args.total_q + token);
         });
       } else {
-        const int64_t lse_index =
-            (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
         if constexpr (kTmaEpilogue) {
           epilogue.template WriteRow<__nv_bfloat16>(o, h, row - rows_start, quad_col, inv);
-          if (row < args.seqlen_q) store_lse(h, total, lse_index);
         } else {
           if (row >= args.seqlen_q) continue;
+          const int64_t lse_index =
+              (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
           const int64_t out_row =
               ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
               Tile::kHeadDim;
@@ -856,7 +866,18 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         }
       }
     }
-    if constexpr (kTmaEpilogue) epilogue.Store(tmap_o, rows_start, work.head, work.batch);
+    if constexpr (kTmaEpilogue) {
+      epilogue.Store(tmap_o, rows_start, work.head, work.batch);
+      // The LSE after O's store: the store's proxy fence waits for this thread's earlier memory
+      // accesses (MEMBAR.ALL.CTA), global stores included.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = first_row + 8 * h;
+        const int64_t lse_index =
+            (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
+        if (row < args.seqlen_q) store_lse(h, totals[h], lse_index);
+      }
+    }
     timeline.MarkTile(round, kTileEnd);
   }
   if constexpr (kTmaEpilogue) TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes>::Finish();

@@ -433,9 +433,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       // Block 0: S only.
       const Slot first(ring);
       ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
+      timeline.MarkTile(round, kFirstKeys);
       begin_turn();
       issue_qk(s_acc, first.stage);
       end_turn();
+      timeline.MarkTile(round, kFirstIssued);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
       timeline.MarkTile(round, kFirstScores);
@@ -506,6 +508,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       release(bars.v_empty[last.stage]);
       ring += work.num_blocks;
     }
+    timeline.MarkTile(round, kEpilogueStart);
 
     // Epilogue: normalise, write O (bf16/f16) and the LSE (natural log). Rows with no
     // visible key have a zero sum: O = 0, LSE = -inf.

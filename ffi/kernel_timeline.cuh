@@ -25,7 +25,7 @@ struct TimelineLayout {
   static constexpr int kIterations = 2048;
   static constexpr int kEvents = 9;
   static constexpr int kTiles = 512;
-  static constexpr int kTileEvents = 5;
+  static constexpr int kTileEvents = 8;
   static constexpr int kIterationSlots = kCtas * kConsumers * kIterations * kEvents;
   static constexpr int kSlots = kIterationSlots + kCtas * kConsumers * kTiles * kTileEvents;
 };
@@ -47,11 +47,14 @@ enum TimelineEvent : int {
 // Points of one tile (a consumer's 64 rows of it), in program order. Between kFirstSoftmax and
 // kLastOutput run the tile's iterations (TimelineEvent). A kernel may leave a point out.
 enum TileEvent : int {
-  kTileStart = 0,     // the tile's index and Q are there (q_full passed)
-  kFirstScores = 1,   // Q K^T of block 0 complete (issued and waited for with no P V beside it)
-  kFirstSoftmax = 2,  // P of block 0 packed
-  kLastOutput = 3,    // the last P V complete
-  kTileEnd = 4,       // O and LSE handed to their stores (the epilogue done)
+  kTileStart = 0,      // the tile's index and Q are there (q_full passed)
+  kFirstKeys = 1,      // K of block 0 has landed
+  kFirstIssued = 2,    // Q K^T of block 0 issued, turn handed over
+  kFirstScores = 3,    // Q K^T of block 0 complete (no P V beside it; the tile planned meanwhile)
+  kFirstSoftmax = 4,   // P of block 0 packed
+  kLastOutput = 5,     // the last P V complete
+  kEpilogueStart = 6,  // O complete in registers (FP8: its float32 copy merged back)
+  kTileEnd = 7,        // O and LSE handed to their stores (the epilogue done)
 };
 
 // The recorder's interface, recording nothing: the sliding-window kernels use it in JZYFA_TIMELINE

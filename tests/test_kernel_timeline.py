@@ -136,7 +136,7 @@ def synthetic_tiles(timeline, steps, wait, tiles, empty_every=0):
         for i in range(tiles):
             row = np.cumsum([t, *steps])
             if empty_every and i % empty_every == empty_every - 1:
-                stamps[0, consumer, i, [0, 4]] = [t, t + 50]
+                stamps[0, consumer, i, [0, timeline.TILE_EVENTS - 1]] = [t, t + 50]
                 t += 50 + wait
             else:
                 stamps[0, consumer, i] = row
@@ -145,17 +145,17 @@ def synthetic_tiles(timeline, steps, wait, tiles, empty_every=0):
 
 
 def test_tile_summary_recovers_the_phases_outside_the_loop(timeline):
-    steps = [300, 1200, 20_000, 700]
+    steps = [100, 150, 50, 1200, 20_000, 200, 500]
     tiles = timeline.summarize_tiles(synthetic_tiles(timeline, steps, wait=400, tiles=30, empty_every=10))
     assert tiles["tiles"] == 2 * 27  # the empty tiles have no block 0
     assert [tiles["phases"][name] for name in timeline.TILE_PHASES] == steps
     assert tiles["phases"][timeline.TILE_WAIT] == 400
-    assert tiles["outside"] == pytest.approx(300 + 1200 + 700 + 400)
+    assert tiles["outside"] == pytest.approx(sum(steps) - 20_000 + 400)
     assert tiles["outside_share"] == pytest.approx(2600 / (2600 + 20_000))
     # 27 full tiles and 3 empty ones (50 cycles), each followed by a 400-cycle wait but the last.
-    assert tiles["span"] == 27 * (300 + 1200 + 20_000 + 700) + 3 * 50 + 29 * 400
+    assert tiles["span"] == 27 * sum(steps) + 3 * 50 + 29 * 400
     text = timeline.format_tiles(tiles)
-    assert "outside the key-block loop: 2600 cycles per tile" in text and "merge, epilogue" in text
+    assert "outside the key-block loop: 2600 cycles per tile" in text and "merge O's copy" in text
 
 
 def test_tile_summary_without_tiles_says_so(timeline):

@@ -109,17 +109,21 @@ if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
   tar czf "$OUT_DIR/ncu.tar.gz" -C /tmp ncu
 fi
 
-if [ -n "${JZYFA_AB_CUDAFLAGS:-}" ]; then
+if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
   # A second build with other CUDAFLAGS (B; the build above is A), e.g.
   # JZYFA_AB_CUDAFLAGS=-DJZYFA_FP8_V_TRANSPOSE_LDSM=1 JZYFA_AB_GPU_TESTS=tests/test_fp8_kernel_gpu.py
   # JZYFA_AB_BENCH="--dtype fp8 --impls jzyfa_fp8 --shapes 16x1024,4x4096": B's GPU tests, then each
   # ";"-separated bench run on A and B in turn (A, B, A, B: clocks drift within a call).
-  step "A/B: build B with CUDAFLAGS=${JZYFA_AB_CUDAFLAGS}"
+  # JZYFA_AB_TREE: B built from another source tree (a path relative to the repository, e.g. an
+  # untracked `git archive` of the commit to compare with) instead of, or as well as, other flags.
+  TREE_B=$REPO${JZYFA_AB_TREE:+/$JZYFA_AB_TREE}
+  FLAGS_B=${JZYFA_AB_CUDAFLAGS-${CUDAFLAGS:-}}
+  step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B}"
   SITE_B=/tmp/jzyfa-site-b
   rm -rf "$SITE_B"
-  CUDAFLAGS="$JZYFA_AB_CUDAFLAGS" python3 -m pip install -v --no-build-isolation --no-deps \
-    -C build-dir="/tmp/jzyfa-build-$(printf '%s' "$JZYFA_AB_CUDAFLAGS" | md5sum | cut -c1-8)" \
-    --target "$SITE_B" "$REPO" > "$OUT_DIR/build_b.log" 2>&1 \
+  CUDAFLAGS="$FLAGS_B" python3 -m pip install -v --no-build-isolation --no-deps \
+    -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B" | md5sum | cut -c1-8)" \
+    --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
     || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
   grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
   if [ -n "${JZYFA_AB_GPU_TESTS:-}" ]; then

@@ -24,19 +24,22 @@ import numpy as np
 
 # ffi/kernel_timeline.cuh: TimelineLayout, TimelineEvent and TileEvent, in order.
 CTAS, CONSUMERS, ITERATIONS, EVENTS = 4, 2, 2048, 9
-TILES, TILE_EVENTS = 512, 5
+TILES, TILE_EVENTS = 512, 8
 ITERATION_SLOTS = CTAS * CONSUMERS * ITERATIONS * EVENTS
 TILE_SLOTS = CTAS * CONSUMERS * TILES * TILE_EVENTS
 # The phases of a tile outside its key-block loop, and the loop (kTileStart .. kTileEnd), and the
 # wait from one tile's end to the next one's start (the next tile's index and Q).
 TILE_PHASES = (
-    "block 0: Q K^T alone",  # kTileStart -> kFirstScores
+    "block 0: wait for K",  # kTileStart -> kFirstKeys
+    "block 0: turn, issue Q K^T",  # -> kFirstIssued
+    "block 0: plan the tile, wait for S",  # -> kFirstScores
     "block 0: softmax",  # -> kFirstSoftmax
     "blocks 1.. and the last P V",  # -> kLastOutput (the iterations)
-    "merge, epilogue",  # -> kTileEnd
+    "merge O's copy",  # -> kEpilogueStart (FP8; 16-bit: nothing)
+    "epilogue",  # -> kTileEnd
 )
 TILE_WAIT = "wait for the next tile"  # kTileEnd of one tile -> kTileStart of the next
-LOOP = TILE_PHASES[2]
+LOOP = TILE_PHASES[4]
 # The phase that ends at event e + 1. A kernel may leave an event out (its stamps stay 0): the two
 # phases around it then count as one (MERGED names it, else the names joined by " + ").
 PHASES = (
