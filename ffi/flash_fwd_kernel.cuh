@@ -36,6 +36,9 @@
 // hd128, docs/benchmarks.md), or plain global stores from registers (0). With 1, the tiles whose
 // O tiles do not fit next to the K/V ring (head dim 256, MLA) and varlen batches still store from
 // registers (FwdTile::kEpilogueTma).
+#ifndef JZYFA_PV_BESIDE_SOFTMAX
+#define JZYFA_PV_BESIDE_SOFTMAX 0  // docs/fp8.md 10.21
+#endif
 #ifndef JZYFA_EPILOGUE_TMA
 #define JZYFA_EPILOGUE_TMA 1
 #endif
@@ -131,18 +134,7 @@ struct OnlineSoftmax {
                                                bool needs_mask, int key_start, int first_row,
                                                int lane, int seqlen_k, bool causal, int diagonal,
                                                float scale_log2) {
-    const int quad_col = 2 * (lane % 4);
-    if (needs_mask) {
-#pragma unroll
-      for (int c = 0; c < kBlockN / 8; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key_start + 8 * c + quad_col + (e & 1);
-          const int row = first_row + 8 * (e >> 1);
-          const bool visible = key < seqlen_k && (!causal || key <= row + diagonal);
-          if (!visible) s[4 * c + e] = -INFINITY;
-        }
-    }
+    if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float block_max = -INFINITY;
@@ -167,15 +159,72 @@ struct OnlineSoftmax {
     }
   }
 
+  // Keys past seqlen_k or after the row's causal diagonal -> -inf.
+  __device__ __forceinline__ static void Mask(float (&s)[kBlockN / 2], int key_start, int first_row,
+                                              int lane, int seqlen_k, bool causal, int diagonal) {
+    const int quad_col = 2 * (lane % 4);
+#pragma unroll
+    for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = key_start + 8 * c + quad_col + (e & 1);
+        const int row = first_row + 8 * (e >> 1);
+        const bool visible = key < seqlen_k && (!causal || key <= row + diagonal);
+        if (!visible) s[4 * c + e] = -INFINITY;
+      }
+  }
+
+  // Step in pieces, for P V issued beside the exponentials (kPvBesideSoftmax): Reference (the
+  // mask, the rows' maxima, the correction), then ExponentiateStep and PackStep for each k-step
+  // j, then FinishStep. The same operations in the same order per row as Step: the same bits.
+  __device__ __forceinline__ void Reference(float (&s)[kBlockN / 2], float (&correction)[2],
+                                            float (&max_scaled)[2], bool needs_mask, int key_start,
+                                            int first_row, int lane, int seqlen_k, bool causal,
+                                            int diagonal, float scale_log2) {
+    if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kBlockN / 8; ++c)
+        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+      const float new_max = fmaxf(row_max[h], QuadMax(block_max));
+      max_scaled[h] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled[h]);
+      row_max[h] = new_max;
+    }
+  }
+  // Keys 16j..16j+15 (accumulator chunks 2j, 2j + 1): exponentials in place, added to sums.
+  __device__ __forceinline__ static void ExponentiateStep(float (&s)[kBlockN / 2], int j,
+                                                          const float (&max_scaled)[2],
+                                                          float (&sums)[2], float scale_log2) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 2 * j; c < 2 * j + 2; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * c + 2 * h + e];
+          x = ptx::ex2_approx(fmaf(x, scale_log2, -max_scaled[h]));
+          sums[h] += x;
+        }
+  }
+  __device__ __forceinline__ void FinishStep(const float (&correction)[2], const float (&sums)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * correction[h] + sums[h];
+  }
+
   // P as the A operand of P V: the accumulator of keys 16j..16j+15 is the register fragment of a
   // k16 A tile.
   static __device__ __forceinline__ void Pack(const float (&s)[kBlockN / 2],
                                               uint32_t (&p)[kBlockN / 16][4]) {
 #pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j)
+    for (int j = 0; j < kBlockN / 16; ++j) PackStep(s, p, j);
+  }
+  static __device__ __forceinline__ void PackStep(const float (&s)[kBlockN / 2],
+                                                  uint32_t (&p)[kBlockN / 16][4], int j) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+    for (int r = 0; r < 4; ++r) p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
   }
 
   // Sliding windows (before Step, which then masks nothing): row i, at i + diagonal, sees keys
@@ -233,6 +282,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // one overflows the consumers' 232 registers. MLA's windowed kernels likewise: with two P buffers
   // (S 64 + O 64 + P 2 x 32) and the window's bounds they spill 8-28 bytes (ptxas); with one, none.
   constexpr bool kOneP = kHeadDimV > 128 || (kWindow && kHeadDimQK != kHeadDimV);
+  // An experiment (docs/fp8.md 10.21), off by default; not with one P buffer (P V reads it).
+  constexpr bool kPvBesideSoftmax = JZYFA_PV_BESIDE_SOFTMAX && !kOneP;
   // Head dim 256 and MLA's: the consumers' registers are full (O, S and P at 232).
   constexpr bool kWideHeadDims = kHeadDimQK > 128;
 
@@ -328,13 +379,15 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // V is [keys x head_dim_v] with head_dim_v contiguous: an MN-major B operand whose
   // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
   // are two 8-key groups starting at byte 2048 j.
+  auto issue_pv_step = [&](float (&o)[kHeadDimV / 2], const uint32_t (&p)[kBlockN / 16][4], int stage,
+                           int j) {
+    const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
+    ptx::Wgmma<Element, kHeadDimV>::rs_tb(o, p[j], desc_v, 1);
+  };
   auto issue_pv = [&](float (&o)[kHeadDimV / 2], const uint32_t (&p)[kBlockN / 16][4], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j) {
-      const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
-      ptx::Wgmma<Element, kHeadDimV>::rs_tb(o, p[j], desc_v, 1);
-    }
+    for (int j = 0; j < kBlockN / 16; ++j) issue_pv_step(o, p, stage, j);
     ptx::wgmma_commit_group();
   };
 
@@ -368,8 +421,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     if (work.num_blocks == 0) {
       release(bars.q_empty);
     } else {
+      // max_scaled given (kPvBesideSoftmax): the mask and Reference only; the caller exponentiates.
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
-                              float (&correction)[2], int block) {
+                              float (&correction)[2], int block, float (*max_scaled)[2] = nullptr) {
         if constexpr (kWindow) {
           // Blocks inside every row's window (and the keys) stay unmasked. A block needs the mask
           // if it ends past the seq_k tail or the first row's right edge, or starts before the
@@ -394,7 +448,10 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
                                  right);
             }
           }
-          if constexpr (kOneP) {  // the caller packs P
+          if (max_scaled != nullptr) {
+            softmax.Reference(s, correction, *max_scaled, false, key_start, first_row, lane, seqlen_k,
+                              false, 0, args.scale_log2);
+          } else if constexpr (kOneP) {  // the caller packs P
             softmax.Exponentiate(s, correction, false, key_start, first_row, lane, seqlen_k, false,
                                  0, args.scale_log2);
           } else {
@@ -406,7 +463,10 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          if constexpr (kOneP) {  // the caller packs P
+          if (max_scaled != nullptr) {
+            softmax.Reference(s, correction, *max_scaled, needs_mask, key_start, first_row, lane,
+                              seqlen_k, args.causal, work.diagonal, args.scale_log2);
+          } else if constexpr (kOneP) {  // the caller packs P
             softmax.Exponentiate(s, correction, needs_mask, key_start, first_row, lane, seqlen_k,
                                  args.causal, work.diagonal, args.scale_log2);
           } else {
@@ -457,15 +517,39 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         begin_turn();
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
-        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-        issue_pv(o, p_prev, prev.stage);
-        end_turn();
-        timeline.Mark(kIssued);
-        ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
-        FenceRegisters(s_acc);
-        timeline.Mark(kScoresLanded);
-        after_qk(block, cur.stage);
-        softmax_step(s_acc, p_next, correction, block);
+        if constexpr (kPvBesideSoftmax) {
+          // The turn holds Q K^T alone; P V of the previous block goes out one k-step at a time
+          // beside this block's exponentials (docs/fp8.md 10.21: the warp computes while the
+          // tensor cores take each k-step instead of waiting in wgmma's issue).
+          end_turn();
+          timeline.Mark(kIssued);
+          ptx::wgmma_wait_group<0>();  // S (this Q K^T is the only group in flight)
+          FenceRegisters(s_acc);
+          timeline.Mark(kScoresLanded);
+          after_qk(block, cur.stage);
+          float max_scaled[2], sums[2] = {0.f, 0.f};
+          softmax_step(s_acc, p_next, correction, block, &max_scaled);
+          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < kBlockN / 16; ++j) {
+            issue_pv_step(o, p_prev, prev.stage, j);
+            Softmax::ExponentiateStep(s_acc, j, max_scaled, sums, args.scale_log2);
+            Softmax::PackStep(s_acc, p_next, j);
+          }
+          ptx::wgmma_commit_group();
+          softmax.FinishStep(correction, sums);
+        } else {
+          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+          issue_pv(o, p_prev, prev.stage);
+          end_turn();
+          timeline.Mark(kIssued);
+          ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
+          FenceRegisters(s_acc);
+          timeline.Mark(kScoresLanded);
+          after_qk(block, cur.stage);
+          softmax_step(s_acc, p_next, correction, block);
+        }
         timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);
