@@ -134,18 +134,23 @@ struct OnlineSoftmax {
                                                bool needs_mask, int key_start, int first_row,
                                                int lane, int seqlen_k, bool causal, int diagonal,
                                                float scale_log2) {
-    if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float block_max = -INFINITY;
+    // The mask inline, as the verified kernels were built (through Mask, ptxas 13.0 compiles the
+    // varlen kernels' comparisons differently).
+    const int quad_col = 2 * (lane % 4);
+    if (needs_mask) {
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c)
-        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-      const float new_max = fmaxf(row_max[h], QuadMax(block_max));
-      // A row with no visible key so far keeps max = -inf; use 0 so no inf - inf appears.
-      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled);
-      row_max[h] = new_max;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key_start + 8 * c + quad_col + (e & 1);
+          const int row = first_row + 8 * (e >> 1);
+          const bool visible = key < seqlen_k && (!causal || key <= row + diagonal);
+          if (!visible) s[4 * c + e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float max_scaled = RowReference(s, h, correction, scale_log2);
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c)
@@ -159,7 +164,8 @@ struct OnlineSoftmax {
     }
   }
 
-  // Keys past seqlen_k or after the row's causal diagonal -> -inf.
+  // Keys past seqlen_k or after the row's causal diagonal -> -inf (Exponentiate's mask; for
+  // Reference only, so that the verified kernels' SASS stays as it was).
   __device__ __forceinline__ static void Mask(float (&s)[kBlockN / 2], int key_start, int first_row,
                                               int lane, int seqlen_k, bool causal, int diagonal) {
     const int quad_col = 2 * (lane % 4);
@@ -183,16 +189,22 @@ struct OnlineSoftmax {
                                             int diagonal, float scale_log2) {
     if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float block_max = -INFINITY;
+    for (int h = 0; h < 2; ++h) max_scaled[h] = RowReference(s, h, correction, scale_log2);
+  }
+  // Row h's new maximum (row_max) and correction; returns the maximum in log2 units, the exponent
+  // that the row's exponentials subtract.
+  __device__ __forceinline__ float RowReference(const float (&s)[kBlockN / 2], int h,
+                                                float (&correction)[2], float scale_log2) {
+    float block_max = -INFINITY;
 #pragma unroll
-      for (int c = 0; c < kBlockN / 8; ++c)
-        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-      const float new_max = fmaxf(row_max[h], QuadMax(block_max));
-      max_scaled[h] = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-      correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled[h]);
-      row_max[h] = new_max;
-    }
+    for (int c = 0; c < kBlockN / 8; ++c)
+      block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+    const float new_max = fmaxf(row_max[h], QuadMax(block_max));
+    // A row with no visible key so far keeps max = -inf; use 0 so no inf - inf appears.
+    const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+    correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled);
+    row_max[h] = new_max;
+    return max_scaled;
   }
   // Keys 16j..16j+15 (accumulator chunks 2j, 2j + 1): exponentials in place, added to sums.
   __device__ __forceinline__ static void ExponentiateStep(float (&s)[kBlockN / 2], int j,
