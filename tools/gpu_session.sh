@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1
 # Multi-GPU kinds: NVLink multicast must stay off (it can take the host's shared GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-step() { echo; echo "=== $* ==="; }
+step() { echo; echo "=== $* === $(date +%T)"; }
 
 step "machine"
 { nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv;
