@@ -36,11 +36,14 @@
 // hd128, docs/benchmarks.md), or plain global stores from registers (0). With 1, the tiles whose
 // O tiles do not fit next to the K/V ring (head dim 256, MLA) and varlen batches still store from
 // registers (FwdTile::kEpilogueTma).
-#ifndef JZYFA_PV_BESIDE_SOFTMAX
-#define JZYFA_PV_BESIDE_SOFTMAX 0  // docs/fp8.md 10.21
-#endif
 #ifndef JZYFA_EPILOGUE_TMA
 #define JZYFA_EPILOGUE_TMA 1
+#endif
+
+// An experiment, off by default (docs/fp8.md 10.21): each key block's turn issues Q K^T alone and
+// the previous block's P V goes out k-step by k-step beside this block's exponentials.
+#ifndef JZYFA_PV_BESIDE_SOFTMAX
+#define JZYFA_PV_BESIDE_SOFTMAX 0  // docs/fp8.md 10.21
 #endif
 
 namespace jzyfa {
