@@ -166,42 +166,23 @@ struct Fp8TileT {
   static constexpr int kRegCopyChunks =
       kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
+  static constexpr int kVStagingOffset = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
   // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
   // 64-column slices (128-byte swizzle rows).
   static constexpr int kOSliceBytes = kRowsPerConsumer * 128;
   static constexpr int kOConsumerBytes = kOSliceBytes * (kHeadDimV / 64);
-  static constexpr int kOTilesBytes = kConsumers * kOConsumerBytes;
-  static constexpr int kSmemAlign = 1024;
-  static constexpr int kSmemLimit = 227 * 1024;
-  // Shared memory: Q (kQBuffers tiles), the K/V ring, O's float32 copies, V's staging buffers
-  // (staged V), the O tiles (the TMA-store epilogue).
-  static constexpr int kBetweenQAndOTilesBytes =
-      kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
-  // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
-  static constexpr bool kEpilogueTma =
-      kEpilogueTma_ && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
-#ifndef JZYFA_FP8_EARLY_NEXT_TILE
-#define JZYFA_FP8_EARLY_NEXT_TILE 1
-#endif
-  // A second Q tile where it fits (not MLA's: 32 KB each): the producer loads the next tile's Q
-  // while this tile runs, and each consumer issues the next tile's first Q K^T in this tile's last
-  // turn, beside its last P V, so that it runs during this tile's epilogue (docs/fp8.md 10.22).
-  static constexpr bool kEarlyNextTile =
-      JZYFA_FP8_EARLY_NEXT_TILE && 2 * kQBytes + kBetweenQAndOTilesBytes +
-                                           (kEpilogueTma ? kOTilesBytes : 0) + kSmemAlign <=
-                                       kSmemLimit;
-  static constexpr int kQBuffers = kEarlyNextTile ? 2 : 1;
-  static constexpr int kRingOffset = kQBuffers * kQBytes;
-  static constexpr int kOCopyOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kVStagingOffset = kOCopyOffset + kConsumers * kOCopyBytes;
   static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
-  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kOTilesBytes : 0);
+  static constexpr int kSmemAlign = 1024;
+  // Where the O tiles fit: not MLA's staged tile (207 KB before them).
+  static constexpr bool kEpilogueTma =
+      kEpilogueTma_ && kOTileOffset + kConsumers * kOConsumerBytes + kSmemAlign <= 227 * 1024;
+  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kConsumers * kOConsumerBytes : 0);
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
   static_assert(kQSliceBytes % kSmemAlign == 0 && kKSliceBytes % kSmemAlign == 0,
                 "Q and K slices must stay 1024-byte aligned");
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
-  static_assert(kDynamicSmemBytes <= kSmemLimit, "the tile must fit Hopper's shared memory");
+  static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
   static_assert(kOTileOffset % kSmemAlign == 0, "O tiles must stay 1024-byte aligned (swizzle)");
   static_assert(kVStagingOffset % kSmemAlign == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
                 kVtBytes == Fp8ValueTranspose::kTileBytes);
@@ -399,12 +380,6 @@ struct Fp8OnlineSoftmax {
   }
 };
 
-// A tile as one consumer warpgroup of the FP8 kernel sees it besides its plan: its first row, this
-// thread's row h = 0, its keys, and its descales' index.
-struct Fp8ConsumerRows {
-  int rows_start, first_row, seqlen_k, descale_index;
-};
-
 // The FP8 kernel's barriers besides FwdBarriers: V's staging buffer of each stage is full (TMA's
 // bytes; the transposing warps wait on it), and 1 + the K/V block count at which the producer ran
 // out of tiles (the transposing warps stop there; 0 until then).
@@ -453,14 +428,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) FwdBarriers<kStages, Tile::kQBuffers> bars;
+  __shared__ __align__(8) FwdBarriers<kStages> bars;
   __shared__ __align__(8) Fp8StagingBarriers<kStages> staging_bars;
   const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                              ~uint32_t(Tile::kSmemAlign - 1);
-  auto smem_q = [&](int consumer, int buffer) {
-    return smem_base + buffer * Tile::kQBytes + consumer * Tile::kQConsumerBytes;
-  };
-  auto smem_k = [&](int stage) { return smem_base + Tile::kRingOffset + stage * Tile::kStageBytes; };
+  auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
+  auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * Tile::kStageBytes; };
   auto smem_vt = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
   auto smem_v_staging = [&](int stage) {
     return smem_base + Tile::kVStagingOffset + stage * Tile::kVStagingBytes;
@@ -522,15 +495,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
     // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
     // stored, such keys are masked (P = 0).
-    auto load_q = [&](const auto& work, int buffer, uint32_t bar) {
+    auto load_q = [&](const auto& work, uint32_t bar) {
       int row = work.q_start, batch = work.batch;
       if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
-        ptx::tma_load_4d(smem_q(c, buffer), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer,
-                         work.head, batch);
+        ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer, work.head,
+                         batch);
       if constexpr (kMla) {  // the second slices (apart, so that head dim 128's code stays as it was)
         for (int c = 0; c < Tile::kConsumers; ++c)
-          ptx::tma_load_4d(smem_q(c, buffer) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
+          ptx::tma_load_4d(smem_q(c) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
                            row + c * Tile::kRowsPerConsumer, work.head, batch);
       }
     };
@@ -605,14 +578,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   auto release = [&](uint64_t& empty) {
     if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
   };
-  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tile::kHeadDimQK / 32; ++kk) {
       // k-step kk: 32 columns into slice kk / 4 (one slice at head dim 128).
       const int slice = kk / 4, column = 32 * (kk % 4);
       const uint64_t desc_q =
-          SmemDescSw128(smem_q(consumer, q_buffer) + slice * Tile::kQSliceBytes + column, 16);
+          SmemDescSw128(smem_q(consumer) + slice * Tile::kQSliceBytes + column, 16);
       const uint64_t desc_k = SmemDescSw128(smem_k(stage) + slice * Tile::kKSliceBytes + column, 16);
       if (kk == 0) {
         ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss_zero(s, desc_q, desc_k);
@@ -639,7 +612,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
   // This thread's part of O's float32 copy (see Fp8Tile::kOCopyBytes).
   float4* const o_copy =
-      reinterpret_cast<float4*>(smem_aligned + Tile::kOCopyOffset + consumer * Tile::kOCopyBytes) +
+      reinterpret_cast<float4*>(smem_aligned + Tile::kQBytes + kStages * Tile::kStageBytes +
+                                consumer * Tile::kOCopyBytes) +
       threadIdx.x % 128;
   constexpr int kOChunks = Tile::kPvN / 8;  // float4s per thread
   constexpr int kRegChunks = Tile::kRegCopyChunks;
@@ -648,98 +622,24 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed, varlen and MLA kernels never
   // record.
   std::conditional_t<kWindow || kVarlen || kMla, NoTimeline, TimelineRecorder> timeline(consumer);
-  // The round's tile: its index and Q have landed (q_full of its Q buffer). Waiting again on a phase
-  // that has completed returns at once (the tail below may have waited already).
-  auto wait_tile = [&](int round) {
-    const RingSlot<Tile::kQBuffers> q_slot(round);
-    ptx::mbarrier_wait(SmemAddress(&bars.q_full[q_slot.stage]), q_slot.parity);
-    return *reinterpret_cast<volatile int*>(&bars.tile[q_slot.stage]);
-  };
-  using Work = decltype(PlanTile<Tile::kBlockM, kBlockN>(0, args));
-  auto consumer_rows = [&](const Work& work) {
-    Fp8ConsumerRows rows;
-    rows.rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
-    rows.first_row = rows.rows_start + 16 * warp + lane / 4;
-    int descale_batch = work.batch;  // the descales' batch or sequence
-    if constexpr (kVarlen) {
-      rows.seqlen_k = work.len_k;
-      descale_batch = min(work.batch, args.num_seqs - 1);  // the tail (no keys) reads any sequence's
-    } else {
-      rows.seqlen_k = args.seqlen_k;
-    }
-    rows.descale_index = args.descale_per_head ? descale_batch * args.heads_kv + work.kv_head : 0;
-    return rows;
-  };
-  // One block's softmax (Fp8OnlineSoftmax::Step) with the tile's mask.
-  auto softmax_step = [&](Fp8OnlineSoftmax<kLeanP>& softmax, const Work& work,
-                          const Fp8ConsumerRows& rows, float row_scale, float (&s)[kBlockN / 2],
-                          uint32_t (&p)[4][4], float (&alpha)[2], int block,
-                          bool write_codes) {
-    const int rows_start = rows.rows_start, first_row = rows.first_row, seqlen_k = rows.seqlen_k;
-    if constexpr (kWindow) {
-      // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
-      // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
-      // the seq_k tail or the first row's right edge, or starts before the last row's left edge
-      // (this consumer's 64 rows). Step then masks nothing.
-      const int key_start = (work.first_block + block) * kBlockN;
-      const int first_pos = rows_start + work.diagonal;
-      const int left = args.window_left, right = args.window_right;
-      const bool needs_mask =
-          key_start + kBlockN > seqlen_k ||
-          (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
-          (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
-      if (needs_mask) {
-        MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, seqlen_k, work.diagonal,
-                                       left, right);
-      }
-      softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
-                   work.diagonal, timeline, write_codes);
-    } else {
-      const int key_start = block * kBlockN;
-      const bool needs_mask =
-          key_start + kBlockN > seqlen_k ||
-          (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-      softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
-                   args.causal, work.diagonal, timeline, write_codes);
-    }
-  };
-
   uint32_t ring = 0;
-  float s_acc[kBlockN / 2];
-  uint32_t p_even[4][4], p_odd[4][4];  // alternate, as in the 16-bit kernel (no C7513)
-  float alpha[2];
-  // A tile's softmax state and row scale (descale_q descale_k scale log2 e); started: the round's
-  // block 0 is done (S, softmax, P in p_even), run by the previous round's tail (kEarlyNextTile).
-  Fp8OnlineSoftmax<kLeanP> softmax;
-  float row_scale = 0.f;
-  bool started = false;
-  // Block 0 of a tile whose Q K^T is in flight into s_acc: the row scale, S, the K stage and (a
-  // one-block tile) Q released, the softmax into p_even.
-  auto first_block = [&](const Work& work, const Fp8ConsumerRows& rows, int round, int q_buffer,
-                         int stage) {
-    softmax = Fp8OnlineSoftmax<kLeanP>();
-    // (descale_q * descale_k) * scale_log2, in the emulation's order: loaded and multiplied
-    // while block 0's Q K^T runs (before it, the loads' latency held up the tile's start).
-    row_scale = (args.descale_q[rows.descale_index] * args.descale_k[rows.descale_index]) *
-                args.scale_log2;
-    softmax.SetRowScale(row_scale);
-    ptx::wgmma_wait_group<0>();
-    FenceRegisters(s_acc);
-    timeline.MarkTile(round, kFirstScores);
-    release(bars.k_empty[stage]);
-    if (work.num_blocks == 1) release(bars.q_empty[q_buffer]);
-    softmax_step(softmax, work, rows, row_scale, s_acc, p_even, alpha, 0, true);  // O is 0
-    timeline.MarkTile(round, kFirstSoftmax);
-  };
   for (int round = 0;; ++round) {
-    const int tile = wait_tile(round);
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
-    const int q_buffer = RingSlot<Tile::kQBuffers>(round).stage;
     timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
-    const Fp8ConsumerRows rows = consumer_rows(work);
-    const int rows_start = rows.rows_start, first_row = rows.first_row;
-    const int descale_index = rows.descale_index;
+    const int rows_start = work.q_start + consumer * Tile::kRowsPerConsumer;
+    const int first_row = rows_start + 16 * warp + lane / 4;
+    int seqlen_k, descale_batch = work.batch;  // this tile's keys; its descales' batch or sequence
+    if constexpr (kVarlen) {
+      seqlen_k = work.len_k;
+      descale_batch = min(work.batch, args.num_seqs - 1);  // the tail (no keys) reads any sequence's
+    } else {
+      seqlen_k = args.seqlen_k;
+    }
+    const int descale_index =
+        args.descale_per_head ? descale_batch * args.heads_kv + work.kv_head : 0;
 
     // O (columns 0..127) and the row sums of P~ (columns 128..135, all equal) are
     //   o + (promoted ? o_copy * copy_scale : 0),
@@ -806,98 +706,70 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         copy_scale[0] = copy_scale[1] = 1.f;
       }
     };
+    Fp8OnlineSoftmax<kLeanP> softmax;
     float descale_v = 0.f;  // loaded while the last P V runs (no key: O = 0 whatever its value)
-    bool next_started = false;  // the next tile's block 0 runs in this round's tail
-
-    auto store_tile = [&]() {
-      timeline.MarkTile(round, kEpilogueStart);
-      // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):
-      // O = 0, LSE = -inf. kTmaEpilogue: O through this consumer's shared-memory tile and one TMA
-      // store (TmaEpilogue), which also drops rows past seqlen_q.
-      const int quad_col = 2 * (lane % 4);
-      const TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes> epilogue(
-          smem_aligned + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes,
-          smem_base + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes, consumer);
-      if constexpr (kTmaEpilogue) epilogue.Begin();
-      auto store_lse = [&](int h, float total, int64_t lse_index) {
-        if (lane % 4 == 0) {
-          const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
-          args.lse[lse_index] = lse;
-        }
-      };
-      // Row h of this thread to out[out_row ..] and lse[lse_index], from registers.
-      auto store_row = [&](int h, float total, float inv, int64_t out_row, int64_t lse_index) {
-        __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(args.out);
-#pragma unroll
-        for (int c = 0; c < Tile::kHeadDim / 8; ++c) {
-          *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
-              PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
-        }
-        store_lse(h, total, lse_index);
-      };
-      float totals[2];  // kTmaEpilogue: the rows' sums, for their LSE once O's store is issued
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float total = o[Tile::kHeadDim / 2 + 2 * h];  // a sum column of row h
-        totals[h] = total;
-        const float inv = total > 0.f ? descale_v / total : 0.f;
-        const int row = first_row + 8 * h;
-        if constexpr (kVarlen) {
-          // The tile's offsets are planned again rather than held in registers through the key loop.
-          const auto tokens = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
-          ForEachVarlenToken(tokens, row, args.total_q, [&](int64_t token) {
-            store_row(h, total, inv, (token * args.heads_q + tokens.head) * Tile::kHeadDim,
-                      static_cast<int64_t>(tokens.head) * args.total_q + token);
-          });
-        } else {
-          if constexpr (kTmaEpilogue) {
-            epilogue.template WriteRow<__nv_bfloat16>(o, h, row - rows_start, quad_col, inv);
-          } else {
-            if (row >= args.seqlen_q) continue;
-            const int64_t lse_index =
-                (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
-            const int64_t out_row =
-                ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
-                Tile::kHeadDim;
-            store_row(h, total, inv, out_row, lse_index);
-          }
-        }
-      }
-      if constexpr (kTmaEpilogue) {
-        epilogue.Store(tmap_o, rows_start, work.head, work.batch);
-        // The LSE after O's store: the store's proxy fence waits for this thread's earlier memory
-        // accesses (MEMBAR.ALL.CTA), global stores included.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = first_row + 8 * h;
-          const int64_t lse_index =
-              (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
-          if (row < args.seqlen_q) store_lse(h, totals[h], lse_index);
-        }
-      }
-      timeline.MarkTile(round, kTileEnd);
-    };
 
     if (work.num_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
-      release(bars.q_empty[q_buffer]);
-      store_tile();
+      release(bars.q_empty);
     } else {
+      float row_scale;  // set once block 0's Q K^T is issued
+      auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
+                              int block, bool write_codes = true) {
+        if constexpr (kWindow) {
+          // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
+          // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
+          // the seq_k tail or the first row's right edge, or starts before the last row's left edge
+          // (this consumer's 64 rows). Step then masks nothing.
+          const int key_start = (work.first_block + block) * kBlockN;
+          const int first_pos = rows_start + work.diagonal;
+          const int left = args.window_left, right = args.window_right;
+          const bool needs_mask =
+              key_start + kBlockN > seqlen_k ||
+              (right >= 0 && key_start + kBlockN - 1 > first_pos + right) ||
+              (left >= 0 && key_start < first_pos + Tile::kRowsPerConsumer - 1 - left);
+          if (needs_mask) {
+            MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, seqlen_k, work.diagonal,
+                                           left, right);
+          }
+          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
+                       work.diagonal, timeline, write_codes);
+        } else {
+          const int key_start = block * kBlockN;
+          const bool needs_mask =
+              key_start + kBlockN > seqlen_k ||
+              (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
+          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
+                       args.causal, work.diagonal, timeline, write_codes);
+        }
+      };
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
-        if (block == work.num_blocks - 1) release(bars.q_empty[q_buffer]);
+        if (block == work.num_blocks - 1) release(bars.q_empty);
       };
-      if (!started) {
-        const Slot first(ring);
-        ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
-        timeline.MarkTile(round, kFirstKeys);
-        begin_turn();
-        issue_qk(s_acc, first.stage, q_buffer);
-        end_turn();
-        timeline.MarkTile(round, kFirstIssued);
-        first_block(work, rows, round, q_buffer, first.stage);
-      }
+
+      float s_acc[kBlockN / 2];
+      uint32_t p_even[4][4], p_odd[4][4];  // alternate, as in the 16-bit kernel (no C7513)
+      float alpha[2];
+
+      const Slot first(ring);
+      ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
+      timeline.MarkTile(round, kFirstKeys);
+      begin_turn();
+      issue_qk(s_acc, first.stage);
+      end_turn();
+      timeline.MarkTile(round, kFirstIssued);
+      // (descale_q * descale_k) * scale_log2, in the emulation's order: loaded and multiplied
+      // while block 0's Q K^T runs (before it, the loads' latency held up the tile's start).
+      row_scale = (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
+      softmax.SetRowScale(row_scale);
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(s_acc);
+      timeline.MarkTile(round, kFirstScores);
+      after_qk(0, first.stage);
+      softmax_step(s_acc, p_even, alpha, 0);  // O is 0: nothing to rescale
+      timeline.MarkTile(round, kFirstSoftmax);
 
       auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
@@ -906,7 +778,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         timeline.Mark(kKeysReady);
         begin_turn();
         timeline.Mark(kTurnHeld);
-        issue_qk(s_acc, cur.stage, q_buffer);
+        issue_qk(s_acc, cur.stage);
         promote_if_due();  // while the tensor cores run this Q K^T
         if constexpr (kPvBesideCodes) {
           // The turn holds Q K^T alone. P V of the previous block goes out one k-step at a time
@@ -918,7 +790,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
           FenceRegisters(s_acc);
           timeline.Mark(kScoresLanded);
           after_qk(block, cur.stage);
-          softmax_step(softmax, work, rows, row_scale, s_acc, p_next, alpha, block, false);
+          softmax_step(s_acc, p_next, alpha, block, false);  // the mask, the maxima, r
           ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
           const int keep = pending > 0;
           ptx::wgmma_fence();
@@ -939,7 +811,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
           FenceRegisters(s_acc);
           timeline.Mark(kScoresLanded);
           after_qk(block, cur.stage);
-          softmax_step(softmax, work, rows, row_scale, s_acc, p_next, alpha, block, true);
+          softmax_step(s_acc, p_next, alpha, block);
         }
         timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
@@ -960,78 +832,98 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       const int last_block = work.num_blocks - 1;
       const Slot last(ring + last_block);
       ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
-      // kEarlyNextTile: the next tile's block 0, if it has one, has its Q K^T issued in this turn,
-      // after the last P V; it runs while this tile's O is merged and stored, and its softmax then
-      // runs in this round (nothing in flight crosses into the next round, where ptxas would wait
-      // for it at once). Its Q is in the other buffer, loaded while this tile ran; its K is the
-      // ring's next block. Every thread of the warpgroup reads the same block count, which the
-      // producer published with the tile: the decision is warpgroup-uniform.
-      const Slot next_first(ring + work.num_blocks);
-      const int next_q_buffer = RingSlot<Tile::kQBuffers>(round + 1).stage;
-      if constexpr (Tile::kEarlyNextTile) {
-        wait_tile(round + 1);
-        next_started = *reinterpret_cast<volatile int*>(&bars.tile_blocks[next_q_buffer]) > 0;
-        if (next_started) {
-          ptx::mbarrier_wait(SmemAddress(&bars.k_full[next_first.stage]), next_first.parity);
-          timeline.MarkTile(round + 1, kFirstKeys);
-        }
-      }
-      // With kEarlyNextTile both branches commit two groups and wait for the first (the P V): with
-      // one group in one branch and two in the other, ptxas took the one branch's last group (the
-      // P V) as possibly in flight after the join and serialized every wgmma (C7515). Without a
-      // next block 0 the second group is empty.
-      auto last_turn = [&](auto with_next) {
-        constexpr bool kWithNext = decltype(with_next)::value;
-        begin_turn();
-        promote_if_due();
-        if (last_block % 2 == 0) {
-          issue_pv(o, p_even, last.stage, pending > 0);
-        } else {
-          issue_pv(o, p_odd, last.stage, pending > 0);
-        }
-        if constexpr (kWithNext) issue_qk(s_acc, next_first.stage, next_q_buffer);
-        end_turn();
-        descale_v = args.descale_v[descale_index];  // its latency behind the last P V's
-        if constexpr (kWithNext) timeline.MarkTile(round + 1, kFirstIssued);
-        ptx::wgmma_wait_group<kWithNext ? 1 : 0>();  // the last P V (the next tile's S in flight)
-      };
-      // The last P V, O merged and stored, and (with_next) the next tile's block 0: one branch each,
-      // so that ptxas sees which wgmma group is in flight where (with one group in one branch and two
-      // in the other it took the last P V as possibly in flight after the join and serialized every
-      // wgmma, C7515).
-      auto finish_tile = [&](auto with_next) {
-        constexpr bool kWithNext = decltype(with_next)::value;
-        last_turn(with_next);
-        FenceRegisters(o);
-        timeline.MarkTile(round, kLastOutput);
-        release(bars.v_empty[last.stage]);
-        ring += work.num_blocks;
-        if (promoted) {
-#pragma unroll
-          for (int c = 0; c < kOChunks; ++c) {
-            const float4 kept = load_copy(c);
-            o[4 * c] = fmaf(kept.x, copy_scale[0], o[4 * c]);
-            o[4 * c + 1] = fmaf(kept.y, copy_scale[0], o[4 * c + 1]);
-            o[4 * c + 2] = fmaf(kept.z, copy_scale[1], o[4 * c + 2]);
-            o[4 * c + 3] = fmaf(kept.w, copy_scale[1], o[4 * c + 3]);
-          }
-        }
-        store_tile();
-        if constexpr (kWithNext) {
-          // The next tile's block 0: S, the softmax into p_even (nothing in flight crosses
-          // into the next round, where ptxas would wait for it at once).
-          const int next_tile = *reinterpret_cast<volatile int*>(&bars.tile[next_q_buffer]);
-          const auto next_work = PlanTile<Tile::kBlockM, kBlockN>(next_tile, args);
-          first_block(next_work, consumer_rows(next_work), round + 1, next_q_buffer, next_first.stage);
-        }
-        started = kWithNext;
-      };
-      if (next_started) {
-        if constexpr (Tile::kEarlyNextTile) finish_tile(std::true_type{});
+      begin_turn();
+      promote_if_due();
+      if (last_block % 2 == 0) {
+        issue_pv(o, p_even, last.stage, pending > 0);
       } else {
-        finish_tile(std::false_type{});
+        issue_pv(o, p_odd, last.stage, pending > 0);
+      }
+      end_turn();
+      descale_v = args.descale_v[descale_index];  // its latency behind the last P V's
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(o);
+      timeline.MarkTile(round, kLastOutput);
+      release(bars.v_empty[last.stage]);
+      ring += work.num_blocks;
+      if (promoted) {
+#pragma unroll
+        for (int c = 0; c < kOChunks; ++c) {
+          const float4 kept = load_copy(c);
+          o[4 * c] = fmaf(kept.x, copy_scale[0], o[4 * c]);
+          o[4 * c + 1] = fmaf(kept.y, copy_scale[0], o[4 * c + 1]);
+          o[4 * c + 2] = fmaf(kept.z, copy_scale[1], o[4 * c + 2]);
+          o[4 * c + 3] = fmaf(kept.w, copy_scale[1], o[4 * c + 3]);
+        }
       }
     }
+    timeline.MarkTile(round, kEpilogueStart);
+
+    // Epilogue: O * descale_v / l in bf16, LSE = (r + log2 l) ln 2; l = 0 (no visible key):
+    // O = 0, LSE = -inf. kTmaEpilogue: O through this consumer's shared-memory tile and one TMA
+    // store (TmaEpilogue), which also drops rows past seqlen_q.
+    const int quad_col = 2 * (lane % 4);
+    const TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes> epilogue(
+        smem_aligned + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes,
+        smem_base + Tile::kOTileOffset + consumer * Tile::kOConsumerBytes, consumer);
+    if constexpr (kTmaEpilogue) epilogue.Begin();
+    auto store_lse = [&](int h, float total, int64_t lse_index) {
+      if (lane % 4 == 0) {
+        const float lse = total > 0.f ? (softmax.r[h] + __log2f(total)) * 0.69314718f : -INFINITY;
+        args.lse[lse_index] = lse;
+      }
+    };
+    // Row h of this thread to out[out_row ..] and lse[lse_index], from registers.
+    auto store_row = [&](int h, float total, float inv, int64_t out_row, int64_t lse_index) {
+      __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(args.out);
+#pragma unroll
+      for (int c = 0; c < Tile::kHeadDim / 8; ++c) {
+        *reinterpret_cast<uint32_t*>(out + out_row + 8 * c + quad_col) =
+            PackPair<__nv_bfloat16>(o[4 * c + 2 * h] * inv, o[4 * c + 2 * h + 1] * inv);
+      }
+      store_lse(h, total, lse_index);
+    };
+    float totals[2];  // kTmaEpilogue: the rows' sums, for their LSE once O's store is issued
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = o[Tile::kHeadDim / 2 + 2 * h];  // a sum column of row h
+      totals[h] = total;
+      const float inv = total > 0.f ? descale_v / total : 0.f;
+      const int row = first_row + 8 * h;
+      if constexpr (kVarlen) {
+        // The tile's offsets are planned again rather than held in registers through the key loop.
+        const auto rows = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+        ForEachVarlenToken(rows, row, args.total_q, [&](int64_t token) {
+          store_row(h, total, inv, (token * args.heads_q + rows.head) * Tile::kHeadDim,
+                    static_cast<int64_t>(rows.head) * args.total_q + token);
+        });
+      } else {
+        if constexpr (kTmaEpilogue) {
+          epilogue.template WriteRow<__nv_bfloat16>(o, h, row - rows_start, quad_col, inv);
+        } else {
+          if (row >= args.seqlen_q) continue;
+          const int64_t lse_index =
+              (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
+          const int64_t out_row =
+              ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+              Tile::kHeadDim;
+          store_row(h, total, inv, out_row, lse_index);
+        }
+      }
+    }
+    if constexpr (kTmaEpilogue) {
+      epilogue.Store(tmap_o, rows_start, work.head, work.batch);
+      // The LSE after O's store: the store's proxy fence waits for this thread's earlier memory
+      // accesses (MEMBAR.ALL.CTA), global stores included.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = first_row + 8 * h;
+        const int64_t lse_index =
+            (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
+        if (row < args.seqlen_q) store_lse(h, totals[h], lse_index);
+      }
+    }
+    timeline.MarkTile(round, kTileEnd);
   }
   if constexpr (kTmaEpilogue) TmaEpilogue<Tile::kHeadDimV, Tile::kOSliceBytes>::Finish();
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over

@@ -322,7 +322,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     // 64-column slices of the head dims: one 128-byte swizzle atom each.
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Keys past the
     // sequence's end are the next sequence's (finite) tokens, masked like TMA's zero fill.
-    auto load_q = [&](const auto& work, int /*buffer: the one*/, uint32_t bar) {
+    auto load_q = [&](const auto& work, uint32_t bar) {
       int row = work.q_start, batch = work.batch;
       if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
@@ -412,8 +412,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   std::conditional_t<kRecords, TimelineRecorder, NoTimeline> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
-    ptx::mbarrier_wait(SmemAddress(&bars.q_full[0]), round & 1);
-    const int tile = *reinterpret_cast<volatile int*>(&bars.tile[0]);
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
     if (tile >= args.num_tiles) break;
     timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
@@ -434,7 +434,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     Softmax softmax;
 
     if (work.num_blocks == 0) {
-      release(bars.q_empty[0]);
+      release(bars.q_empty);
     } else {
       // max_scaled given (kPvBesideSoftmax): the mask and Reference only; the caller exponentiates.
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
@@ -493,7 +493,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       // Q is free once the tile's last S = Q K^T has landed.
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
-        if (block == work.num_blocks - 1) release(bars.q_empty[0]);
+        if (block == work.num_blocks - 1) release(bars.q_empty);
       };
 
       float s_acc[kBlockN / 2];

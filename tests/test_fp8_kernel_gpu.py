@@ -138,6 +138,9 @@ def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
         # 256 wgmma k-steps per row: without the float32 promotion of O the accumulator's ~14-bit
         # additions put the kernel ~4% away from its emulation here (9% at 16K keys).
         (1, 8192, 8192, 1, 1, True, "tensor"),
+        # 384 tiles on the H200's 132 CTAs: every CTA runs two or three tiles in turn (the persistent
+        # grid's hand-over from one tile to the next; the cases above give each CTA at most one).
+        (4, 1536, 1536, 8, 2, True, "head"),
     ],
 )
 def test_fp8_kernel_against_emulation_and_float64(
