@@ -1,22 +1,13 @@
 """tools/fp8_accumulator_model.py: the truncating-accumulator model of the FP8 kernel's row sums."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 @pytest.fixture(scope="module")
 def model():
-    spec = importlib.util.spec_from_file_location(
-        "fp8_accumulator_model", REPO / "tools" / "fp8_accumulator_model.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("fp8_accumulator_model")
 
 
 def test_a_small_term_below_the_accumulators_last_bit_is_lost(model):

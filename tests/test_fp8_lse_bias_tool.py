@@ -1,22 +1,14 @@
 """tools/fp8_lse_bias.py: its statistics (the GPU run itself needs the kernel)."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+from repo_tools import load_tool
 
 import jzyfa
 
-REPO = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("fp8_lse_bias", REPO / "tools" / "fp8_lse_bias.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("fp8_lse_bias")
 
 
 def test_bias_statistics_skip_rows_without_keys(tool):

@@ -1,19 +1,11 @@
 """tools/fp8_sink_ablation.py at a tiny size: every variant runs and gives a small, finite error."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import load_tool
 
 
 def test_ablation_runs_every_variant():
-    spec = importlib.util.spec_from_file_location(
-        "fp8_sink_ablation", REPO / "tools" / "fp8_sink_ablation.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool("fp8_sink_ablation")
     errors = module.softmax_side_errors(seq=128, heads=1, sink_logit=8.0, sink_value_scale=0.1)
     assert list(errors) == list(module.VARIANTS)
     values = np.array(list(errors.values()))

@@ -2,21 +2,15 @@
 the extension's reader refuses clearly when the timeline is not compiled in."""
 
 import importlib
-import importlib.util
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from repo_tools import REPO, load_tool
 
 
 def timeline_module():
-    spec = importlib.util.spec_from_file_location("kernel_timeline", REPO / "tools" / "kernel_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("kernel_timeline")
 
 
 @pytest.fixture(scope="module")

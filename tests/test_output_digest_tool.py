@@ -1,20 +1,12 @@
 """tools/output_digest.py: the digests and the A/B comparison (the GPU run itself needs the kernel)."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-
+from repo_tools import load_tool
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("output_digest", REPO / "tools" / "output_digest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("output_digest")
 
 
 def test_digest_changes_with_one_bit(tool):
