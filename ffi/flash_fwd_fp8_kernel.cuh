@@ -126,12 +126,6 @@ struct Fp8TileT {
   // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
   // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
   static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS;
-#ifndef JZYFA_FP8_PV_BESIDE_CODES
-#define JZYFA_FP8_PV_BESIDE_CODES 0
-#endif
-  // An experiment (docs/fp8.md 10.21), off by default: each key block's turn issues Q K^T alone, and
-  // the previous block's P V is issued k-step by k-step between this block's codes.
-  static constexpr bool kPvBesideCodes = JZYFA_FP8_PV_BESIDE_CODES;
   // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
   static constexpr int kQSliceBytes = kRowsPerConsumer * kQkSliceCols;
   static constexpr int kKSliceBytes = kBlockN * kQkSliceCols;
@@ -323,14 +317,6 @@ struct Fp8OnlineSoftmax {
     for (int j = 0; j < 4; ++j) PackStep(s, p, j);
   }
 
-  // The codes and A fragment of k-step j alone (keys 32j..32j+31): WriteCodes one k-step at a time.
-  __device__ __forceinline__ void WriteStepCodes(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
-                                                 int j) const {
-#pragma unroll
-    for (int i = 16 * j; i < 16 * j + 16; ++i) s[i] = Code(s[i], i);
-    PackStep(s, p, j);
-  }
-
   // P~ of accumulator value i (score x): lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's
   // low byte, codes below 0 saturated to 0 (tau keeps them <= 126, so none reaches NaN's 0x7F);
   // exact, 2^(s scale - r) rounded to e4m3. Lean rounds twice (to float32, then to an integer): it
@@ -366,17 +352,15 @@ struct Fp8OnlineSoftmax {
   // One block: S masked as needed, r updated (alpha: O's rescale factor), P~'s A fragments.
   // (Writing the codes with the old r before the block's maxima are known, and again where r moved,
   // measured no faster: docs/benchmarks.md, "speculative codes".)
-  // write_codes false: the mask and the reference only; the caller writes the codes (WriteStepCodes).
   template <typename Timeline>
   __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
                                        float (&alpha)[2], float row_scale, bool needs_mask,
                                        int key_start, int first_row, int lane, int seqlen_k,
-                                       bool causal, int diagonal, Timeline& timeline,
-                                       bool write_codes = true) {
+                                       bool causal, int diagonal, Timeline& timeline) {
     if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
     UpdateReference(s, alpha, row_scale);
     timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
-    if (write_codes) WriteCodes(s, p);
+    WriteCodes(s, p);
   }
 };
 
@@ -424,7 +408,6 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
-  constexpr bool kPvBesideCodes = Tile::kPvBesideCodes;
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
@@ -716,7 +699,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     } else {
       float row_scale;  // set once block 0's Q K^T is issued
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
-                              int block, bool write_codes = true) {
+                              int block) {
         if constexpr (kWindow) {
           // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
           // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
@@ -734,14 +717,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
                                            left, right);
           }
           softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
-                       work.diagonal, timeline, write_codes);
+                       work.diagonal, timeline);
         } else {
           const int key_start = block * kBlockN;
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
           softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
-                       args.causal, work.diagonal, timeline, write_codes);
+                       args.causal, work.diagonal, timeline);
         }
       };
       auto after_qk = [&](int block, int stage) {
@@ -780,39 +763,17 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
         promote_if_due();  // while the tensor cores run this Q K^T
-        if constexpr (kPvBesideCodes) {
-          // The turn holds Q K^T alone. P V of the previous block goes out one k-step at a time
-          // beside this block's codes, so that the warp writes codes while the tensor cores take
-          // each k-step rather than waiting in wgmma's issue (docs/fp8.md 10.21).
-          end_turn();
-          timeline.Mark(kIssued);
-          ptx::wgmma_wait_group<0>();  // S (this Q K^T is the only group in flight)
-          FenceRegisters(s_acc);
-          timeline.Mark(kScoresLanded);
-          after_qk(block, cur.stage);
-          softmax_step(s_acc, p_next, alpha, block, false);  // the mask, the maxima, r
-          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-          const int keep = pending > 0;
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int j = 0; j < kBlockN / 32; ++j) {
-            issue_pv_step(o, p_prev, prev.stage, j, keep);
-            softmax.WriteStepCodes(s_acc, p_next, j);
-          }
-          ptx::wgmma_commit_group();
-        } else {
-          // V of the previous block, waited for while this Q K^T runs (outside the turn the wait's
-          // latency adds to the K wait's: measured 78 -> 130 cycles per block, docs/benchmarks.md).
-          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-          issue_pv(o, p_prev, prev.stage, pending > 0);
-          end_turn();
-          timeline.Mark(kIssued);
-          ptx::wgmma_wait_group<1>();
-          FenceRegisters(s_acc);
-          timeline.Mark(kScoresLanded);
-          after_qk(block, cur.stage);
-          softmax_step(s_acc, p_next, alpha, block);
-        }
+        // V of the previous block, waited for while this Q K^T runs (outside the turn the wait's
+        // latency adds to the K wait's: measured 78 -> 130 cycles per block, docs/benchmarks.md).
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+        issue_pv(o, p_prev, prev.stage, pending > 0);
+        end_turn();
+        timeline.Mark(kIssued);
+        ptx::wgmma_wait_group<1>();
+        FenceRegisters(s_acc);
+        timeline.Mark(kScoresLanded);
+        after_qk(block, cur.stage);
+        softmax_step(s_acc, p_next, alpha, block);
         timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);

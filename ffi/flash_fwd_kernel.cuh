@@ -40,12 +40,6 @@
 #define JZYFA_EPILOGUE_TMA 1
 #endif
 
-// An experiment, off by default (docs/fp8.md 10.21): each key block's turn issues Q K^T alone and
-// the previous block's P V goes out k-step by k-step beside this block's exponentials.
-#ifndef JZYFA_PV_BESIDE_SOFTMAX
-#define JZYFA_PV_BESIDE_SOFTMAX 0  // docs/fp8.md 10.21
-#endif
-
 namespace jzyfa {
 
 // Runtime arguments of one launch (the tensor maps travel as separate kernel parameters).
@@ -167,33 +161,6 @@ struct OnlineSoftmax {
     }
   }
 
-  // Keys past seqlen_k or after the row's causal diagonal -> -inf (Exponentiate's mask; for
-  // Reference only, so that the verified kernels' SASS stays as it was).
-  __device__ __forceinline__ static void Mask(float (&s)[kBlockN / 2], int key_start, int first_row,
-                                              int lane, int seqlen_k, bool causal, int diagonal) {
-    const int quad_col = 2 * (lane % 4);
-#pragma unroll
-    for (int c = 0; c < kBlockN / 8; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key_start + 8 * c + quad_col + (e & 1);
-        const int row = first_row + 8 * (e >> 1);
-        const bool visible = key < seqlen_k && (!causal || key <= row + diagonal);
-        if (!visible) s[4 * c + e] = -INFINITY;
-      }
-  }
-
-  // Step in pieces, for P V issued beside the exponentials (kPvBesideSoftmax): Reference (the
-  // mask, the rows' maxima, the correction), then ExponentiateStep and PackStep for each k-step
-  // j, then FinishStep. The same operations in the same order per row as Step: the same bits.
-  __device__ __forceinline__ void Reference(float (&s)[kBlockN / 2], float (&correction)[2],
-                                            float (&max_scaled)[2], bool needs_mask, int key_start,
-                                            int first_row, int lane, int seqlen_k, bool causal,
-                                            int diagonal, float scale_log2) {
-    if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) max_scaled[h] = RowReference(s, h, correction, scale_log2);
-  }
   // Row h's new maximum (row_max) and correction; returns the maximum in log2 units, the exponent
   // that the row's exponentials subtract.
   __device__ __forceinline__ float RowReference(const float (&s)[kBlockN / 2], int h,
@@ -208,25 +175,6 @@ struct OnlineSoftmax {
     correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled);
     row_max[h] = new_max;
     return max_scaled;
-  }
-  // Keys 16j..16j+15 (accumulator chunks 2j, 2j + 1): exponentials in place, added to sums.
-  __device__ __forceinline__ static void ExponentiateStep(float (&s)[kBlockN / 2], int j,
-                                                          const float (&max_scaled)[2],
-                                                          float (&sums)[2], float scale_log2) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 2 * j; c < 2 * j + 2; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * c + 2 * h + e];
-          x = ptx::ex2_approx(fmaf(x, scale_log2, -max_scaled[h]));
-          sums[h] += x;
-        }
-  }
-  __device__ __forceinline__ void FinishStep(const float (&correction)[2], const float (&sums)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * correction[h] + sums[h];
   }
 
   // P as the A operand of P V: the accumulator of keys 16j..16j+15 is the register fragment of a
@@ -297,8 +245,6 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // one overflows the consumers' 232 registers. MLA's windowed kernels likewise: with two P buffers
   // (S 64 + O 64 + P 2 x 32) and the window's bounds they spill 8-28 bytes (ptxas); with one, none.
   constexpr bool kOneP = kHeadDimV > 128 || (kWindow && kHeadDimQK != kHeadDimV);
-  // An experiment (docs/fp8.md 10.21), off by default; not with one P buffer (P V reads it).
-  constexpr bool kPvBesideSoftmax = JZYFA_PV_BESIDE_SOFTMAX && !kOneP;
   // Head dim 256 and MLA's: the consumers' registers are full (O, S and P at 232).
   constexpr bool kWideHeadDims = kHeadDimQK > 128;
 
@@ -436,9 +382,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     if (work.num_blocks == 0) {
       release(bars.q_empty);
     } else {
-      // max_scaled given (kPvBesideSoftmax): the mask and Reference only; the caller exponentiates.
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
-                              float (&correction)[2], int block, float (*max_scaled)[2] = nullptr) {
+                              float (&correction)[2], int block) {
         if constexpr (kWindow) {
           // Blocks inside every row's window (and the keys) stay unmasked. A block needs the mask
           // if it ends past the seq_k tail or the first row's right edge, or starts before the
@@ -463,10 +408,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
                                  right);
             }
           }
-          if (max_scaled != nullptr) {
-            softmax.Reference(s, correction, *max_scaled, false, key_start, first_row, lane, seqlen_k,
-                              false, 0, args.scale_log2);
-          } else if constexpr (kOneP) {  // the caller packs P
+          if constexpr (kOneP) {  // the caller packs P
             softmax.Exponentiate(s, correction, false, key_start, first_row, lane, seqlen_k, false,
                                  0, args.scale_log2);
           } else {
@@ -478,10 +420,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          if (max_scaled != nullptr) {
-            softmax.Reference(s, correction, *max_scaled, needs_mask, key_start, first_row, lane,
-                              seqlen_k, args.causal, work.diagonal, args.scale_log2);
-          } else if constexpr (kOneP) {  // the caller packs P
+          if constexpr (kOneP) {  // the caller packs P
             softmax.Exponentiate(s, correction, needs_mask, key_start, first_row, lane, seqlen_k,
                                  args.causal, work.diagonal, args.scale_log2);
           } else {
@@ -532,39 +471,15 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         begin_turn();
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage);
-        if constexpr (kPvBesideSoftmax) {
-          // The turn holds Q K^T alone; P V of the previous block goes out one k-step at a time
-          // beside this block's exponentials (docs/fp8.md 10.21: the warp computes while the
-          // tensor cores take each k-step instead of waiting in wgmma's issue).
-          end_turn();
-          timeline.Mark(kIssued);
-          ptx::wgmma_wait_group<0>();  // S (this Q K^T is the only group in flight)
-          FenceRegisters(s_acc);
-          timeline.Mark(kScoresLanded);
-          after_qk(block, cur.stage);
-          float max_scaled[2], sums[2] = {0.f, 0.f};
-          softmax_step(s_acc, p_next, correction, block, &max_scaled);
-          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int j = 0; j < kBlockN / 16; ++j) {
-            issue_pv_step(o, p_prev, prev.stage, j);
-            Softmax::ExponentiateStep(s_acc, j, max_scaled, sums, args.scale_log2);
-            Softmax::PackStep(s_acc, p_next, j);
-          }
-          ptx::wgmma_commit_group();
-          softmax.FinishStep(correction, sums);
-        } else {
-          ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
-          issue_pv(o, p_prev, prev.stage);
-          end_turn();
-          timeline.Mark(kIssued);
-          ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
-          FenceRegisters(s_acc);
-          timeline.Mark(kScoresLanded);
-          after_qk(block, cur.stage);
-          softmax_step(s_acc, p_next, correction, block);
-        }
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
+        issue_pv(o, p_prev, prev.stage);
+        end_turn();
+        timeline.Mark(kIssued);
+        ptx::wgmma_wait_group<1>();  // S is ready; P V still runs during the softmax
+        FenceRegisters(s_acc);
+        timeline.Mark(kScoresLanded);
+        after_qk(block, cur.stage);
+        softmax_step(s_acc, p_next, correction, block);
         timeline.Mark(kSoftmaxDone);
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);

@@ -94,7 +94,9 @@ def kernels(sass: str) -> dict[str, str]:
 
 def test_no_spills_and_no_wgmma_serialization(compiled):
     report, _ = compiled
-    assert "C7513" not in report, "ptxas serialized the wgmma pipeline:\n" + report
+    # C7510-C7519: ptxas serialized the wgmma pipeline or injected a wait or an arrive (C7515 and
+    # C7517 when a wgmma group may be in flight across a join or a loop's back edge: docs/fp8.md 10.22).
+    assert not re.search(r"\(C751\d\)", report), "ptxas serialized or waited on the wgmma pipeline:\n" + report
     assert "C7508" not in report, "ptxas ignored setmaxnreg:\n" + report
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
@@ -478,36 +480,3 @@ def test_timeline_variant_builds(tmp_path, source):
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name
-
-
-@pytest.mark.parametrize(
-    "source, define, value_gemm, softmax_op",
-    [
-        ("flash_fwd_fp8", "JZYFA_FP8_PV_BESIDE_CODES=1", r"QGMMA\.64x136x32", "FFMA"),
-        ("flash_fwd", "JZYFA_PV_BESIDE_SOFTMAX=1", r"HGMMA\.64x128x16\.F32(\.BF16)? R\d+, R", "MUFU.EX2"),
-    ],
-)
-def test_pv_beside_softmax_variants_build(tmp_path, source, define, value_gemm, softmax_op):
-    """The experiment of docs/fp8.md 10.21 (P V issued k-step by k-step between the softmax's
-    instructions, outside the wgmma turn): no spills, no serialized wgmma, and in the head-dim-128
-    dense kernels some P V's k-steps are spread over the softmax (its exponentials or codes between
-    them), where the default build issues them back to back."""
-    nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, (define,))
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert frames and all(f == ("0", "0", "0") for f in frames), report
-    assert "C7510" not in report and "C7513" not in report, report
-    dense = {
-        n: t
-        for n, t in kernels(sass).items()
-        if re.search(r"FlashFwd(Fp8)?Kernel", n) and ("Fp8" in n or "Li128E" in n)
-    }
-    assert dense, list(kernels(sass))
-    for name, text in dense.items():
-        lines = text.splitlines()
-        steps = [i for i, line in enumerate(lines) if re.search(value_gemm, line)]
-        assert steps, name
-        spread = [
-            sum(softmax_op in line for line in lines[a:b]) for a, b in zip(steps, steps[1:]) if b - a < 400
-        ]
-        assert max(spread) >= 4, f"{name}: {softmax_op} between P V's k-steps {spread}"
