@@ -581,15 +581,13 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8, keys contiguous; k-step j starts 32 bytes (keys) into each row.
   // keep = 0 (warpgroup-uniform) starts the accumulator afresh after a promotion.
-  auto issue_pv_step = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage, int j,
-                           int keep) {
-    const uint64_t desc_vt = SmemDescSw128(smem_vt(stage) + 32 * j, 16);
-    ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
-  };
   auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage, int keep) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kBlockN / 32; ++j) issue_pv_step(o, p, stage, j, keep);
+    for (int j = 0; j < kBlockN / 32; ++j) {
+      const uint64_t desc_vt = SmemDescSw128(smem_vt(stage) + 32 * j, 16);
+      ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
+    }
     ptx::wgmma_commit_group();
   };
 

@@ -131,8 +131,6 @@ struct OnlineSoftmax {
                                                bool needs_mask, int key_start, int first_row,
                                                int lane, int seqlen_k, bool causal, int diagonal,
                                                float scale_log2) {
-    // The mask inline, as the verified kernels were built (through Mask, ptxas 13.0 compiles the
-    // varlen kernels' comparisons differently).
     const int quad_col = 2 * (lane % 4);
     if (needs_mask) {
 #pragma unroll
@@ -147,7 +145,15 @@ struct OnlineSoftmax {
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float max_scaled = RowReference(s, h, correction, scale_log2);
+      float block_max = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kBlockN / 8; ++c)
+        block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
+      const float new_max = fmaxf(row_max[h], QuadMax(block_max));
+      // A row with no visible key so far keeps max = -inf; use 0 so no inf - inf appears.
+      const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled);
+      row_max[h] = new_max;
       float sum = 0.f;
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c)
@@ -161,33 +167,15 @@ struct OnlineSoftmax {
     }
   }
 
-  // Row h's new maximum (row_max) and correction; returns the maximum in log2 units, the exponent
-  // that the row's exponentials subtract.
-  __device__ __forceinline__ float RowReference(const float (&s)[kBlockN / 2], int h,
-                                                float (&correction)[2], float scale_log2) {
-    float block_max = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kBlockN / 8; ++c)
-      block_max = fmaxf(block_max, fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]));
-    const float new_max = fmaxf(row_max[h], QuadMax(block_max));
-    // A row with no visible key so far keeps max = -inf; use 0 so no inf - inf appears.
-    const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-    correction[h] = ptx::ex2_approx(row_max[h] * scale_log2 - max_scaled);
-    row_max[h] = new_max;
-    return max_scaled;
-  }
-
   // P as the A operand of P V: the accumulator of keys 16j..16j+15 is the register fragment of a
   // k16 A tile.
   static __device__ __forceinline__ void Pack(const float (&s)[kBlockN / 2],
                                               uint32_t (&p)[kBlockN / 16][4]) {
 #pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j) PackStep(s, p, j);
-  }
-  static __device__ __forceinline__ void PackStep(const float (&s)[kBlockN / 2],
-                                                  uint32_t (&p)[kBlockN / 16][4], int j) {
+    for (int j = 0; j < kBlockN / 16; ++j)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
+      for (int r = 0; r < 4; ++r)
+        p[j][r] = PackPair<Element>(s[8 * j + 2 * r], s[8 * j + 2 * r + 1]);
   }
 
   // Sliding windows (before Step, which then masks nothing): row i, at i + diagonal, sees keys
@@ -340,15 +328,13 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // V is [keys x head_dim_v] with head_dim_v contiguous: an MN-major B operand whose
   // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
   // are two 8-key groups starting at byte 2048 j.
-  auto issue_pv_step = [&](float (&o)[kHeadDimV / 2], const uint32_t (&p)[kBlockN / 16][4], int stage,
-                           int j) {
-    const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
-    ptx::Wgmma<Element, kHeadDimV>::rs_tb(o, p[j], desc_v, 1);
-  };
   auto issue_pv = [&](float (&o)[kHeadDimV / 2], const uint32_t (&p)[kBlockN / 16][4], int stage) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j) issue_pv_step(o, p, stage, j);
+    for (int j = 0; j < kBlockN / 16; ++j) {
+      const uint64_t desc_v = SmemDescSw128(smem_v(stage) + j * 2048, Tile::kKVSliceBytes);
+      ptx::Wgmma<Element, kHeadDimV>::rs_tb(o, p[j], desc_v, 1);
+    }
     ptx::wgmma_commit_group();
   };
 
