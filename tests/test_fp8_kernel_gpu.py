@@ -141,6 +141,13 @@ def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
         # 384 tiles on the H200's 132 CTAs: every CTA runs two or three tiles in turn (the persistent
         # grid's hand-over from one tile to the next; the cases above give each CTA at most one).
         (4, 1536, 1536, 8, 2, True, "head"),
+        # Short tiles in a row on every CTA: 768 tiles of one or two key blocks (each CTA runs about
+        # six). A one-block tile frees its Q buffer with its first Q K^T, so the producer can run two
+        # tiles ahead of a consumer (the hang of docs/fp8.md 10.22).
+        (48, 256, 256, 8, 4, True, "tensor"),
+        # Tiles with no key (Sq > Sk: rows before Sq - Sk see none) between one-block tiles: 0, 0, 1
+        # blocks per sequence, 768 tiles.
+        (32, 384, 128, 8, 8, True, "head"),
     ],
 )
 def test_fp8_kernel_against_emulation_and_float64(

@@ -122,6 +122,12 @@ def test_more_keys_than_queries_and_sequences_without_keys(rng):
     check(rng, [100, 0, 7, 250], [300, 50, 0, 129], causal=True, per_head=True)
 
 
+def test_many_short_sequences(rng):
+    # 64 sequences of 1 to 3 key blocks, 896 tiles: every CTA runs several short tiles in a row.
+    lengths = [1, 129, 64, 300] * 16
+    check(rng, lengths, lengths, causal=True, per_head=True)
+
+
 def test_sliding_window(rng):
     # A window that is neither causal nor none for these lengths: the windowed instantiation.
     check(rng, [65, 300, 1000], [65, 300, 1000], causal=False, per_head=True, window=(96, 0))

@@ -3,6 +3,7 @@ the extension's reader refuses clearly when the timeline is not compiled in."""
 
 import importlib
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -175,3 +176,25 @@ def test_the_tool_matches_the_kernel_header(timeline):
                         ("kTiles", timeline.TILES), ("kTileEvents", timeline.TILE_EVENTS)]:  # fmt: skip
         assert f"static constexpr int {name} = {value};" in header, name
     assert len(re.findall(r"^  k\w+ = \d+,", header, re.MULTILINE)) == timeline.EVENTS + timeline.TILE_EVENTS
+
+
+def test_dump_stamps_names_the_call_and_the_build(timeline, tmp_path, monkeypatch):
+    """--dump_dir: the raw stamps round-trip through the .npz, named by the call and the folder jzyfa is
+    installed in (two builds of an A/B run write apart)."""
+    import argparse
+    import types
+
+    site = tmp_path / "jzyfa-site-b"
+    fake = types.ModuleType("jzyfa")
+    fake.__file__ = str(site / "jzyfa" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "jzyfa", fake)
+    rng = np.random.default_rng(0)
+    shape = (timeline.CTAS, timeline.CONSUMERS)
+    iterations = rng.integers(1, 2**40, (*shape, 4, timeline.EVENTS), dtype=np.uint64)
+    tiles = rng.integers(1, 2**40, (*shape, 3, timeline.TILE_EVENTS), dtype=np.uint64)
+    args = argparse.Namespace(dtype="fp8", batch=4, seq=4096)
+    path = timeline.dump_stamps(str(tmp_path / "out"), args, iterations, tiles)
+    assert path == str(tmp_path / "out" / "timeline_fp8_4x4096_jzyfa-site-b.npz")
+    saved = np.load(path)
+    np.testing.assert_array_equal(saved["iterations"], iterations)
+    np.testing.assert_array_equal(saved["tiles"], tiles)

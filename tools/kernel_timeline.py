@@ -278,14 +278,33 @@ def run(dtype: str, batch: int, seq: int, heads: int) -> tuple[np.ndarray, np.nd
     return split_stamps(ffi.kernel_timeline(kernel))
 
 
+def dump_stamps(folder: str, args: argparse.Namespace, iterations: np.ndarray, tiles: np.ndarray) -> str:
+    """The raw stamps as an .npz in `folder`, named by the call and the installed jzyfa's folder."""
+    import os
+
+    jzyfa = importlib.import_module("jzyfa")
+    site = os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(jzyfa.__file__))))
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"timeline_{args.dtype}_{args.batch}x{args.seq}_{site}.npz")
+    np.savez_compressed(path, iterations=iterations, tiles=tiles)
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from profile_call import add_call_arguments
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_call_arguments(parser, default_seq=32768)
+    parser.add_argument(
+        "--dump_dir",
+        help="Also write the raw stamps (iterations, tiles) to DIR/timeline_<dtype>_<B>x<S>_<site>.npz, "
+        "<site> the folder jzyfa is installed in (so that two builds' runs, A/B, keep apart).",
+    )
     args = parser.parse_args(argv)
     print(f"{args.dtype}, causal, batch {args.batch}, {args.seq} tokens, {args.heads} heads, head dim 128")
     iterations, tiles = run(args.dtype, args.batch, args.seq, args.heads)
+    if args.dump_dir:
+        print("stamps written to", dump_stamps(args.dump_dir, args, iterations, tiles))
     try:
         print(format_summary(summarize(iterations), args.dtype))
     except ValueError as e:  # tiles of one key block (short sequences) have no iterations
