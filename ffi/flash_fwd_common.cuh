@@ -16,19 +16,22 @@ namespace jzyfa {
 // consumer's setmaxnreg.inc waits forever (384 threads: 168 each, 64512, not 65536).
 constexpr int CtaRegisterPool(int threads) { return (65536 / threads) / 8 * 8 * threads; }
 
-template <int kStages>
+// kQBuffers: Q tiles (and tile indices) in flight. With 2, round r of the tile loop uses buffer r % 2
+// (RingSlot<2>(r)), so the producer loads the next tile's Q, and its first K, while the consumers
+// still run this one (the FP8 kernel: docs/fp8.md 10.24).
+template <int kStages, int kQBuffers = 1>
 struct FwdBarriers {
   // q_full: this tile's index is in `tile` and its Q has landed. q_empty: both consumers
   // have read the index and finished their last Q K^T (one arrival per consumer warp).
-  uint64_t q_full;
-  uint64_t q_empty;
+  uint64_t q_full[kQBuffers];
+  uint64_t q_empty[kQBuffers];
   uint64_t k_full[kStages];
   uint64_t v_full[kStages];
   // K and V stages are released separately: K as soon as S = Q K^T has landed, V once
   // P V has. A shared release (after P V) left the next K load no time to arrive.
   uint64_t k_empty[kStages];  // one arrival per consumer warp
   uint64_t v_empty[kStages];
-  int tile;  // the tile the consumers work on next; >= num_tiles: no more work
+  int tile[kQBuffers];  // the tile of the round; >= num_tiles: no more work
 };
 
 // Named barriers 1 and 2: consumer c may issue its GEMMs once barrier 1 + c completes.
@@ -345,11 +348,13 @@ struct RingSlot {
 // thread must pass a __syncthreads after it. v_full takes kVFullArrivals arrivals: 1 where a TMA
 // load completes it (arrive + bytes), the transposing threads' count where they build V's operand
 // (the FP8 kernel).
-template <int kStages, int kConsumers, int kVFullArrivals = 1>
-__device__ __forceinline__ void InitBarriers(FwdBarriers<kStages>& bars) {
+template <int kStages, int kConsumers, int kVFullArrivals = 1, int kQBuffers>
+__device__ __forceinline__ void InitBarriers(FwdBarriers<kStages, kQBuffers>& bars) {
   if (threadIdx.x != 0) return;
-  ptx::mbarrier_init(SmemAddress(&bars.q_full), 1);
-  ptx::mbarrier_init(SmemAddress(&bars.q_empty), 4 * kConsumers);
+  for (int b = 0; b < kQBuffers; ++b) {
+    ptx::mbarrier_init(SmemAddress(&bars.q_full[b]), 1);
+    ptx::mbarrier_init(SmemAddress(&bars.q_empty[b]), 4 * kConsumers);
+  }
   for (int s = 0; s < kStages; ++s) {
     ptx::mbarrier_init(SmemAddress(&bars.k_full[s]), 1);
     ptx::mbarrier_init(SmemAddress(&bars.v_full[s]), kVFullArrivals);
@@ -365,25 +370,30 @@ struct NoProducerFinish {
 };
 
 // The producer thread's loop: claims tiles from the counter, hands each to the consumers through
-// `bars.tile` and q_full, and loads its Q and K/V blocks into the ring. The loads are the
-// kernel's: load_q(work, bar), load_k(work, block, stage, bar), load_v(work, block, stage, bar)
-// issue the TMA copies whose bytes (q_bytes, k_bytes, v_bytes) complete `bar`. V's bytes complete
-// bars.v_full, or, where v_landed is given (the FP8 kernel: V lands in a staging buffer that other
-// threads transpose into the stage), v_landed[stage]. finish(ring) runs once when the tiles run
-// out, with the count of K/V blocks loaded since the launch, before the consumers are told to stop.
+// `bars.tile` and q_full (of the round's Q buffer), and loads its Q and K/V blocks into the ring.
+// The loads are the kernel's: load_q(work, buffer, bar) (buffer: the round's Q buffer),
+// load_k(work, block, stage, bar), load_v(work, block, stage, bar) issue the TMA copies whose bytes
+// (q_bytes, k_bytes, v_bytes) complete `bar`. V's bytes complete bars.v_full, or, where v_landed is
+// given (the FP8 kernel: V lands in a staging buffer that other threads transpose into the stage),
+// v_landed[stage]. finish(ring) runs once when the tiles run out, with the count of K/V blocks
+// loaded since the launch, before the consumers are told to stop.
 template <int kStages, int kBlockM, int kBlockN, typename Args, typename LoadQ, typename LoadK,
-          typename LoadV, typename Finish = NoProducerFinish>
-__device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const Args& args,
+          typename LoadV, typename Finish = NoProducerFinish, int kQBuffers>
+__device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages, kQBuffers>& bars, const Args& args,
                                              uint32_t q_bytes, uint32_t k_bytes, uint32_t v_bytes,
                                              LoadQ load_q, LoadK load_k, LoadV load_v,
                                              uint64_t* v_landed = nullptr, Finish finish = {}) {
-  const uint32_t q_full = SmemAddress(&bars.q_full);
   uint32_t ring = 0;  // K/V blocks loaded since the launch
   int tile = blockIdx.x;
   for (int round = 0;; ++round) {
-    // The index and Q buffers are reused once both consumers are done with the last tile.
-    if (round > 0) ptx::mbarrier_wait(SmemAddress(&bars.q_empty), (round - 1) & 1);
-    *reinterpret_cast<volatile int*>(&bars.tile) = tile;
+    // The round's index and Q buffer are reused once both consumers are done with the tile that
+    // was in them (kQBuffers rounds ago).
+    const RingSlot<kQBuffers> q_slot(round);
+    const uint32_t q_full = SmemAddress(&bars.q_full[q_slot.stage]);
+    if (round >= kQBuffers) {
+      ptx::mbarrier_wait(SmemAddress(&bars.q_empty[q_slot.stage]), q_slot.parity ^ 1);
+    }
+    *reinterpret_cast<volatile int*>(&bars.tile[q_slot.stage]) = tile;
     if (tile >= args.num_tiles) {
       finish(ring);
       ptx::mbarrier_arrive(q_full);  // tells the consumers to stop
@@ -398,7 +408,7 @@ __device__ __forceinline__ void ProduceTiles(FwdBarriers<kStages>& bars, const A
       continue;
     }
     ptx::mbarrier_arrive_expect_tx(q_full, q_bytes);
-    load_q(work, q_full);
+    load_q(work, q_slot.stage, q_full);
     for (int block = 0; block < work.num_blocks; ++block, ++ring) {
       const RingSlot<kStages> slot(ring);
       // Refill a stage once both consumers released the block that was in it.

@@ -101,7 +101,9 @@ __device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
 #ifndef JZYFA_FP8_EPILOGUE_TMA
 #define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
 #endif
-template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA>
+// kQPrefetch_: a second Q buffer where it fits (below).
+template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA,
+          bool kQPrefetch_ = true>
 struct Fp8TileT {
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
@@ -160,23 +162,44 @@ struct Fp8TileT {
   static constexpr int kRegCopyChunks =
       kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
-  static constexpr int kVStagingOffset = kQBytes + kStages * kStageBytes + kConsumers * kOCopyBytes;
   // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
   // 64-column slices (128-byte swizzle rows).
   static constexpr int kOSliceBytes = kRowsPerConsumer * 128;
   static constexpr int kOConsumerBytes = kOSliceBytes * (kHeadDimV / 64);
-  static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
+  static constexpr int kOTilesBytes = kConsumers * kOConsumerBytes;
   static constexpr int kSmemAlign = 1024;
-  // Where the O tiles fit: not MLA's staged tile (207 KB before them).
+  static constexpr int kSmemLimit = 227 * 1024;
+  // Shared memory: Q (kQBuffers tiles), the K/V ring, O's float32 copies, V's staging buffers
+  // (staged V), the O tiles (the TMA-store epilogue).
+  static constexpr int kBetweenQAndOTilesBytes =
+      kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
+  // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
   static constexpr bool kEpilogueTma =
-      kEpilogueTma_ && kOTileOffset + kConsumers * kOConsumerBytes + kSmemAlign <= 227 * 1024;
-  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kConsumers * kOConsumerBytes : 0);
+      kEpilogueTma_ && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
+#ifndef JZYFA_FP8_Q_PREFETCH
+#define JZYFA_FP8_Q_PREFETCH 0  // not yet measured on the GPU (docs/fp8.md 10.24): off by default
+#endif
+  // With JZYFA_FP8_Q_PREFETCH, a second Q tile where it fits (not MLA's: 32 KB each): the producer
+  // loads the next tile's Q and first K while this tile's last blocks run, not only once its last
+  // Q K^T has landed; the next tile's first loads took ~2 us to land, longer than this tile's tail
+  // (docs/fp8.md 10.24).
+  static constexpr int kQBuffers =
+      JZYFA_FP8_Q_PREFETCH && kQPrefetch_ && 2 * kQBytes + kBetweenQAndOTilesBytes +
+                                      (kEpilogueTma ? kOTilesBytes : 0) + kSmemAlign <=
+                                  kSmemLimit
+          ? 2
+          : 1;
+  static constexpr int kRingOffset = kQBuffers * kQBytes;
+  static constexpr int kOCopyOffset = kRingOffset + kStages * kStageBytes;
+  static constexpr int kVStagingOffset = kOCopyOffset + kConsumers * kOCopyBytes;
+  static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
+  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kOTilesBytes : 0);
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
   static_assert(kQSliceBytes % kSmemAlign == 0 && kKSliceBytes % kSmemAlign == 0,
                 "Q and K slices must stay 1024-byte aligned");
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
-  static_assert(kDynamicSmemBytes <= 227 * 1024, "the tile must fit Hopper's shared memory");
+  static_assert(kDynamicSmemBytes <= kSmemLimit, "the tile must fit Hopper's shared memory");
   static_assert(kOTileOffset % kSmemAlign == 0, "O tiles must stay 1024-byte aligned (swizzle)");
   static_assert(kVStagingOffset % kSmemAlign == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
                 kVtBytes == Fp8ValueTranspose::kTileBytes);
@@ -189,9 +212,10 @@ using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 // The same tiles reading V^T from global memory (kStagedV false).
 using Fp8VtTile = Fp8TileT<128, false>;
 using Fp8MlaVtTile = Fp8TileT<192, false>;
-// The varlen kernels' tiles (O stored from registers).
-using Fp8VarlenTile = Fp8TileT<128, true, false>;
-using Fp8VarlenVtTile = Fp8TileT<128, false, false>;
+// The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
+// 4-8 bytes in their consumers).
+using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
+using Fp8VarlenVtTile = Fp8TileT<128, false, false, false>;
 
 // The FP8 softmax's constants (jzyfa/fp8_emulation.py, docs/fp8.md).
 struct Fp8Softmax {
@@ -411,12 +435,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) FwdBarriers<kStages> bars;
+  __shared__ __align__(8) FwdBarriers<kStages, Tile::kQBuffers> bars;
   __shared__ __align__(8) Fp8StagingBarriers<kStages> staging_bars;
   const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                              ~uint32_t(Tile::kSmemAlign - 1);
-  auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
-  auto smem_k = [&](int stage) { return smem_base + Tile::kQBytes + stage * Tile::kStageBytes; };
+  auto smem_q = [&](int consumer, int buffer) {
+    return smem_base + buffer * Tile::kQBytes + consumer * Tile::kQConsumerBytes;
+  };
+  auto smem_k = [&](int stage) { return smem_base + Tile::kRingOffset + stage * Tile::kStageBytes; };
   auto smem_vt = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
   auto smem_v_staging = [&](int stage) {
     return smem_base + Tile::kVStagingOffset + stage * Tile::kVStagingBytes;
@@ -478,15 +504,15 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
     // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
     // stored, such keys are masked (P = 0).
-    auto load_q = [&](const auto& work, uint32_t bar) {
+    auto load_q = [&](const auto& work, int buffer, uint32_t bar) {
       int row = work.q_start, batch = work.batch;
       if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
-        ptx::tma_load_4d(smem_q(c), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer, work.head,
-                         batch);
+        ptx::tma_load_4d(smem_q(c, buffer), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer,
+                         work.head, batch);
       if constexpr (kMla) {  // the second slices (apart, so that head dim 128's code stays as it was)
         for (int c = 0; c < Tile::kConsumers; ++c)
-          ptx::tma_load_4d(smem_q(c) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
+          ptx::tma_load_4d(smem_q(c, buffer) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
                            row + c * Tile::kRowsPerConsumer, work.head, batch);
       }
     };
@@ -561,14 +587,17 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   auto release = [&](uint64_t& empty) {
     if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
   };
-  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tile::kHeadDimQK / 32; ++kk) {
       // k-step kk: 32 columns into slice kk / 4 (one slice at head dim 128).
       const int slice = kk / 4, column = 32 * (kk % 4);
+      // Q's descriptor for buffer 0 plus the buffer's offset (>> 4: the address field's unit), so
+      // that the descriptors stay loop-invariant values and the buffer costs one add per k-step.
       const uint64_t desc_q =
-          SmemDescSw128(smem_q(consumer) + slice * Tile::kQSliceBytes + column, 16);
+          SmemDescSw128(smem_q(consumer, 0) + slice * Tile::kQSliceBytes + column, 16) +
+          static_cast<uint32_t>(q_buffer * (Tile::kQBytes >> 4));
       const uint64_t desc_k = SmemDescSw128(smem_k(stage) + slice * Tile::kKSliceBytes + column, 16);
       if (kk == 0) {
         ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss_zero(s, desc_q, desc_k);
@@ -593,8 +622,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
   // This thread's part of O's float32 copy (see Fp8Tile::kOCopyBytes).
   float4* const o_copy =
-      reinterpret_cast<float4*>(smem_aligned + Tile::kQBytes + kStages * Tile::kStageBytes +
-                                consumer * Tile::kOCopyBytes) +
+      reinterpret_cast<float4*>(smem_aligned + Tile::kOCopyOffset + consumer * Tile::kOCopyBytes) +
       threadIdx.x % 128;
   constexpr int kOChunks = Tile::kPvN / 8;  // float4s per thread
   constexpr int kRegChunks = Tile::kRegCopyChunks;
@@ -605,8 +633,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   std::conditional_t<kWindow || kVarlen || kMla, NoTimeline, TimelineRecorder> timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
-    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
-    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
+    const RingSlot<Tile::kQBuffers> q_slot(round);  // the round's Q buffer and index
+    const int q_buffer = q_slot.stage;
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full[q_buffer]), q_slot.parity);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile[q_buffer]);
     if (tile >= args.num_tiles) break;
     timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
@@ -693,7 +723,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     if (work.num_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
-      release(bars.q_empty);
+      release(bars.q_empty[q_buffer]);
     } else {
       float row_scale;  // set once block 0's Q K^T is issued
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
@@ -727,7 +757,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       };
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
-        if (block == work.num_blocks - 1) release(bars.q_empty);
+        if (block == work.num_blocks - 1) release(bars.q_empty[q_buffer]);
       };
 
       float s_acc[kBlockN / 2];
@@ -738,7 +768,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
       timeline.MarkTile(round, kFirstKeys);
       begin_turn();
-      issue_qk(s_acc, first.stage);
+      issue_qk(s_acc, first.stage, q_buffer);
       end_turn();
       timeline.MarkTile(round, kFirstIssued);
       // (descale_q * descale_k) * scale_log2, in the emulation's order: loaded and multiplied
@@ -759,7 +789,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         timeline.Mark(kKeysReady);
         begin_turn();
         timeline.Mark(kTurnHeld);
-        issue_qk(s_acc, cur.stage);
+        issue_qk(s_acc, cur.stage, q_buffer);
         promote_if_due();  // while the tensor cores run this Q K^T
         // V of the previous block, waited for while this Q K^T runs (outside the turn the wait's
         // latency adds to the K wait's: measured 78 -> 130 cycles per block, docs/benchmarks.md).
@@ -929,7 +959,8 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
     FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
                             const __grid_constant__ CUtensorMap tmap_k,
                             const __grid_constant__ CUtensorMap tmap_v, const Fp8VarlenArgs args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false>>(tmap_q, tmap_k, tmap_v, nullptr, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false, false>>(tmap_q, tmap_k, tmap_v, nullptr,
+                                                                   args);
 }
 
 // The same with a sliding window that is neither causal nor none, per sequence.
@@ -939,7 +970,8 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                                   const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v,
                                   const WindowedArgs<Fp8VarlenArgs> args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false>>(tmap_q, tmap_k, tmap_v, nullptr, args);
+  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false, false>>(tmap_q, tmap_k, tmap_v, nullptr,
+                                                                   args);
 }
 
 }  // namespace jzyfa

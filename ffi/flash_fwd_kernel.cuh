@@ -40,6 +40,13 @@
 #define JZYFA_EPILOGUE_TMA 1
 #endif
 
+// A second Q buffer where it fits (1; hd64 and hd128 with 2 stages), so that the producer loads the
+// next tile's Q and first K a key block earlier (docs/fp8.md 10.24, the FP8 kernel's
+// JZYFA_FP8_Q_PREFETCH). Not yet measured on the GPU: off (0) by default.
+#ifndef JZYFA_Q_PREFETCH
+#define JZYFA_Q_PREFETCH 0
+#endif
+
 namespace jzyfa {
 
 // Runtime arguments of one launch (the tensor maps travel as separate kernel parameters).
@@ -85,15 +92,23 @@ struct FwdTile {
   // With the TMA-store epilogue each consumer also has an O tile: Q itself is being refilled for
   // the next tile while the epilogue runs.
   static constexpr int kOConsumerBytes = kQSliceBytes * kVSlices;
-  static constexpr int kRingSmemBytes = kQBytes + kStages * (kKBytes + kVBytes);
+  static constexpr int kOneQRingSmemBytes = kQBytes + kStages * (kKBytes + kVBytes);
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
   static constexpr int kMaxDynamicSmemBytes = 227 * 1024;
   // The TMA-store epilogue where the build asks for it and the O tiles fit (not hd256: Q 64 KB + 2 x
   // (K + V) 64 KB + O 64 KB = 256 KB; not MLA: 208 + 32 KB).
   static constexpr bool kEpilogueTma =
       JZYFA_EPILOGUE_TMA &&
-      kRingSmemBytes + kOConsumerBytes * kConsumers + kSmemAlign <= kMaxDynamicSmemBytes;
+      kOneQRingSmemBytes + kOConsumerBytes * kConsumers + kSmemAlign <= kMaxDynamicSmemBytes;
   static constexpr int kOBytes = kEpilogueTma ? kOConsumerBytes * kConsumers : 0;
+  // Q tiles (JZYFA_Q_PREFETCH): two where they fit beside the ring and the O tiles (hd128: 32 + 32 +
+  // 2 x 64 + 32 = 224 KB), round r of the tile loop in buffer r % 2.
+  static constexpr int kQBuffers =
+      JZYFA_Q_PREFETCH && kOneQRingSmemBytes + kQBytes + kOBytes + kSmemAlign <= kMaxDynamicSmemBytes
+          ? 2
+          : 1;
+  // Q (kQBuffers tiles), then the K/V ring.
+  static constexpr int kRingSmemBytes = kOneQRingSmemBytes + (kQBuffers - 1) * kQBytes;
   static constexpr int kSmemBytes = kRingSmemBytes + kOBytes;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
   // An sm_90 block opts in to at most 227 KB of dynamic shared memory. The default build fits every
@@ -218,12 +233,14 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) FwdBarriers<kStages> bars;
+  __shared__ __align__(8) FwdBarriers<kStages, Tile::kQBuffers> bars;
   const uint32_t smem_base = (SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                              ~uint32_t(Tile::kSmemAlign - 1);
-  auto smem_q = [&](int consumer) { return smem_base + consumer * Tile::kQConsumerBytes; };
+  auto smem_q = [&](int consumer, int buffer) {
+    return smem_base + buffer * Tile::kQBytes + consumer * Tile::kQConsumerBytes;
+  };
   auto smem_k = [&](int stage) {
-    return smem_base + Tile::kQBytes + stage * (Tile::kKBytes + Tile::kVBytes);
+    return smem_base + Tile::kQBuffers * Tile::kQBytes + stage * (Tile::kKBytes + Tile::kVBytes);
   };
   auto smem_v = [&](int stage) { return smem_k(stage) + Tile::kKBytes; };
   auto smem_o = [&](int consumer) { return smem_base + Tile::kRingSmemBytes + consumer * Tile::kOConsumerBytes; };
@@ -256,12 +273,12 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     // 64-column slices of the head dims: one 128-byte swizzle atom each.
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Keys past the
     // sequence's end are the next sequence's (finite) tokens, masked like TMA's zero fill.
-    auto load_q = [&](const auto& work, uint32_t bar) {
+    auto load_q = [&](const auto& work, int buffer, uint32_t bar) {
       int row = work.q_start, batch = work.batch;
       if constexpr (kVarlen) row += work.q_offset, batch = 0;
       for (int c = 0; c < Tile::kConsumers; ++c)
         for (int s = 0; s < Tile::kQKSlices; ++s)
-          ptx::tma_load_4d(smem_q(c) + s * Tile::kQSliceBytes, &tmap_q, bar, s * 64,
+          ptx::tma_load_4d(smem_q(c, buffer) + s * Tile::kQSliceBytes, &tmap_q, bar, s * 64,
                            row + c * Tile::kRowsPerConsumer, work.head, batch);
     };
     auto load_k = [&](const auto& work, int block, int stage, uint32_t bar) {
@@ -308,13 +325,16 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   auto release = [&](uint64_t& empty) {
     if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
   };
-  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage) {
+  auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDimQK / 16; ++kk) {
       const uint32_t col_bytes = (kk % 4) * 32;  // 16 elements inside a 128-byte row
+      // Buffer 0's descriptor plus the buffer's offset (>> 4: the address field's unit): the
+      // descriptors stay loop-invariant values, the buffer costs one add per k-step.
       const uint64_t desc_q =
-          SmemDescSw128(smem_q(consumer) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16);
+          SmemDescSw128(smem_q(consumer, 0) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16) +
+          static_cast<uint32_t>(q_buffer * (Tile::kQBytes >> 4));
       const uint64_t desc_k =
           SmemDescSw128(smem_k(stage) + (kk / 4) * Tile::kKVSliceBytes + col_bytes, 16);
       if (kk == 0) {
@@ -344,8 +364,10 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   std::conditional_t<kRecords, TimelineRecorder, NoTimeline> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
-    ptx::mbarrier_wait(SmemAddress(&bars.q_full), round & 1);
-    const int tile = *reinterpret_cast<volatile int*>(&bars.tile);
+    const RingSlot<Tile::kQBuffers> q_slot(round);  // the round's Q buffer and index
+    const int q_buffer = q_slot.stage;
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full[q_buffer]), q_slot.parity);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile[q_buffer]);
     if (tile >= args.num_tiles) break;
     timeline.MarkTile(round, kTileStart);
     const auto work = PlanTile<Tile::kBlockM, kBlockN>(tile, args);
@@ -366,7 +388,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     Softmax softmax;
 
     if (work.num_blocks == 0) {
-      release(bars.q_empty);
+      release(bars.q_empty[q_buffer]);
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
                               float (&correction)[2], int block) {
@@ -418,7 +440,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       // Q is free once the tile's last S = Q K^T has landed.
       auto after_qk = [&](int block, int stage) {
         release(bars.k_empty[stage]);
-        if (block == work.num_blocks - 1) release(bars.q_empty);
+        if (block == work.num_blocks - 1) release(bars.q_empty[q_buffer]);
       };
 
       float s_acc[kBlockN / 2];
@@ -435,7 +457,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
       ptx::mbarrier_wait(SmemAddress(&bars.k_full[first.stage]), first.parity);
       timeline.MarkTile(round, kFirstKeys);
       begin_turn();
-      issue_qk(s_acc, first.stage);
+      issue_qk(s_acc, first.stage, q_buffer);
       end_turn();
       timeline.MarkTile(round, kFirstIssued);
       ptx::wgmma_wait_group<0>();
@@ -456,7 +478,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         timeline.Mark(kKeysReady);
         begin_turn();
         timeline.Mark(kTurnHeld);
-        issue_qk(s_acc, cur.stage);
+        issue_qk(s_acc, cur.stage, q_buffer);
         ptx::mbarrier_wait(SmemAddress(&bars.v_full[prev.stage]), prev.parity);
         issue_pv(o, p_prev, prev.stage);
         end_turn();

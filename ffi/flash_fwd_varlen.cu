@@ -7,6 +7,10 @@
 // so the varlen kernel always stores O from registers, whatever the build picks for dense calls.
 #undef JZYFA_EPILOGUE_TMA
 #define JZYFA_EPILOGUE_TMA 0
+// One Q buffer whatever the build asks for dense calls: with two (JZYFA_Q_PREFETCH), ptxas 13.0
+// spilled in the varlen consumers.
+#undef JZYFA_Q_PREFETCH
+#define JZYFA_Q_PREFETCH 0
 
 #include <cuda.h>
 #include <cuda_runtime.h>
