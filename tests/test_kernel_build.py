@@ -482,42 +482,39 @@ def test_timeline_variant_builds(tmp_path, source):
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name
 
 
-def test_q_prefetch_variant_builds(compiled, tmp_path):
-    """-DJZYFA_FP8_Q_PREFETCH=1 (docs/fp8.md 10.24: a second Q buffer, so the producer loads the next
-    tile's Q and first K a block earlier): no spills, no wgmma serialization; it changes exactly the FP8
-    kernels where the second Q tile fits (dense and windowed, both V layouts), while MLA's (32 KB Q
-    tiles) stay as the default build's. (The varlen tiles keep one Q buffer: kQPrefetch_ off.)"""
+def check_variant_changes(compiled, tmp_path, source: str, define: str, count: int, unchanged) -> None:
+    """ffi/<source>.cu built with -D<define>: no spills, no wgmma serialization, `count` kernels; those
+    for which unchanged(name) holds are the default build's, every other one differs from it."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd_fp8", ("JZYFA_FP8_Q_PREFETCH=1",))
+    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, (define,))
     assert not re.search(r"\(C751\d\)", report), report
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     default = kernels(compiled[1])
     variant = kernels(sass)
-    assert len(variant) == 12, list(variant)
+    assert len(variant) == count, list(variant)
     for name, text in variant.items():
-        if "Mla" in name:
-            assert text == default[name], f"{name}: MLA's kernels must not change"
-        else:
-            assert text != default[name], f"{name}: the switch left it as it was"
-            assert "QGMMA" in text, name
-
-
-def test_16bit_q_prefetch_variant_builds(compiled, tmp_path):
-    """-DJZYFA_Q_PREFETCH=1, the 16-bit kernels' second Q buffer (docs/fp8.md 10.24): no spills, no wgmma
-    serialization; it changes the kernels where two Q tiles fit beside the ring and the O tiles (head
-    dims 64 and 128, plain and windowed) and leaves head dim 256's and MLA's as the default build's."""
-    nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd", ("JZYFA_Q_PREFETCH=1",))
-    assert not re.search(r"\(C751\d\)", report), report
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert frames and all(f == ("0", "0", "0") for f in frames), report
-    default = kernels(compiled[1])
-    variant = kernels(sass)
-    assert len(variant) == 16, list(variant)
-    for name, text in variant.items():
-        if "Li256E" in name or "Mla" in name:
+        if unchanged(name):
             assert text == default[name], f"{name}: must not change"
         else:
             assert text != default[name], f"{name}: the switch left it as it was"
-            assert "HGMMA" in text, name
+            assert re.search(r"\b[HQ]GMMA\b", text), name
+
+
+def test_q_prefetch_variant_builds(compiled, tmp_path):
+    """-DJZYFA_FP8_Q_PREFETCH=1 (docs/fp8.md 10.24: a second Q buffer, so the producer loads the next
+    tile's Q and first K a block earlier) changes exactly the FP8 kernels where the second Q tile fits
+    (dense and windowed, both V layouts); MLA's (32 KB Q tiles) stay as the default build's. (The varlen
+    tiles keep one Q buffer: kQPrefetch_ off.)"""
+    check_variant_changes(
+        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 12, lambda name: "Mla" in name
+    )
+
+
+def test_16bit_q_prefetch_variant_builds(compiled, tmp_path):
+    """-DJZYFA_Q_PREFETCH=1, the 16-bit kernels' second Q buffer (docs/fp8.md 10.24), changes the kernels
+    where two Q tiles fit beside the ring and the O tiles (head dims 64 and 128, plain and windowed) and
+    leaves head dim 256's and MLA's as the default build's."""
+    check_variant_changes(
+        compiled, tmp_path, "flash_fwd", "JZYFA_Q_PREFETCH=1", 16, lambda name: "Li256E" in name or "Mla" in name
+    )
