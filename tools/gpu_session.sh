@@ -58,6 +58,14 @@ if [ -z "${JZYFA_SKIP_EXAMPLE:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_PIPE_RATES:-}" ]; then
+  # Instruction rates per SM per clock (tools/pipe_rates.cu, docs/fp8.md 10.25): a few seconds.
+  step "pipe rates"
+  { "$CUDACXX" -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/pipe_rates "$REPO/tools/pipe_rates.cu" \
+      && /tmp/pipe_rates; } 2>&1 | tee "$OUT_DIR/pipe_rates.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if [ -n "${JZYFA_MULTI_GPU:-}" ]; then
   # Sharded prefill over all GPUs (issue 8), e.g. JZYFA_MULTI_GPU="--seqs 32768,65536".
   step "multi-GPU prefill: ${JZYFA_MULTI_GPU}"
