@@ -24,84 +24,47 @@ constexpr int kThreads = 1024;
 constexpr int kChains = 8;
 constexpr int kIterations = 4096;
 
-// One step of each chain: the instruction under test, its output feeding its next step.
-struct Ffma {  // FFMA
-  static constexpr const char* kName = "FFMA (fma.rn.f32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    float y;
-    asm volatile("fma.rn.f32 %0, %1, %2, %3;"
-                 : "=f"(y)
-                 : "f"(__uint_as_float(x)), "f"(__uint_as_float(k)), "f"(0.5f));
-    return __float_as_uint(y);
-  }
-};
-struct Fmnmx {  // FMNMX
-  static constexpr const char* kName = "FMNMX (max.f32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    float y;
-    asm volatile("max.f32 %0, %1, %2;" : "=f"(y) : "f"(__uint_as_float(x)), "f"(__uint_as_float(k)));
-    return __float_as_uint(y);
-  }
-};
-struct Hfma2 {  // HFMA2
-  static constexpr const char* kName = "HFMA2 (fma.rn.f16x2)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint32_t y;
-    asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k), "r"(0x38003800u));
-    return y;
-  }
-};
-struct Hmnmx2 {  // HMNMX2
-  static constexpr const char* kName = "HMNMX2 (max.f16x2)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint32_t y;
-    asm volatile("max.f16x2 %0, %1, %2;" : "=r"(y) : "r"(x), "r"(k));
-    return y;
-  }
-};
-struct F2fpF16 {  // F2FP.F16.F32.PACK_AB
-  static constexpr const char* kName = "F2FP f16x2 (cvt.rn.f16x2.f32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint32_t y;
-    asm volatile("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y) : "f"(__uint_as_float(x)), "f"(__uint_as_float(k)));
-    return y;
-  }
-};
-struct F2fpE4m3 {  // F2FP.SATFINITE.E4M3.F32.PACK_AB
-  static constexpr const char* kName = "F2FP e4m3x2 (cvt.rn.satfinite.e4m3x2.f32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint16_t y;
-    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
-                 : "=h"(y)
-                 : "f"(__uint_as_float(x)), "f"(__uint_as_float(k)));
-    return x ^ y;  // a chain (one LOP3 per step, ALU): the next conversion needs this one's bits
-  }
-};
-struct Prmt {  // PRMT
-  static constexpr const char* kName = "PRMT (prmt.b32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint32_t y;
-    asm volatile("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(y) : "r"(x), "r"(k));
-    return y;
-  }
-};
-struct Imad {  // IMAD
-  static constexpr const char* kName = "IMAD (mad.lo.u32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    uint32_t y;
-    asm volatile("mad.lo.u32 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k), "r"(0x1234u));
-    return y;
-  }
-};
-struct Ex2 {  // MUFU.EX2
-  static constexpr const char* kName = "MUFU.EX2 (ex2.approx.f32)";
-  __device__ static uint32_t Step(uint32_t x, uint32_t k) {
-    float y;
-    asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__uint_as_float(x)));  // k: unused
-    (void)k;
-    return __float_as_uint(y);
-  }
-};
+// One step of each chain: the instruction under test, its output feeding its next step. A struct per
+// instruction: kName, and Step(x, k) with the step's body.
+#define RATE_OP(Struct, label, ...)                                \
+  struct Struct {                                                  \
+    static constexpr const char* kName = label;                    \
+    __device__ static uint32_t Step(uint32_t x, uint32_t k) {      \
+      __VA_ARGS__                                                  \
+    }                                                              \
+  };
+
+__device__ __forceinline__ float F(uint32_t bits) { return __uint_as_float(bits); }
+
+RATE_OP(Ffma, "FFMA (fma.rn.f32)", float y;
+        asm volatile("fma.rn.f32 %0, %1, %2, %3;" : "=f"(y) : "f"(F(x)), "f"(F(k)), "f"(0.5f));
+        return __float_as_uint(y);)
+RATE_OP(Fmnmx, "FMNMX (max.f32)", float y;
+        asm volatile("max.f32 %0, %1, %2;" : "=f"(y) : "f"(F(x)), "f"(F(k)));
+        return __float_as_uint(y);)
+RATE_OP(Hfma2, "HFMA2 (fma.rn.f16x2)", uint32_t y;
+        asm volatile("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k), "r"(0x38003800u));
+        return y;)
+RATE_OP(Hmnmx2, "HMNMX2 (max.f16x2)", uint32_t y;
+        asm volatile("max.f16x2 %0, %1, %2;" : "=r"(y) : "r"(x), "r"(k));
+        return y;)
+RATE_OP(F2fpF16, "F2FP f16x2 (cvt.rn.f16x2.f32)", uint32_t y;
+        asm volatile("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y) : "f"(F(x)), "f"(F(k)));
+        return y;)
+// A chain through one LOP3 per step (ALU): the next conversion needs this one's bits.
+RATE_OP(F2fpE4m3, "F2FP e4m3x2 (cvt.rn.satfinite.e4m3x2.f32)", uint16_t y;
+        asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(y) : "f"(F(x)), "f"(F(k)));
+        return x ^ y;)
+RATE_OP(Prmt, "PRMT (prmt.b32)", uint32_t y;
+        asm volatile("prmt.b32 %0, %1, %2, 0x6240;" : "=r"(y) : "r"(x), "r"(k));
+        return y;)
+RATE_OP(Imad, "IMAD (mad.lo.u32)", uint32_t y;
+        asm volatile("mad.lo.u32 %0, %1, %2, %3;" : "=r"(y) : "r"(x), "r"(k), "r"(0x1234u));
+        return y;)
+RATE_OP(Ex2, "MUFU.EX2 (ex2.approx.f32)", float y; (void)k;
+        asm volatile("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(F(x)));
+        return __float_as_uint(y);)
+#undef RATE_OP
 
 template <typename Op>
 __global__ void __launch_bounds__(kThreads, 1) Rate(uint32_t seed, uint32_t* sink, long long* cycles) {
