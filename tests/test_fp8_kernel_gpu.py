@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
+from content_cache import cached_by_content
 from fp8_lse_slack import lse_rounding_slack
 from gpu_utils import assert_bitwise_reruns, requires_hopper
 from test_kernel_gpu import attention_float64, relative_l2
@@ -38,8 +39,9 @@ def allow_unverified_kernel(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
 
 
+@cached_by_content  # once for both V layouts (conftest's rng gives them the same inputs)
 def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):
-    """The kernel's emulation on the CPU, as NumPy (out float32, lse, reference exponents)."""
+    """The kernel's emulation on the CPU, as NumPy (out float32, lse, reference exponents), read-only."""
     trace = trace_attention_fp8_emulated_on_cpu(
         q8,
         k8,
@@ -51,7 +53,15 @@ def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softma
         lean_p=lean_p,
         integer_reference=True,
     )
-    return np.asarray(trace.out, np.float32), np.asarray(trace.lse), np.asarray(trace.reference_exponent)
+    results = np.array(trace.out, np.float32), np.array(trace.lse), np.array(trace.reference_exponent)
+    for array in results:
+        array.setflags(write=False)  # shared by the tests that hit the cache
+    return results
+
+
+# The other slow references, also once per input content.
+cached_lse_rounding_slack = cached_by_content(lse_rounding_slack)
+cached_attention_float64 = cached_by_content(attention_float64)
 
 
 def assert_matches_emulation(
@@ -70,7 +80,7 @@ def assert_matches_emulation(
     assert np.all(out[~seen.transpose(0, 2, 1)] == 0), "rows with no visible key must give O = 0"
     err = relative_l2(out, emu_out)
     assert err < EMULATION_TOLERANCE, f"relative L2 of O against the emulation {err:.2e}"
-    slack = lse_rounding_slack(
+    slack = cached_lse_rounding_slack(
         q8,
         k8,
         descales,
@@ -175,7 +185,7 @@ def test_fp8_kernel_against_emulation_and_float64(
             d = np.repeat(d, heads // d.shape[1], axis=1)[:, None, :, None]
         return np.asarray(x8.astype(jnp.float32), np.float64) * d
 
-    ref_out, _ = attention_float64(
+    ref_out, _ = cached_attention_float64(
         dequantized(q8, descales[0], heads_q),
         dequantized(k8, descales[1], heads_kv),
         dequantized(v8, descales[2], heads_kv),
