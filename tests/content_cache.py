@@ -12,21 +12,28 @@ import numpy as np
 
 
 def content_key(*args, **kwargs) -> str:
-    """A digest of the arguments: arrays (NumPy or JAX) by dtype, shape and bytes, the rest by repr."""
+    """A digest of the arguments: arrays (NumPy or JAX) by dtype, shape and bytes, tuples and lists of
+    them item by item, keywords by name and value, anything else by repr."""
     digest = hashlib.sha1()
-    for value in (*args, *sorted(kwargs.items())):
-        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str):
-            digest.update(value[0].encode())  # a keyword's name
-            value = value[1]
+
+    def add(value) -> None:
         if hasattr(value, "shape") and hasattr(value, "dtype"):
-            array = np.asarray(value)
+            array = np.ascontiguousarray(np.asarray(value))
             digest.update(f"{array.dtype}{array.shape}".encode())
-            digest.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
-        elif isinstance(value, (tuple, list)) and any(hasattr(v, "shape") for v in value):
-            digest.update(content_key(*value).encode())
+            digest.update(array.view(np.uint8).tobytes())
+        elif isinstance(value, (tuple, list)):
+            digest.update(b"(")
+            for item in value:
+                add(item)
+            digest.update(b")")
         else:
             digest.update(repr(value).encode())
         digest.update(b"|")
+
+    add(args)
+    for name, value in sorted(kwargs.items()):
+        digest.update(name.encode())
+        add(value)
     return digest.hexdigest()
 
 
