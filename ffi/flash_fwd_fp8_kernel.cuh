@@ -177,12 +177,12 @@ struct Fp8TileT {
   static constexpr bool kEpilogueTma =
       kEpilogueTma_ && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
 #ifndef JZYFA_FP8_Q_PREFETCH
-#define JZYFA_FP8_Q_PREFETCH 0  // not yet measured on the GPU (docs/fp8.md 10.24): off by default
+#define JZYFA_FP8_Q_PREFETCH 0  // measured 0.6-2.4% slower (docs/fp8.md 10.24): off by default
 #endif
   // With JZYFA_FP8_Q_PREFETCH, a second Q tile where it fits (not MLA's: 32 KB each): the producer
   // loads the next tile's Q and first K while this tile's last blocks run, not only once its last
-  // Q K^T has landed; the next tile's first loads took ~2 us to land, longer than this tile's tail
-  // (docs/fp8.md 10.24).
+  // Q K^T has landed. The tile-start waits it was to shorten stayed (they were not loads in flight,
+  // docs/fp8.md 10.24).
   static constexpr int kQBuffers =
       JZYFA_FP8_Q_PREFETCH && kQPrefetch_ && 2 * kQBytes + kBetweenQAndOTilesBytes +
                                       (kEpilogueTma ? kOTilesBytes : 0) + kSmemAlign <=
