@@ -21,6 +21,8 @@ import sys
 WGMMA_N = (64, 128, 256)
 # The FP8 kernel's P V: head dim 128 plus 8 columns that sum P (see all_wgmma_ops).
 FP8_PV_WITH_SUM_N = 136
+# Wider FP8 key blocks (S = Q K^T only, shared-memory operands): -DJZYFA_FP8_VT_BLOCK_N=192.
+FP8_WIDE_QK_N = (192,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
@@ -170,6 +172,9 @@ def all_wgmma_ops() -> list[Wgmma]:
         for a_from_registers in (False, True):
             for overwrite in (False, True):
                 ops.append(Wgmma(n, "e4m3", a_from_registers, b_transposed=False, overwrite=overwrite))
+    for n in FP8_WIDE_QK_N:
+        for overwrite in (False, True):
+            ops.append(Wgmma(n, "e4m3", False, b_transposed=False, overwrite=overwrite))
     # P V with 8 more columns: V^T's tile is followed by 8 rows of e4m3 ones, so columns
     # D..D+7 of O accumulate the row sum of exactly the rounded P (docs/fp8.md).
     for overwrite in (False, True):

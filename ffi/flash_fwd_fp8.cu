@@ -54,9 +54,10 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
       return error;
     }
   } else {
-    // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous) x the 128 head-dim rows.
+    // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous; one 128-byte swizzle row) x
+    // the 128 head-dim rows, one per 128 keys of a block (Fp8TileT::kVtSlices).
     if (!EncodeValueOperandMap(&tmap_v, p.v, p.batch, p.heads_kv, Tile::kHeadDimV, p.seqlen_k_padded,
-                               Tile::kBlockN, &error)) {
+                               Tile::kVtSliceKeys, &error)) {
       return error;
     }
   }
@@ -88,8 +89,9 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   return "";
 }
 
-// The launch for the call's head dims, mask and P, with the tiles of one V source.
-template <typename Tile, typename MlaTile>
+// The launch for the call's head dims, mask and P, with the tiles of one V source (DenseTile: the
+// unwindowed head-dim-128 kernel's, Tile: the windowed one's).
+template <typename Tile, typename DenseTile, typename MlaTile>
 std::string LaunchFor(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_t stream) {
   if (p.head_dim == MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
     return p.lean_p ? Launch<MlaTile, true, false>(p, mask, stream)
@@ -99,8 +101,8 @@ std::string LaunchFor(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStre
     return p.lean_p ? Launch<Tile, true, true>(p, mask, stream)
                     : Launch<Tile, false, true>(p, mask, stream);
   }
-  return p.lean_p ? Launch<Tile, true, false>(p, mask, stream)
-                  : Launch<Tile, false, false>(p, mask, stream);
+  return p.lean_p ? Launch<DenseTile, true, false>(p, mask, stream)
+                  : Launch<DenseTile, false, false>(p, mask, stream);
 }
 
 }  // namespace
@@ -159,8 +161,19 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  return p.v_transposed ? LaunchFor<Fp8VtTile, Fp8MlaVtTile>(p, mask, stream)
-                        : LaunchFor<Fp8Tile, Fp8MlaTile>(p, mask, stream);
+  return p.v_transposed ? LaunchFor<Fp8VtTile, Fp8VtDenseTile, Fp8MlaVtTile>(p, mask, stream)
+                        : LaunchFor<Fp8Tile, Fp8Tile, Fp8MlaTile>(p, mask, stream);
+}
+
+int Fp8KeyBlock(const FlashFwdFp8Params& p) {
+  static_assert(Fp8Tile::kBlockN == 128 && Fp8VtTile::kBlockN == 128 && Fp8MlaTile::kBlockN == 128 &&
+                Fp8MlaVtTile::kBlockN == 128);
+  MaskPlan mask;
+  const bool windowed =
+      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask).empty() &&
+      mask.windowed;
+  const bool mla = p.head_dim != Fp8Tile::kHeadDim;
+  return p.v_transposed && !windowed && !mla ? Fp8VtDenseTile::kBlockN : 128;
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

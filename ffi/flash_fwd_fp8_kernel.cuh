@@ -24,6 +24,8 @@
 //     starts from zero (scale-d = 0), as DeepSeek-V3 does for FP8 GEMMs.
 //   - The epilogue hands bf16 O to a TMA store through a tile in shared memory (TmaEpilogue; the
 //     varlen kernels and MLA's staged one store from registers) and writes the LSE from registers.
+//   - Key blocks of 128 keys; with -DJZYFA_FP8_VT_BLOCK_N=192 the dense V^T kernel takes 192 (its
+//     fixed per-block costs spread over more keys; docs/fp8.md 10.26), its codes packed late.
 #pragma once
 
 #include <cuda.h>
@@ -101,9 +103,10 @@ __device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
 #ifndef JZYFA_FP8_EPILOGUE_TMA
 #define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
 #endif
-// kQPrefetch_: a second Q buffer where it fits (below).
+// kQPrefetch_: a second Q buffer where it fits (below). kBlockN_: keys per block, 128 or (V^T from
+// global memory only) 192 (JZYFA_FP8_VT_BLOCK_N, docs/fp8.md 10.26).
 template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA,
-          bool kQPrefetch_ = true>
+          bool kQPrefetch_ = true, int kBlockN_ = 128>
 struct Fp8TileT {
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
@@ -114,7 +117,9 @@ struct Fp8TileT {
   static constexpr int kConsumers = 2;
   static constexpr int kRowsPerConsumer = 64;
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P V takes keys in k-steps of 32");
+  static_assert(kBlockN == 128 || !kStagedV_, "the in-kernel V transpose handles 128-key blocks");
   static constexpr int kStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
@@ -127,16 +132,25 @@ struct Fp8TileT {
   // k-steps). Measured at 32K keys (H200, docs/benchmarks.md): every 4 blocks costs 8.6% of the
   // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
   // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
-  static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS;
+  // Wider blocks keep about as many keys per run (192: 5 blocks, 960 keys).
+  static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN > 0
+                                            ? JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN
+                                            : 1;
   // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
   static constexpr int kQSliceBytes = kRowsPerConsumer * kQkSliceCols;
   static constexpr int kKSliceBytes = kBlockN * kQkSliceCols;
   static constexpr int kQConsumerBytes = kQSliceBytes * kQkSlices;
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
   static constexpr int kKBytes = kKSliceBytes * kQkSlices;
-  static constexpr int kVtBytes = kHeadDim * kBlockN;
-  static constexpr int kOnesBytes = 8 * kBlockN;  // rows 128..135 of the P V B operand
-  static constexpr int kStageBytes = kKBytes + kVtBytes + kOnesBytes;
+  // V^T in slices of 128 keys (one 128-byte swizzle row: a box with 128-byte swizzle is at most 128
+  // bytes wide), each [128 rows][128 keys] followed by its 8 rows of ones. A 192-key block loads its
+  // second slice whole: 64 keys of the next block ride along, never read (to trim: a 64-key box).
+  static constexpr int kVtSliceKeys = 128;
+  static constexpr int kVtSlices = (kBlockN + kVtSliceKeys - 1) / kVtSliceKeys;
+  static constexpr int kVtBytes = kHeadDim * kVtSliceKeys;  // per slice (one TMA box)
+  static constexpr int kOnesBytes = 8 * kVtSliceKeys;  // rows 128..135 of the P V B operand, per slice
+  static constexpr int kVtSliceBytes = kVtBytes + kOnesBytes;
+  static constexpr int kStageBytes = kKBytes + kVtSlices * kVtSliceBytes;
   // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
   // the producer's transposing warps build the stage's V^T from it (fp8_value_transpose.cuh).
   static constexpr int kVStagingBytes = kBlockN * kHeadDim;
@@ -159,8 +173,12 @@ struct Fp8TileT {
 #ifndef JZYFA_FP8_MLA_REG_COPY_CHUNKS
 #define JZYFA_FP8_MLA_REG_COPY_CHUNKS 6
 #endif
+  // 192-key blocks: S takes 32 more registers, so the whole copy lives in shared memory (1 chunk
+  // spilled 28 bytes with ptxas 13.0).
   static constexpr int kRegCopyChunks =
-      kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
+      kBlockN > 128                ? 0
+      : kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS
+                                : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
   // 64-column slices (128-byte swizzle rows).
@@ -201,8 +219,9 @@ struct Fp8TileT {
   static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
   static_assert(kDynamicSmemBytes <= kSmemLimit, "the tile must fit Hopper's shared memory");
   static_assert(kOTileOffset % kSmemAlign == 0, "O tiles must stay 1024-byte aligned (swizzle)");
-  static_assert(kVStagingOffset % kSmemAlign == 0 && kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
-                kVtBytes == Fp8ValueTranspose::kTileBytes);
+  static_assert(!kStagedV || (kVStagingOffset % kSmemAlign == 0 &&
+                              kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
+                              kVtBytes == Fp8ValueTranspose::kTileBytes));
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
@@ -212,6 +231,12 @@ using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 // The same tiles reading V^T from global memory (kStagedV false).
 using Fp8VtTile = Fp8TileT<128, false>;
 using Fp8MlaVtTile = Fp8TileT<192, false>;
+// The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory: 128 keys per block,
+// or with -DJZYFA_FP8_VT_BLOCK_N=192 192 (docs/fp8.md 10.26; not yet measured on the GPU).
+#ifndef JZYFA_FP8_VT_BLOCK_N
+#define JZYFA_FP8_VT_BLOCK_N 128
+#endif
+using Fp8VtDenseTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, true, JZYFA_FP8_VT_BLOCK_N>;
 // The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
 // 4-8 bytes in their consumers).
 using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
@@ -264,9 +289,20 @@ __device__ __forceinline__ uint32_t PackCodes(float a, float b, float c, float d
   return high * 65536u + low;
 }
 
-// The online softmax of one consumer warpgroup over one 128-key block (accumulator layout as in
+// The maximum of m[0 .. n) into m[0], a tree: m[c] = max(m[c], m[c + ceil(n / 2)]) per level (an odd
+// count keeps its middle value for the next level).
+template <int kN, int kSize>
+__device__ __forceinline__ void FoldMax(float (&m)[kSize]) {
+  if constexpr (kN > 1) {
+#pragma unroll
+    for (int c = 0; c < kN / 2; ++c) m[c] = fmaxf(m[c], m[c + (kN + 1) / 2]);
+    FoldMax<(kN + 1) / 2>(m);
+  }
+}
+
+// The online softmax of one consumer warpgroup over one key block (accumulator layout as in
 // OnlineSoftmax of flash_fwd_kernel.cuh: a thread owns rows h = 0, 1, pairs of columns).
-template <bool kLeanP>
+template <bool kLeanP, int kBlockN = 128>
 struct Fp8OnlineSoftmax {
   float r[2] = {-INFINITY, -INFINITY};            // reference exponents (integers)
   float running_max[2] = {-INFINITY, -INFINITY};  // log2 units
@@ -290,12 +326,12 @@ struct Fp8OnlineSoftmax {
   }
 
   // Scores of keys a row does not see (past seqlen_k, or after the row's causal diagonal) -> -inf.
-  __device__ __forceinline__ static void Mask(float (&s)[Fp8Tile::kBlockN / 2], int key_start,
+  __device__ __forceinline__ static void Mask(float (&s)[kBlockN / 2], int key_start,
                                               int first_row, int lane, int seqlen_k, bool causal,
                                               int diagonal) {
     const int quad_col = 2 * (lane % 4);
 #pragma unroll
-    for (int c = 0; c < Fp8Tile::kBlockN / 8; ++c)
+    for (int c = 0; c < kBlockN / 8; ++c)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = key_start + 8 * c + quad_col + (e & 1);
@@ -306,21 +342,17 @@ struct Fp8OnlineSoftmax {
 
   // Finds each row's block maximum, updates r and the codes' map; alpha is the factor O must be
   // rescaled by. A dependency chain (max tree, two quad shuffles, the reference update).
-  __device__ __forceinline__ void UpdateReference(const float (&s)[Fp8Tile::kBlockN / 2],
+  __device__ __forceinline__ void UpdateReference(const float (&s)[kBlockN / 2],
                                                   float (&alpha)[2], float row_scale) {
-    constexpr int kChunks = Fp8Tile::kBlockN / 8;
+    constexpr int kChunks = kBlockN / 8;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // A tree, not a chain: 5 dependent FMNMX instead of 32.
       float m[kChunks];
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) m[c] = fmaxf(s[4 * c + 2 * h], s[4 * c + 2 * h + 1]);
-      static_assert(kChunks == 16);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) m[c] = fmaxf(m[c], m[c + 8]);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) m[c] = fmaxf(m[c], m[c + 4]);
-      m[0] = fmaxf(fmaxf(m[0], m[2]), fmaxf(m[1], m[3]));
+      // Fold the upper chunks onto the lower ones (16 -> 8 -> 4 -> 2 -> 1, 24 -> 12 -> 6 -> 3 -> 2 -> 1).
+      FoldMax<kChunks>(m);
       const float block_max = QuadMax(m[0]) * row_scale;  // max commutes with the positive scale
       running_max[h] = fmaxf(running_max[h], block_max);
       const float new_r = NextReference(r[h], running_max[h], block_max);
@@ -333,12 +365,17 @@ struct Fp8OnlineSoftmax {
 
   // P~'s e4m3 A fragments (p[j]: keys 32j..32j+31, packed so that V^T's permuted keys line up),
   // from S and the current map. S is overwritten.
-  __device__ __forceinline__ void WriteCodes(float (&s)[Fp8Tile::kBlockN / 2],
-                                             uint32_t (&p)[4][4]) const {
+  __device__ __forceinline__ void WriteCodes(float (&s)[kBlockN / 2],
+                                             uint32_t (&p)[kBlockN / 32][4]) const {
 #pragma unroll
-    for (int i = 0; i < Fp8Tile::kBlockN / 2; ++i) s[i] = Code(s[i], i);
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = Code(s[i], i);
+    Pack(s, p);
+  }
+  // The A fragments from codes already in S (WriteCodes' second half).
+  __device__ __forceinline__ static void Pack(const float (&s)[kBlockN / 2],
+                                              uint32_t (&p)[kBlockN / 32][4]) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) PackStep(s, p, j);
+    for (int j = 0; j < kBlockN / 32; ++j) PackStep(s, p, j);
   }
 
   // P~ of accumulator value i (score x): lean, the code RNE(fl32(8 s' + 56 - 8 r)) in the float's
@@ -357,8 +394,8 @@ struct Fp8OnlineSoftmax {
 
   // A fragment of k-step j, from accumulator chunks c = 4j .. 4j + 3 (jzyfa/fp8_layout.py):
   // registers 0/1 hold rows g / g + 8 of chunks c, c + 1; registers 2/3 those of c + 2, c + 3.
-  __device__ __forceinline__ static void PackStep(const float (&s)[Fp8Tile::kBlockN / 2],
-                                                  uint32_t (&p)[4][4], int j) {
+  __device__ __forceinline__ static void PackStep(const float (&s)[kBlockN / 2],
+                                                  uint32_t (&p)[kBlockN / 32][4], int j) {
     const float* t = s + 16 * j;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -376,15 +413,21 @@ struct Fp8OnlineSoftmax {
   // One block: S masked as needed, r updated (alpha: O's rescale factor), P~'s A fragments.
   // (Writing the codes with the old r before the block's maxima are known, and again where r moved,
   // measured no faster: docs/benchmarks.md, "speculative codes".)
-  template <typename Timeline>
-  __device__ __forceinline__ void Step(float (&s)[Fp8Tile::kBlockN / 2], uint32_t (&p)[4][4],
+  // kPack false: the codes stay in S (as floats) and p is not written; Pack builds it later.
+  template <bool kPack = true, typename Timeline>
+  __device__ __forceinline__ void Step(float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 32][4],
                                        float (&alpha)[2], float row_scale, bool needs_mask,
                                        int key_start, int first_row, int lane, int seqlen_k,
                                        bool causal, int diagonal, Timeline& timeline) {
     if (needs_mask) Mask(s, key_start, first_row, lane, seqlen_k, causal, diagonal);
     UpdateReference(s, alpha, row_scale);
     timeline.Mark(kReferenceKnown);  // block 0's stamp is overwritten by iteration 1's
-    WriteCodes(s, p);
+    if constexpr (kPack) {
+      WriteCodes(s, p);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) s[i] = Code(s[i], i);
+    }
   }
 };
 
@@ -432,6 +475,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr int kStages = Tile::kStages;
+  // Wider blocks: one P buffer, packed from the codes left in S once the previous block's P V (which
+  // reads the buffer) has landed; two buffers of 192 keys spilled (ptxas 13.0). At 128 the codes are
+  // packed in the softmax, into two alternating buffers.
+  constexpr bool kLatePack = kBlockN > 128;
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
@@ -453,10 +500,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
   // The ones below each stage's V^T tile (e4m3 1.0 = 0x38): written once, read by every P V.
   {
-    for (int i = threadIdx.x; i < kStages * Tile::kOnesBytes / 4; i += Tile::kThreads) {
-      const int stage = i / (Tile::kOnesBytes / 4), word = i % (Tile::kOnesBytes / 4);
-      reinterpret_cast<uint32_t*>(smem_aligned + (smem_vt(stage) - smem_base) + Tile::kVtBytes)[word] =
-          0x38383838u;
+    constexpr int kSlices = kStages * Tile::kVtSlices;
+    for (int i = threadIdx.x; i < kSlices * Tile::kOnesBytes / 4; i += Tile::kThreads) {
+      const int slice = i / (Tile::kOnesBytes / 4), word = i % (Tile::kOnesBytes / 4);
+      const int stage = slice / Tile::kVtSlices, part = slice % Tile::kVtSlices;
+      reinterpret_cast<uint32_t*>(smem_aligned + (smem_vt(stage) - smem_base) +
+                                  part * Tile::kVtSliceBytes + Tile::kVtBytes)[word] = 0x38383838u;
     }
     ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
   }
@@ -538,10 +587,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       auto load_vt = [&](const auto& work, int block, int stage, uint32_t bar) {
         int column = first_key(work, block), batch = work.batch;
         if constexpr (kVarlen) column += Fp8VarlenValueColumn(work.k_offset, work.batch), batch = 0;
-        ptx::tma_load_4d(smem_vt(stage), &tmap_v, bar, column, 0, work.kv_head, batch);
+#pragma unroll
+        for (int part = 0; part < Tile::kVtSlices; ++part)
+          ptx::tma_load_4d(smem_vt(stage) + part * Tile::kVtSliceBytes, &tmap_v, bar, column + 128 * part,
+                           0, work.kv_head, batch);
       };
       ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
-                                                     Tile::kVtBytes, load_q, load_k, load_vt);
+                                                     Tile::kVtSlices * Tile::kVtBytes, load_q, load_k,
+                                                     load_vt);
     } else {
       // V as K: 128 key rows of 128 bytes, into the staging buffer (bar: v_staged).
       auto load_v = [&](const auto& work, int block, int stage, uint32_t bar) {
@@ -610,11 +663,12 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8, keys contiguous; k-step j starts 32 bytes (keys) into each row.
   // keep = 0 (warpgroup-uniform) starts the accumulator afresh after a promotion.
-  auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[4][4], int stage, int keep) {
+  auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[kBlockN / 32][4], int stage, int keep) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kBlockN / 32; ++j) {
-      const uint64_t desc_vt = SmemDescSw128(smem_vt(stage) + 32 * j, 16);
+      const uint64_t desc_vt =
+          SmemDescSw128(smem_vt(stage) + (j / 4) * Tile::kVtSliceBytes + 32 * (j % 4), 16);
       ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
     }
     ptx::wgmma_commit_group();
@@ -717,7 +771,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         copy_scale[0] = copy_scale[1] = 1.f;
       }
     };
-    Fp8OnlineSoftmax<kLeanP> softmax;
+    Fp8OnlineSoftmax<kLeanP, kBlockN> softmax;
     float descale_v = 0.f;  // loaded while the last P V runs (no key: O = 0 whatever its value)
 
     if (work.num_blocks == 0) {
@@ -726,7 +780,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       release(bars.q_empty[q_buffer]);
     } else {
       float row_scale;  // set once block 0's Q K^T is issued
-      auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[4][4], float (&alpha)[2],
+      auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 32][4], float (&alpha)[2],
                               int block) {
         if constexpr (kWindow) {
           // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
@@ -744,14 +798,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
             MaskWindowByRowBounds<kBlockN>(s, key_start, first_row, lane, seqlen_k, work.diagonal,
                                            left, right);
           }
-          softmax.Step(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
+          softmax.template Step<!kLatePack>(s, p, alpha, row_scale, false, key_start, first_row, lane, seqlen_k, false,
                        work.diagonal, timeline);
         } else {
           const int key_start = block * kBlockN;
           const bool needs_mask =
               key_start + kBlockN > seqlen_k ||
               (args.causal && key_start + kBlockN - 1 > rows_start + work.diagonal);
-          softmax.Step(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
+          softmax.template Step<!kLatePack>(s, p, alpha, row_scale, needs_mask, key_start, first_row, lane, seqlen_k,
                        args.causal, work.diagonal, timeline);
         }
       };
@@ -761,7 +815,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       };
 
       float s_acc[kBlockN / 2];
-      uint32_t p_even[4][4], p_odd[4][4];  // alternate, as in the 16-bit kernel (no C7513)
+      uint32_t p_even[kBlockN / 32][4], p_odd[kBlockN / 32][4];  // alternate, as in the 16-bit kernel (no C7513)
       float alpha[2];
 
       const Slot first(ring);
@@ -780,9 +834,11 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       timeline.MarkTile(round, kFirstScores);
       after_qk(0, first.stage);
       softmax_step(s_acc, p_even, alpha, 0);  // O is 0: nothing to rescale
+      if constexpr (kLatePack) softmax.Pack(s_acc, p_even);
       timeline.MarkTile(round, kFirstSoftmax);
 
-      auto iteration = [&](int block, const uint32_t (&p_prev)[4][4], uint32_t (&p_next)[4][4]) {
+      auto iteration = [&](int block, const uint32_t (&p_prev)[kBlockN / 32][4],
+                           uint32_t (&p_next)[kBlockN / 32][4]) {
         const Slot cur(ring + block), prev(ring + block - 1);
         timeline.Mark(kIterationStart);
         ptx::mbarrier_wait(SmemAddress(&bars.k_full[cur.stage]), cur.parity);
@@ -806,6 +862,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         ptx::wgmma_wait_group<0>();
         FenceRegisters(o);
         timeline.Mark(kOutputLanded);
+        if constexpr (kLatePack) softmax.Pack(s_acc, p_next);  // p_prev's P V has landed
         release(bars.v_empty[prev.stage]);
         // Lazy rescale: r rarely changes, and then by an exact power of two (sums included).
         if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) rescale(alpha);
@@ -814,8 +871,13 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         timeline.Next();
       };
       for (int block = 1; block < work.num_blocks; block += 2) {
-        iteration(block, p_even, p_odd);
-        if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+        if constexpr (kLatePack) {
+          iteration(block, p_even, p_even);
+          if (block + 1 < work.num_blocks) iteration(block + 1, p_even, p_even);
+        } else {
+          iteration(block, p_even, p_odd);
+          if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
+        }
       }
 
       const int last_block = work.num_blocks - 1;
@@ -823,7 +885,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       ptx::mbarrier_wait(SmemAddress(&bars.v_full[last.stage]), last.parity);
       begin_turn();
       promote_if_due();
-      if (last_block % 2 == 0) {
+      if (kLatePack || last_block % 2 == 0) {
         issue_pv(o, p_even, last.stage, pending > 0);
       } else {
         issue_pv(o, p_odd, last.stage, pending > 0);
@@ -926,7 +988,8 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                       const __grid_constant__ CUtensorMap tmap_k,
                       const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
                       const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
+  FlashFwdFp8Tiles<kLeanP, std::conditional_t<kStagedV, Fp8Tile, Fp8VtDenseTile>>(tmap_q, tmap_k,
+                                                                                tmap_v, &tmap_o, args);
 }
 
 // MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its

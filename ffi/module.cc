@@ -38,6 +38,24 @@ NB_MODULE(_jzyfa_ffi, m) {
       "handler_calls", []() { return jzyfa::HandlerCalls(); },
       "How many times the jzyfa_flash_attention_fwd handler has executed in this process.");
   m.def(
+      "fp8_key_block",
+      [](bool v_transposed, int64_t head_dim, bool causal, int64_t window_left,
+         int64_t window_right, int64_t seqlen_q, int64_t seqlen_k) {
+        jzyfa::FlashFwdFp8Params params;
+        params.v_transposed = v_transposed;
+        params.head_dim = head_dim;
+        params.causal = causal;
+        params.window_left = window_left;
+        params.window_right = window_right;
+        params.seqlen_q = seqlen_q;
+        params.seqlen_k = seqlen_k;
+        return jzyfa::Fp8KeyBlock(params);
+      },
+      nb::arg("v_transposed"), nb::arg("head_dim"), nb::arg("causal"), nb::arg("window_left"),
+      nb::arg("window_right"), nb::arg("seqlen_q"), nb::arg("seqlen_k"),
+      "Keys per block of the FP8 kernel for such a call (window bounds -1 for none, head_dim of q "
+      "and k): the block_n its emulation must use.");
+  m.def(
       "kernel_timeline",
       [](const std::string& kernel) {
         std::vector<uint64_t> stamps;

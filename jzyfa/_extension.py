@@ -57,3 +57,31 @@ def handler_calls() -> int:
             "(it was built from older sources; rebuild the extension)"
         )
     return int(counter())
+
+
+def fp8_key_block(
+    *, v_transposed: bool, head_dim: int, causal: bool, window: tuple[int, int], seq_q: int, seq_k: int
+) -> int:
+    """Keys per block of the FP8 kernel that a call with these properties runs: 128, or 192 for the
+    unwindowed head-dim-128 kernel with V^T from memory when the extension was built with
+    -DJZYFA_FP8_VT_BLOCK_N=192 (docs/fp8.md 10.26). The kernel's emulation must use the same blocks
+    (`block_n`). `window` as the FP8 primitive passes it ((-1, -1): none; see
+    `jzyfa._validation.mask_window`). 128 without the extension, or with one built before the
+    function existed."""
+    if load_error() is not None:
+        return 128
+    module = importlib.import_module(EXTENSION_MODULE)
+    key_block = getattr(module, "fp8_key_block", None)
+    if key_block is None:
+        return 128
+    return int(
+        key_block(
+            v_transposed=bool(v_transposed),
+            head_dim=int(head_dim),
+            causal=bool(causal),
+            window_left=int(window[0]),
+            window_right=int(window[1]),
+            seqlen_q=int(seq_q),
+            seqlen_k=int(seq_k),
+        )
+    )

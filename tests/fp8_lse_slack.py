@@ -57,11 +57,22 @@ def _e4m3_value(code: np.ndarray) -> np.ndarray:
 
 
 def lse_rounding_slack(
-    q8, k8, descales, emu_lse, reference_exponent, *, causal, lean_p, window=None, softmax_scale=None
+    q8,
+    k8,
+    descales,
+    emu_lse,
+    reference_exponent,
+    *,
+    causal,
+    lean_p,
+    window=None,
+    softmax_scale=None,
+    block_n=BLOCK_N,
 ) -> np.ndarray:
     """float64 [B, Hq, Sq]: the LSE difference, kernel vs emulation, that rounding ties can explain.
 
-    reference_exponent: the emulation trace's r per row and key block [B, Hq, Sq, blocks];
+    reference_exponent: the emulation trace's r per row and key block [B, Hq, Sq, blocks] (blocks of
+    block_n keys, the emulation's);
     emu_lse: its LSE (natural log). Rows that see no key get 0.
     """
     q = np.asarray(q8.astype(np.float32), np.float64)
@@ -92,7 +103,7 @@ def lse_rounding_slack(
                 )
                 t = (q[b, rows, h] @ k[b, :, h].T) * row_scale[b, h]
                 err = SCORE_ERROR * (np.abs(q[b, rows, h]) @ np.abs(k[b, :, h]).T) * row_scale[b, h]
-                r_per_key = reference_exponent[b, h, rows][:, keys // BLOCK_N]
+                r_per_key = reference_exponent[b, h, rows][:, keys // block_n]
                 r_final = reference_exponent[b, h, rows, -1]
                 with np.errstate(invalid="ignore", over="ignore"):
                     steps = _steps_at_ties(t - r_per_key, err, lean_p)

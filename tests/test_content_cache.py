@@ -34,13 +34,14 @@ def test_keys_name_the_keywords():
 
 def test_the_fp8_emulation_runs_once_per_input():
     """The GPU tests' emulation (test_fp8_kernel_gpu.emulated_on_cpu) is cached: a second call with equal
-    inputs (the other V layout's) returns the first call's read-only results; other flags compute anew."""
+    inputs (the other V layout's) returns the first call's read-only results; other flags, or other key
+    blocks (the kernel's, which emulated_on_cpu asks for), compute anew."""
     import test_fp8_kernel_gpu as gpu_tests
     from attention_oracle import random_fp8_qkv
 
     rng = np.random.default_rng(0)
     qkv, descales = random_fp8_qkv(rng, batch=1, seq_q=48, seq_k=48, heads_q=2, heads_kv=1)
-    cache = gpu_tests.emulated_on_cpu.cache
+    cache = gpu_tests._emulated_on_cpu.cache
     before = len(cache)
     first = gpu_tests.emulated_on_cpu(*qkv, descales, causal=True, lean_p=True)
     again = gpu_tests.emulated_on_cpu(*(jnp.array(x) for x in qkv), descales, causal=True, lean_p=True)
@@ -48,3 +49,7 @@ def test_the_fp8_emulation_runs_once_per_input():
     assert not any(array.flags.writeable for array in first)
     exact = gpu_tests.emulated_on_cpu(*qkv, descales, causal=True, lean_p=False)
     assert exact is not first and len(cache) == before + 2
+    common = dict(causal=True, lean_p=True, window=None, softmax_scale=None)
+    assert gpu_tests._emulated_on_cpu(*qkv, descales, **common, block_n=128) is first  # no kernel here: 128
+    wide = gpu_tests._emulated_on_cpu(*qkv, descales, **common, block_n=192)
+    assert wide is not first and len(cache) == before + 3

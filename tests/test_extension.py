@@ -66,3 +66,42 @@ def test_handler_counter_reads_the_extension(monkeypatch):
     monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, types.SimpleNamespace(registrations=dict))
     with pytest.raises(RuntimeError, match="has no handler_calls.*rebuild the extension"):
         _extension.handler_calls()
+
+
+@pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
+def test_default_build_runs_128_key_blocks_everywhere():
+    """The FP8 kernel's key block, which the kernel tests' emulation follows: 128 for every kernel of a
+    default build (192 only for the dense V^T kernel built with -DJZYFA_FP8_VT_BLOCK_N=192)."""
+    for v_transposed in (False, True):
+        for head_dim in (128, 192):
+            for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 64))):
+                got = _extension.fp8_key_block(
+                    v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_q=1000,
+                    seq_k=1000,
+                )  # fmt: skip
+                assert got == 128, (v_transposed, head_dim, causal, window)
+
+
+def test_fp8_key_block_without_the_extension(monkeypatch):
+    monkeypatch.setattr(_extension, "load_error", lambda: "no extension")
+    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_q=8, seq_k=8) == 128
+
+
+def test_fp8_key_block_asks_the_extension(monkeypatch):
+    """The call's properties reach the extension by name; an extension built before the function existed
+    runs 128-key blocks."""
+    calls = []
+
+    def fp8_key_block(**kwargs):
+        calls.append(kwargs)
+        return 192 if kwargs["v_transposed"] else 128
+
+    monkeypatch.setattr(_extension, "load_error", lambda: None)
+    fake = types.SimpleNamespace(registrations=dict, fp8_key_block=fp8_key_block)
+    monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, fake)
+    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4) == 192
+    assert calls == [
+        dict(v_transposed=True, head_dim=128, causal=True, window_left=5, window_right=0, seqlen_q=3, seqlen_k=4)
+    ]
+    monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, types.SimpleNamespace(registrations=dict))
+    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4) == 128

@@ -482,9 +482,10 @@ def test_timeline_variant_builds(tmp_path, source):
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name
 
 
-def check_variant_changes(compiled, tmp_path, source: str, define: str, count: int, unchanged) -> None:
+def check_variant_changes(compiled, tmp_path, source: str, define: str, count: int, unchanged) -> dict[str, str]:
     """ffi/<source>.cu built with -D<define>: no spills, no wgmma serialization, `count` kernels; those
-    for which unchanged(name) holds are the default build's, every other one differs from it."""
+    for which unchanged(name) holds are the default build's, every other one differs from it. Returns the
+    variant's SASS per kernel."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, (define,))
     assert not re.search(r"\(C751\d\)", report), report
@@ -499,6 +500,7 @@ def check_variant_changes(compiled, tmp_path, source: str, define: str, count: i
         else:
             assert instructions(text) != instructions(default[name]), f"{name}: the switch left it as it was"
             assert re.search(r"\b[HQ]GMMA\b", text), name
+    return variant
 
 
 def instructions(text: str) -> list[str]:
@@ -524,3 +526,22 @@ def test_16bit_q_prefetch_variant_builds(compiled, tmp_path):
     check_variant_changes(
         compiled, tmp_path, "flash_fwd", "JZYFA_Q_PREFETCH=1", 16, lambda name: "Li256E" in name or "Mla" in name
     )
+
+
+def test_fp8_wide_key_block_variant_builds(compiled, tmp_path):
+    """-DJZYFA_FP8_VT_BLOCK_N=192 (docs/fp8.md 10.26: 192-key blocks for the dense kernel with V^T from
+    memory) changes exactly the two dense V^T kernels (lean and exact P), without spills or wgmma
+    serialization: S = Q K^T in 64x192 QGMMAs (four k-steps), P V over six k-steps of 32 keys; the
+    windowed, MLA and staged-V kernels stay as the default build's."""
+
+    def dense_vt(name: str) -> bool:
+        return "17FlashFwdFp8Kernel" in name and not staged_v(name)
+
+    variant = check_variant_changes(
+        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_VT_BLOCK_N=192", 12, lambda name: not dense_vt(name)
+    )
+    wide = {name: text for name, text in variant.items() if dense_vt(name)}
+    assert len(wide) == 2, list(wide)
+    for name, text in wide.items():
+        assert re.search(r"\bQGMMA\.64x192x32\b", text), name
+        assert not re.search(r"\bQGMMA\.64x128x32\b", text), name
