@@ -369,6 +369,24 @@ struct NoProducerFinish {
   __device__ __forceinline__ void operator()(uint32_t) const {}
 };
 
+// A tile's key blocks 1 .. num_blocks - 1: iteration(block, p_prev, p_next) issues the previous
+// block's P V from p_prev and writes this block's P into p_next. Two P buffers alternate (a P V reads
+// its registers while the next softmax writes the other), or one serves throughout (kOneBuffer: P
+// packed once the P V that read it has landed).
+template <bool kOneBuffer, typename Iteration, typename PBuffer>
+__device__ __forceinline__ void ForLaterBlocks(int num_blocks, Iteration& iteration, PBuffer& p_even,
+                                               PBuffer& p_odd) {
+  for (int block = 1; block < num_blocks; block += 2) {
+    if constexpr (kOneBuffer) {
+      iteration(block, p_even, p_even);
+      if (block + 1 < num_blocks) iteration(block + 1, p_even, p_even);
+    } else {
+      iteration(block, p_even, p_odd);
+      if (block + 1 < num_blocks) iteration(block + 1, p_odd, p_even);
+    }
+  }
+}
+
 // The producer thread's loop: claims tiles from the counter, hands each to the consumers through
 // `bars.tile` and q_full (of the round's Q buffer), and loads its Q and K/V blocks into the ring.
 // The loads are the kernel's: load_q(work, buffer, bar) (buffer: the round's Q buffer),

@@ -870,15 +870,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         timeline.Mark(kIterationEnd);
         timeline.Next();
       };
-      for (int block = 1; block < work.num_blocks; block += 2) {
-        if constexpr (kLatePack) {
-          iteration(block, p_even, p_even);
-          if (block + 1 < work.num_blocks) iteration(block + 1, p_even, p_even);
-        } else {
-          iteration(block, p_even, p_odd);
-          if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
-        }
-      }
+      ForLaterBlocks<kLatePack>(work.num_blocks, iteration, p_even, p_odd);
 
       const int last_block = work.num_blocks - 1;
       const Slot last(ring + last_block);

@@ -503,15 +503,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
         timeline.Mark(kIterationEnd);
         timeline.Next();
       };
-      for (int block = 1; block < work.num_blocks; block += 2) {
-        if constexpr (kOneP) {
-          iteration(block, p_even, p_even);
-          if (block + 1 < work.num_blocks) iteration(block + 1, p_even, p_even);
-        } else {
-          iteration(block, p_even, p_odd);
-          if (block + 1 < work.num_blocks) iteration(block + 1, p_odd, p_even);
-        }
-      }
+      ForLaterBlocks<kOneP>(work.num_blocks, iteration, p_even, p_odd);
 
       // The last block's P V: its P is in p_even when the block index is even (always with kOneP).
       const int last_block = work.num_blocks - 1;
