@@ -23,6 +23,9 @@ WGMMA_N = (64, 128, 256)
 FP8_PV_WITH_SUM_N = 136
 # Wider FP8 key blocks (S = Q K^T only, shared-memory operands): -DJZYFA_FP8_VT_BLOCK_N=192.
 FP8_WIDE_QK_N = (192,)
+# Wider 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
+# hd128 without a mask, 176 keys (-DJZYFA_NOMASK_BLOCK_N=176).
+WIDE_QK_N = (176,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
@@ -166,6 +169,10 @@ def all_wgmma_ops() -> list[Wgmma]:
             ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False))
             ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False, overwrite=True))
             ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
+        for n in WIDE_QK_N:
+            for overwrite in (False, True):
+                ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False,
+                                 overwrite=overwrite))
     # FP8: K-major A and B only (no transposed B), so V reaches the kernel transposed (V^T,
     # seq-contiguous) and P V takes P from registers with a plain K-major B.
     for n in WGMMA_N:

@@ -16,10 +16,14 @@
 namespace jzyfa {
 namespace {
 
-// The plain kernel, the sliding-window one, or MLA's (two head dims), plain or windowed.
-template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
+// The plain kernel, the sliding-window one, or MLA's (two head dims), plain or windowed; with other
+// than the tile's default key block, FlashFwdWideKernel (no mask).
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow, int kBlockN>
 constexpr auto ForwardKernel() {
-  if constexpr (kWindow && kHeadDimQK != kHeadDimV) {
+  if constexpr (kBlockN != FwdTile<kHeadDimQK, kHeadDimV>::kBlockN) {
+    static_assert(!kWindow && kHeadDimQK == kHeadDimV, "wide key blocks: the plain kernel only");
+    return FlashFwdWideKernel<Element, kHeadDimQK, kBlockN>;
+  } else if constexpr (kWindow && kHeadDimQK != kHeadDimV) {
     return FlashFwdMlaVariantKernel<Element, kHeadDimQK, kHeadDimV, WindowedArgs<FwdArgs>>;
   } else if constexpr (kWindow) {
     return FlashFwdWindowKernel<Element, kHeadDimQK>;
@@ -30,16 +34,17 @@ constexpr auto ForwardKernel() {
   }
 }
 
-// q and k have head dim kHeadDimQK, v and out kHeadDimV.
-template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow>
+// q and k have head dim kHeadDimQK, v and out kHeadDimV; kBlockN keys per block.
+template <typename Element, int kHeadDimQK, int kHeadDimV, bool kWindow,
+          int kBlockN = FwdTile<kHeadDimQK, kHeadDimV>::kBlockN>
 std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV, kBlockN>;
   if constexpr (!Tile::kFitsSharedMemory) {
     // Not instantiated: MLA in builds with -DJZYFA_KV_STAGES=3 (FwdTile).
     (void)p, (void)mask, (void)stream;
     return TileTooLarge<Tile>(kHeadDimQK, kHeadDimV, Tile::kEpilogueTma);
   } else {
-    constexpr auto kernel = ForwardKernel<Element, kHeadDimQK, kHeadDimV, kWindow>();
+    constexpr auto kernel = ForwardKernel<Element, kHeadDimQK, kHeadDimV, kWindow, kBlockN>();
     const DeviceInfo* info = nullptr;
     std::string error = PrepareLaunch<kernel>(Tile::kDynamicSmemBytes, &info);
     if (!error.empty()) return error;
@@ -199,6 +204,10 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
   if (p.head_dim == 256) {
     return bf16 ? Launch<__nv_bfloat16, 256, 256, false>(p, mask, stream)
                 : Launch<__half, 256, 256, false>(p, mask, stream);
+  }
+  if (!mask.causal) {  // no mask: JZYFA_NOMASK_BLOCK_N keys per block
+    return bf16 ? Launch<__nv_bfloat16, 128, 128, false, JZYFA_NOMASK_BLOCK_N>(p, mask, stream)
+                : Launch<__half, 128, 128, false, JZYFA_NOMASK_BLOCK_N>(p, mask, stream);
   }
   return bf16 ? Launch<__nv_bfloat16, 128, 128, false>(p, mask, stream)
               : Launch<__half, 128, 128, false>(p, mask, stream);

@@ -40,6 +40,12 @@
 #define JZYFA_EPILOGUE_TMA 1
 #endif
 
+// Keys per block of the dense head-dim-128 kernel for calls without a mask (no causal mask, no
+// window): 128, or 176 (FlashFwdWideKernel; docs/fp8.md 10.27, not yet measured on the GPU).
+#ifndef JZYFA_NOMASK_BLOCK_N
+#define JZYFA_NOMASK_BLOCK_N 128
+#endif
+
 // A second Q buffer where it fits (1; hd64 and hd128 with 2 stages), so that the producer loads the
 // next tile's Q and first K a key block earlier (docs/fp8.md 10.24, the FP8 kernel's
 // JZYFA_FP8_Q_PREFETCH). Measured: no gain (BF16 -1% to +1%): off (0) by default.
@@ -66,7 +72,8 @@ struct FwdArgs {
 
 // The tile geometry of head dims kHeadDimQK for q and k (Q's and K's tiles, the Q K^T k-loop) and
 // kHeadDimV for v and o (V's tile, P V's N, the O accumulator and its stores); equal except for MLA.
-template <int kHeadDimQK, int kHeadDimV = kHeadDimQK>
+// kKeyBlock: the keys per block (below); a multiple of 16 (P V's k-steps) up to 256 (wgmma's N).
+template <int kHeadDimQK, int kHeadDimV = kHeadDimQK, int kKeyBlock = (kHeadDimV > 128 ? 64 : 128)>
 struct FwdTile {
   static constexpr int kConsumers = 2;
   static constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -74,9 +81,13 @@ struct FwdTile {
   // Keys per block: the N of S = Q K^T. At hd256 the O accumulator alone takes 128 registers per
   // consumer thread; 64-key blocks keep S at 32 and P at 16 (one buffer there: kOneP), inside
   // the 232. Shared memory at hd256: Q 64 KB + 2 stages x (K + V) 32 KB each = 192 KB.
-  static constexpr int kBlockN = kHeadDimV > 128 ? 64 : 128;
-  // hd256 with 3 stages would need 256 KB of shared memory.
-  static constexpr int kStages = kHeadDimV > 128 ? 2 : JZYFA_KV_STAGES;
+  static constexpr int kBlockN = kKeyBlock;
+  // S (kBlockN / 2), two P buffers (kBlockN / 4 each) and O (kHeadDimV / 2): 192 registers per
+  // consumer thread in every default tile that has two P buffers (hd64: 128; hd128, MLA: 192). Wider
+  // key blocks (hd128 with 176 keys: 240) would overflow the 232: one P buffer there (kOneP).
+  static constexpr bool kOnePForRegisters = kBlockN + kHeadDimV / 2 > 192;
+  // hd256 with 3 stages would need 256 KB of shared memory; hd128 with 176 keys 296 KB.
+  static constexpr int kStages = kHeadDimV > 128 || kBlockN > 128 ? 2 : JZYFA_KV_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
@@ -117,6 +128,7 @@ struct FwdTile {
   // refuses it instead.
   static constexpr bool kFitsSharedMemory = kDynamicSmemBytes <= kMaxDynamicSmemBytes;
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "head dims must be multiples of 64");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key blocks: multiples of 16, up to 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 
@@ -217,13 +229,14 @@ struct OnlineSoftmax {
 // The kernel's body, for dense batches (FwdArgs) and packed variable-length ones (VarlenFwdArgs:
 // 4-D maps over [1, total, heads, D], per-sequence offsets, lengths and masks, and the register
 // epilogue only, since a TMA store box would spill into the next sequence).
-template <typename Element, int kHeadDimQK, int kHeadDimV, typename Args>
+template <typename Element, int kHeadDimQK, int kHeadDimV,
+          int kKeyBlock = FwdTile<kHeadDimQK, kHeadDimV>::kBlockN, typename Args>
 __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
                                               const CUtensorMap& tmap_v,
                                               const CUtensorMap* tmap_o, const Args& args) {
   constexpr bool kVarlen = kIsVarlen<Args>;
   constexpr bool kWindow = kHasWindow<Args>;  // the tile's blocks start at work.first_block
-  using Tile = FwdTile<kHeadDimQK, kHeadDimV>;
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV, kKeyBlock>;
   // O through shared memory and a TMA store (tmap_o), or from registers (tmap_o unused).
   constexpr bool kTmaEpilogue = Tile::kEpilogueTma;
   static_assert(!(kVarlen && kTmaEpilogue), "varlen stores O from registers");
@@ -249,7 +262,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // hd256: one P buffer, packed once the previous P V has landed (see the key loop), as a second
   // one overflows the consumers' 232 registers. MLA's windowed kernels likewise: with two P buffers
   // (S 64 + O 64 + P 2 x 32) and the window's bounds they spill 8-28 bytes (ptxas); with one, none.
-  constexpr bool kOneP = kHeadDimV > 128 || (kWindow && kHeadDimQK != kHeadDimV);
+  // Key blocks wider than the default (FwdTile::kOnePForRegisters) likewise.
+  constexpr bool kOneP =
+      kHeadDimV > 128 || (kWindow && kHeadDimQK != kHeadDimV) || Tile::kOnePForRegisters;
   // Head dim 256 and MLA's: the consumers' registers are full (O, S and P at 232).
   constexpr bool kWideHeadDims = kHeadDimQK > 128;
 
@@ -611,6 +626,19 @@ __global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
                    const __grid_constant__ CUtensorMap tmap_v,
                    const FwdArgs args JZYFA_TMAP_O_PARAM) {
   FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
+}
+
+// Dense batches without a mask at head dim kHeadDim with kBlockN-key blocks other than FwdTile's
+// default (-DJZYFA_NOMASK_BLOCK_N=176 at head dim 128: docs/fp8.md 10.27). A kernel of its own, so
+// that FlashFwdKernel keeps its symbols and SASS.
+template <typename Element, int kHeadDim, int kBlockN>
+__global__ void __launch_bounds__(FwdTile<kHeadDim, kHeadDim, kBlockN>::kThreads, 1)
+    FlashFwdWideKernel(const __grid_constant__ CUtensorMap tmap_q,
+                       const __grid_constant__ CUtensorMap tmap_k,
+                       const __grid_constant__ CUtensorMap tmap_v,
+                       const FwdArgs args JZYFA_TMAP_O_PARAM) {
+  FlashFwdTiles<Element, kHeadDim, kHeadDim, kBlockN>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG,
+                                                      args);
 }
 
 // MLA's head dims (q/k 192, v 128: FwdTile), dense batches, causal or no mask. A kernel of its own

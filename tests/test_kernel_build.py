@@ -484,8 +484,8 @@ def test_timeline_variant_builds(tmp_path, source):
 
 def check_variant_changes(compiled, tmp_path, source: str, define: str, count: int, unchanged) -> dict[str, str]:
     """ffi/<source>.cu built with -D<define>: no spills, no wgmma serialization, `count` kernels; those
-    for which unchanged(name) holds are the default build's, every other one differs from it. Returns the
-    variant's SASS per kernel."""
+    for which unchanged(name) holds are the default build's, every other one differs from it or is new.
+    Returns the variant's SASS per kernel."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, (define,))
     assert not re.search(r"\(C751\d\)", report), report
@@ -497,8 +497,10 @@ def check_variant_changes(compiled, tmp_path, source: str, define: str, count: i
     for name, text in variant.items():
         if unchanged(name):
             assert instructions(text) == instructions(default[name]), f"{name}: must not change"
-        else:
-            assert instructions(text) != instructions(default[name]), f"{name}: the switch left it as it was"
+        else:  # changed, or a kernel only the switch builds
+            assert name not in default or instructions(text) != instructions(default[name]), (
+                f"{name}: the switch left it as it was"
+            )
             assert re.search(r"\b[HQ]GMMA\b", text), name
     return variant
 
@@ -545,3 +547,16 @@ def test_fp8_wide_key_block_variant_builds(compiled, tmp_path):
     for name, text in wide.items():
         assert re.search(r"\bQGMMA\.64x192x32\b", text), name
         assert not re.search(r"\bQGMMA\.64x128x32\b", text), name
+
+
+def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
+    """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
+    FlashFwdWideKernel for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176
+    HGMMAs (three issue sites of eight k-steps); every default kernel stays as it was."""
+    variant = check_variant_changes(
+        compiled, tmp_path, "flash_fwd", "JZYFA_NOMASK_BLOCK_N=176", 18, lambda name: "FlashFwdWideKernel" not in name
+    )
+    wide = {name: text for name, text in variant.items() if "FlashFwdWideKernel" in name}
+    assert len(wide) == 2 and all("Li128ELi176E" in name for name in wide), list(wide)
+    for name, text in wide.items():
+        assert len(re.findall(r"\bHGMMA\.64x176x16\b", text)) == 24, name

@@ -121,6 +121,7 @@ SEQ_PAIRS = [
     (100, 300),
     (300, 100),
     (1, 777),
+    (177, 353),  # around 176-key blocks (-DJZYFA_NOMASK_BLOCK_N=176, no mask)
     (64, 1),
 ]
 
