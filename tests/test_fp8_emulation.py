@@ -238,12 +238,13 @@ SHAPE_CASES = {  # name: (batch, seq_q, seq_k, heads_q, heads_kv, causal)
 
 @pytest.mark.parametrize("case", SHAPE_CASES)
 @pytest.mark.parametrize("lean_p", [True, False])
-def test_shapes_against_float64(rng, case, lean_p):
+@pytest.mark.parametrize("block_n", [128, 192])  # 192: the wide FP8 kernel's (docs/fp8.md 10.26)
+def test_shapes_against_float64(rng, case, lean_p, block_n):
     batch, seq_q, seq_k, heads_q, heads_kv, causal = SHAPE_CASES[case]
     q = rng.standard_normal((batch, seq_q, heads_q, 64)).astype(np.float32)
     k, v = (rng.standard_normal((batch, seq_k, heads_kv, 64)).astype(np.float32) for _ in range(2))
     quantized = quantize_all(q, k, v)
-    out, lse = attention_fp8_emulated(*quantized, causal=causal, lean_p=lean_p)
+    out, lse = attention_fp8_emulated(*quantized, causal=causal, lean_p=lean_p, block_n=block_n)
     assert out.dtype == jnp.bfloat16 and out.shape == q.shape and lse.shape == (batch, heads_q, seq_q)
     reference, reference_lse = naive_attention_f64(*dequantized(*quantized), causal=causal)
     empty = np.isneginf(reference_lse)
@@ -305,20 +306,27 @@ def test_merge_of_key_halves_equals_one_pass(rng, causal, rounded_sum):
     np.testing.assert_allclose(merged_lse, lse, rtol=0, atol=2e-5)
 
 
-def test_reference_exponent_invariants(rng):
+@pytest.mark.parametrize("block_n", [128, 192])
+def test_reference_exponent_invariants(rng, block_n):
     q, k, v = sink_inputs(rng, seq_q=64, seq_k=1000, heads=1, head_dim=64)
     quantized = quantize_all(q, k, v)
     q8, k8, _, dq, dk, _ = quantized
     scores = np.einsum("bqhd,bkhd->bhqk", *(np.asarray(x, np.float32).astype(np.float64) for x in (q8, k8)))
     scores *= float(dq) * float(dk) * math.log2(math.e) / 8  # log2 units; softmax_scale 1/sqrt(64)
-    blocks = -(-1000 // 128)
-    padded = np.pad(scores, ((0, 0), (0, 0), (0, 0), (0, blocks * 128 - 1000)), constant_values=-np.inf)
-    block_max = padded.reshape(*scores.shape[:3], blocks, 128).max(-1)
+    # Causal, bottom-right: row i sees keys up to 1000 - 64 + i (a block a row does not see has no max).
+    scores[..., np.arange(1000)[None, :] > np.arange(64)[:, None] + 1000 - 64] = -np.inf
+    blocks = -(-1000 // block_n)
+    padded = np.pad(scores, ((0, 0), (0, 0), (0, 0), (0, blocks * block_n - 1000)), constant_values=-np.inf)
+    block_max = padded.reshape(*scores.shape[:3], blocks, block_n).max(-1)
     for block_scaling in (True, False):
-        trace = trace_attention_fp8_emulated(*quantized, causal=True, block_scaling=block_scaling)
+        trace = trace_attention_fp8_emulated(
+            *quantized, causal=True, block_scaling=block_scaling, block_n=block_n
+        )
+        assert trace.reference_exponent.shape[-1] == blocks
         r = np.asarray(trace.reference_exponent, np.float64)
         assert np.all(r == np.round(r))  # integers: power-of-two rescales, one-FFMA codes
         headroom = block_max - r  # log2 of the block's largest P~ (up to float32 rounding of scores)
+        headroom = headroom[np.isfinite(headroom)]  # the blocks each row sees
         assert headroom.max() <= P_EXPONENT + LAZY_RESCALE_THRESHOLD + 1e-4  # P~ <= 2^8.75 < 448
         if block_scaling:  # every block's largest P~ sits within [2^4, 2^8.75]
             assert headroom.min() >= P_EXPONENT - 4 - 1e-4
