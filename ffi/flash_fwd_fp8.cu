@@ -89,20 +89,32 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   return "";
 }
 
-// The launch for the call's head dims, mask and P, with the tiles of one V source (DenseTile: the
-// unwindowed head-dim-128 kernel's, Tile: the windowed one's).
-template <typename Tile, typename DenseTile, typename MlaTile>
-std::string LaunchFor(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_t stream) {
+template <typename T>
+struct TileTag {
+  using type = T;
+};
+
+// The tile and kernel a call runs on, by its head dims, mask, P and V source: visit(TileTag<Tile>,
+// lean P, windowed), the flags as std::bool_constant (DenseTile: the unwindowed head-dim-128
+// kernel's tile, Tile: the windowed one's). The launch and Fp8KeyBlock both ask here.
+template <typename Tile, typename DenseTile, typename MlaTile, typename Visit>
+auto VisitTileOf(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit visit) {
+  using Yes = std::true_type;
+  using No = std::false_type;
   if (p.head_dim == MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
-    return p.lean_p ? Launch<MlaTile, true, false>(p, mask, stream)
-                    : Launch<MlaTile, false, false>(p, mask, stream);
+    return p.lean_p ? visit(TileTag<MlaTile>{}, Yes{}, No{}) : visit(TileTag<MlaTile>{}, No{}, No{});
   }
   if (mask.windowed) {
-    return p.lean_p ? Launch<Tile, true, true>(p, mask, stream)
-                    : Launch<Tile, false, true>(p, mask, stream);
+    return p.lean_p ? visit(TileTag<Tile>{}, Yes{}, Yes{}) : visit(TileTag<Tile>{}, No{}, Yes{});
   }
-  return p.lean_p ? Launch<DenseTile, true, false>(p, mask, stream)
-                  : Launch<DenseTile, false, false>(p, mask, stream);
+  return p.lean_p ? visit(TileTag<DenseTile>{}, Yes{}, No{})
+                  : visit(TileTag<DenseTile>{}, No{}, No{});
+}
+
+template <typename Visit>
+auto VisitKernelTile(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit visit) {
+  return p.v_transposed ? VisitTileOf<Fp8VtTile, Fp8VtDenseTile, Fp8MlaVtTile>(p, mask, visit)
+                        : VisitTileOf<Fp8Tile, Fp8Tile, Fp8MlaTile>(p, mask, visit);
 }
 
 }  // namespace
@@ -161,19 +173,16 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  return p.v_transposed ? LaunchFor<Fp8VtTile, Fp8VtDenseTile, Fp8MlaVtTile>(p, mask, stream)
-                        : LaunchFor<Fp8Tile, Fp8Tile, Fp8MlaTile>(p, mask, stream);
+  return VisitKernelTile(p, mask, [&](auto tile, auto lean_p, auto windowed) {
+    return Launch<typename decltype(tile)::type, decltype(lean_p)::value, decltype(windowed)::value>(
+        p, mask, stream);
+  });
 }
 
 int Fp8KeyBlock(const FlashFwdFp8Params& p) {
-  static_assert(Fp8Tile::kBlockN == 128 && Fp8VtTile::kBlockN == 128 && Fp8MlaTile::kBlockN == 128 &&
-                Fp8MlaVtTile::kBlockN == 128);
-  MaskPlan mask;
-  const bool windowed =
-      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask).empty() &&
-      mask.windowed;
-  const bool mla = p.head_dim != Fp8Tile::kHeadDim;
-  return p.v_transposed && !windowed && !mla ? Fp8VtDenseTile::kBlockN : 128;
+  MaskPlan mask;  // where ResolveMask refuses the bounds the launch refuses the call: any answer does
+  ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
+  return VisitKernelTile(p, mask, [](auto tile, auto, auto) { return decltype(tile)::type::kBlockN; });
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

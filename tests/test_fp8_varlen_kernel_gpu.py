@@ -65,29 +65,28 @@ def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
 
 def dense_kernel_per_sequence(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
     """Each sequence with queries and keys alone through the dense FP8 kernel: {s: (out, lse)}."""
-    wide = _extension.fp8_key_block(
+    # A -DJZYFA_FP8_VT_BLOCK_N=192 build: the dense V^T kernel's key blocks are not the varlen kernel's
+    # 128 keys, the staged dense kernel's are: the oracle runs staged.
+    staged_oracle = os.environ.get(FP8_V_LAYOUT_ENV) == "transposed" and _extension.fp8_key_block(
         v_transposed=True, head_dim=128, causal=False, window=(-1, -1), seq_q=1, seq_k=1
     ) != 128
-    if wide and os.environ.get(FP8_V_LAYOUT_ENV) == "transposed":
-        # A -DJZYFA_FP8_VT_BLOCK_N=192 build: the dense V^T kernel's key blocks are not the varlen
-        # kernel's 128 keys, the staged dense kernel's are: the oracle runs staged.
-        with pytest.MonkeyPatch.context() as patch:
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        if staged_oracle:
             patch.setenv(FP8_V_LAYOUT_ENV, "staged")
             jax.clear_caches()
-            results = dense_kernel_per_sequence(q8, k8, v8, descales, cu_q, cu_k, causal=causal, window=window)
-        jax.clear_caches()
-        return results
-    results = {}
-    for s in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
-        if cu_q[s + 1] == cu_q[s] or cu_k[s + 1] == cu_k[s]:
-            continue
-        ds = [d if d.ndim < 2 else d[s : s + 1] for d in descales]
-        out, lse = jzyfa.flash_attention(
-            q8[None, rows], k8[None, keys], v8[None, keys], causal=causal, window=window, return_lse=True,
-            implementation="kernel", descale_q=ds[0], descale_k=ds[1], descale_v=ds[2],
-        )  # fmt: skip
-        results[s] = (np.asarray(out[0].astype(jnp.float32)), np.asarray(lse[0]))
+        for s in range(len(cu_q) - 1):
+            rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+            if cu_q[s + 1] == cu_q[s] or cu_k[s + 1] == cu_k[s]:
+                continue
+            ds = [d if d.ndim < 2 else d[s : s + 1] for d in descales]
+            out, lse = jzyfa.flash_attention(
+                q8[None, rows], k8[None, keys], v8[None, keys], causal=causal, window=window, return_lse=True,
+                implementation="kernel", descale_q=ds[0], descale_k=ds[1], descale_v=ds[2],
+            )  # fmt: skip
+            results[s] = (np.asarray(out[0].astype(jnp.float32)), np.asarray(lse[0]))
+    if staged_oracle:
+        jax.clear_caches()  # the layout the rest of the test traces with
     return results
 
 
