@@ -175,9 +175,10 @@ std::string LaunchFlashFwdVarlen(const FlashFwdVarlenParams& params, cudaStream_
 // The same for the FP8 kernel.
 std::string ValidateFlashFwdFp8(const FlashFwdFp8Params& params);
 std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& params, cudaStream_t stream);
-// Keys per block of the FP8 kernel that LaunchFlashFwdFp8 runs for `params` (128, or 192 for the
-// unwindowed head-dim-128 kernel with V^T from memory built with -DJZYFA_FP8_VT_BLOCK_N=192): its
-// emulation must use the same blocks. Reads the head dims, mask and V layout only.
+// Keys per block of the FP8 kernel that LaunchFlashFwdFp8 runs for `params` now (128, or 192 for the
+// unwindowed head-dim-128 kernel with V^T from memory when its rows see many keys or
+// JZYFA_FP8_KEY_BLOCK=192): its emulation must use the same blocks. Reads the head dims, mask,
+// sequence lengths and V layout only.
 int Fp8KeyBlock(const FlashFwdFp8Params& params);
 
 // The same for the FP8 kernel over packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu).

@@ -4,6 +4,8 @@
 // transposed in the kernel, or V^T from fp8_value_operand.cu: FlashFwdFp8Params::v_transposed).
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -24,6 +26,9 @@ constexpr auto Fp8ForwardKernel() {
     return FlashFwdFp8MlaKernel<kLeanP, kStagedV>;
   } else if constexpr (kWindow) {
     return FlashFwdFp8WindowKernel<kLeanP, kStagedV>;
+  } else if constexpr (Tile::kBlockN != 128) {
+    static_assert(!kStagedV && Tile::kBlockN == Fp8VtWideTile::kBlockN);
+    return FlashFwdFp8WideKernel<kLeanP>;
   } else {
     return FlashFwdFp8Kernel<kLeanP, kStagedV>;
   }
@@ -94,27 +99,49 @@ struct TileTag {
   using type = T;
 };
 
-// The tile and kernel a call runs on, by its head dims, mask, P and V source: visit(TileTag<Tile>,
-// lean P, windowed), the flags as std::bool_constant (DenseTile: the unwindowed head-dim-128
-// kernel's tile, Tile: the windowed one's). The launch and Fp8KeyBlock both ask here.
-template <typename Tile, typename DenseTile, typename MlaTile, typename Visit>
-auto VisitTileOf(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit visit) {
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (p.head_dim == MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
-    return p.lean_p ? visit(TileTag<MlaTile>{}, Yes{}, No{}) : visit(TileTag<MlaTile>{}, No{}, No{});
-  }
-  if (mask.windowed) {
-    return p.lean_p ? visit(TileTag<Tile>{}, Yes{}, Yes{}) : visit(TileTag<Tile>{}, No{}, Yes{});
-  }
-  return p.lean_p ? visit(TileTag<DenseTile>{}, Yes{}, No{})
-                  : visit(TileTag<DenseTile>{}, No{}, No{});
+// Keys per block of the dense V^T kernel, JZYFA_FP8_KEY_BLOCK: "auto" (or unset) picks by the keys a
+// row sees, "128" or "192" force one (tests, A/B benchmarks). 0 for any other value.
+constexpr const char* kKeyBlockEnv = "JZYFA_FP8_KEY_BLOCK";
+
+int KeyBlockOverride() {
+  const char* value = std::getenv(kKeyBlockEnv);
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) return -1;
+  if (std::strcmp(value, "128") == 0) return 128;
+  if (std::strcmp(value, "192") == 0) return 192;
+  return 0;
 }
 
+// 192-key blocks pay off once a row sees enough keys: each block's fixed work (quad shuffles, the r
+// chain, waits, the turn hand-over) is spread over 1.5x the keys, while a causal tile's diagonal
+// computes ~64 more masked keys and O's TMA store is lost (docs/fp8.md 10.28, measured on the H200).
+constexpr int64_t kWideMinKeysCausal = 8192;
+constexpr int64_t kWideMinKeysNoMask = 2048;
+
+bool UseWideKeyBlocks(const FlashFwdFp8Params& p, const MaskPlan& mask) {
+  const int override_block = KeyBlockOverride();
+  if (override_block > 0) return override_block == Fp8VtWideTile::kBlockN;
+  return p.seqlen_k >= (mask.causal ? kWideMinKeysCausal : kWideMinKeysNoMask);
+}
+
+// The tile and kernel a call runs on, by its head dims, mask, P, V source and (dense V^T) the keys
+// its rows see: visit(TileTag<Tile>, lean P, windowed), the flags as std::bool_constant. The launch
+// and Fp8KeyBlock both ask here.
 template <typename Visit>
 auto VisitKernelTile(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit visit) {
-  return p.v_transposed ? VisitTileOf<Fp8VtTile, Fp8VtDenseTile, Fp8MlaVtTile>(p, mask, visit)
-                        : VisitTileOf<Fp8Tile, Fp8Tile, Fp8MlaTile>(p, mask, visit);
+  using Yes = std::true_type;
+  using No = std::false_type;
+  const auto with_p = [&](auto tile, auto windowed) {
+    return p.lean_p ? visit(tile, Yes{}, windowed) : visit(tile, No{}, windowed);
+  };
+  if (p.head_dim == Fp8MlaTile::kHeadDimQK) {  // no window, v's head dim 128 (ValidateFlashFwdFp8)
+    return p.v_transposed ? with_p(TileTag<Fp8MlaVtTile>{}, No{}) : with_p(TileTag<Fp8MlaTile>{}, No{});
+  }
+  if (mask.windowed) {
+    return p.v_transposed ? with_p(TileTag<Fp8VtTile>{}, Yes{}) : with_p(TileTag<Fp8Tile>{}, Yes{});
+  }
+  if (!p.v_transposed) return with_p(TileTag<Fp8Tile>{}, No{});
+  return UseWideKeyBlocks(p, mask) ? with_p(TileTag<Fp8VtWideTile>{}, No{})
+                                   : with_p(TileTag<Fp8VtTile>{}, No{});
 }
 
 }  // namespace
@@ -173,6 +200,10 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
+  if (KeyBlockOverride() == 0) {
+    return std::string(kKeyBlockEnv) + " must be auto, 128 or 192 (or unset), got '" +
+           std::getenv(kKeyBlockEnv) + "'";
+  }
   return VisitKernelTile(p, mask, [&](auto tile, auto lean_p, auto windowed) {
     return Launch<typename decltype(tile)::type, decltype(lean_p)::value, decltype(windowed)::value>(
         p, mask, stream);

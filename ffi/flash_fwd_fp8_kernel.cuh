@@ -24,8 +24,8 @@
 //     starts from zero (scale-d = 0), as DeepSeek-V3 does for FP8 GEMMs.
 //   - The epilogue hands bf16 O to a TMA store through a tile in shared memory (TmaEpilogue; the
 //     varlen kernels and MLA's staged one store from registers) and writes the LSE from registers.
-//   - Key blocks of 128 keys; with -DJZYFA_FP8_VT_BLOCK_N=192 the dense V^T kernel takes 192 (its
-//     fixed per-block costs spread over more keys; docs/fp8.md 10.26), its codes packed late.
+//   - Key blocks of 128 keys, or 192 in FlashFwdFp8WideKernel (the dense V^T kernel for long rows:
+//     its fixed per-block costs spread over more keys; docs/fp8.md 10.26, 10.28), codes packed late.
 #pragma once
 
 #include <cuda.h>
@@ -104,7 +104,7 @@ __device__ __forceinline__ int Fp8VarlenValueColumn(int k_offset, int seq) {
 #define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
 #endif
 // kQPrefetch_: a second Q buffer where it fits (below). kBlockN_: keys per block, 128 or (V^T from
-// global memory only) 192 (JZYFA_FP8_VT_BLOCK_N, docs/fp8.md 10.26).
+// global memory only) 192 (Fp8VtWideTile, docs/fp8.md 10.26).
 template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA,
           bool kQPrefetch_ = true, int kBlockN_ = 128>
 struct Fp8TileT {
@@ -231,12 +231,9 @@ using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 // The same tiles reading V^T from global memory (kStagedV false).
 using Fp8VtTile = Fp8TileT<128, false>;
 using Fp8MlaVtTile = Fp8TileT<192, false>;
-// The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory: 128 keys per block,
-// or with -DJZYFA_FP8_VT_BLOCK_N=192 192 (docs/fp8.md 10.26; not yet measured on the GPU).
-#ifndef JZYFA_FP8_VT_BLOCK_N
-#define JZYFA_FP8_VT_BLOCK_N 128
-#endif
-using Fp8VtDenseTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, true, JZYFA_FP8_VT_BLOCK_N>;
+// The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory and 192 keys per
+// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; flash_fwd_fp8.cu picks it).
+using Fp8VtWideTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, true, 192>;
 // The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
 // 4-8 bytes in their consumers).
 using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
@@ -980,8 +977,19 @@ __global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
                       const __grid_constant__ CUtensorMap tmap_k,
                       const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
                       const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, std::conditional_t<kStagedV, Fp8Tile, Fp8VtDenseTile>>(tmap_q, tmap_k,
-                                                                                tmap_v, &tmap_o, args);
+  FlashFwdFp8Tiles<kLeanP, std::conditional_t<kStagedV, Fp8Tile, Fp8VtTile>>(tmap_q, tmap_k, tmap_v,
+                                                                           &tmap_o, args);
+}
+
+// The same with 192-key blocks (Fp8VtWideTile: V^T from global memory only). A kernel of its own so
+// that the 128-key kernels keep their symbols and SASS.
+template <bool kLeanP>
+__global__ void __launch_bounds__(Fp8VtWideTile::kThreads, 1)
+    FlashFwdFp8WideKernel(const __grid_constant__ CUtensorMap tmap_q,
+                          const __grid_constant__ CUtensorMap tmap_k,
+                          const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
+                          const __grid_constant__ CUtensorMap tmap_o) {
+  FlashFwdFp8Tiles<kLeanP, Fp8VtWideTile>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
 }
 
 // MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its

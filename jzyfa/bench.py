@@ -70,7 +70,7 @@ from absl import app, flags
 from jzyfa import _timing, _validation, peers, realistic_inputs
 from jzyfa._errors import short_error
 from jzyfa.accuracy import attention_float64, take_pairs
-from jzyfa.fp8_primitive import FP8_V_LAYOUT_ENV
+from jzyfa.fp8_primitive import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV
 from jzyfa.peers import (
     Problem,
     Unsupported,
@@ -468,6 +468,7 @@ def _jzyfa_status() -> dict[str, Any]:
     # Set, it lets implementation="kernel" run the FP8 kernel before it has passed its GPU tests.
     info["unverified_fp8_kernel_env"] = os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV)
     info["fp8_v_layout_env"] = os.environ.get(FP8_V_LAYOUT_ENV)  # --fp8_v_layout, or set outside
+    info["fp8_key_block_env"] = os.environ.get(FP8_KEY_BLOCK_ENV)  # the dense V^T kernel's, forced
     # An installed copy is no git checkout: tools/gpu_session.sh can pass the commit it built.
     info["git_commit"] = os.environ.get("JZYFA_GIT_COMMIT") or _run_text(
         ["git", "-C", str(_package_dir()), "rev-parse", "--short", "HEAD"]

@@ -83,6 +83,13 @@ FP8_STAGED_V_VERIFIED = True
 FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
 FP8_V_LAYOUTS = ("staged", "transposed")
 
+# Keys per block of the dense kernel with V^T from memory (head dim 128, no window): the kernel picks
+# 192 for rows that see many keys, 128 otherwise (ffi/flash_fwd_fp8.cu, UseWideKeyBlocks; docs/fp8.md
+# 10.28). JZYFA_FP8_KEY_BLOCK forces one for tests and A/B benchmarks; the launch reads it, so changing
+# it needs no retrace. Checked here at trace time so that a bad value fails before any launch.
+FP8_KEY_BLOCK_ENV = "JZYFA_FP8_KEY_BLOCK"
+FP8_KEY_BLOCKS = ("auto", "128", "192")
+
 flash_attention_fp8_p = Primitive(FFI_TARGET_FP8)
 flash_attention_fp8_p.multiple_results = True
 flash_attention_fp8_shard_p = Primitive(FFI_TARGET_FP8 + "_shard")
@@ -258,6 +265,15 @@ def _v_layout_override() -> str:
     return override
 
 
+def check_key_block_override() -> None:
+    """Raises ValueError unless JZYFA_FP8_KEY_BLOCK is unset, empty or one of FP8_KEY_BLOCKS."""
+    override = os.environ.get(FP8_KEY_BLOCK_ENV, "")
+    if override and override not in FP8_KEY_BLOCKS:
+        raise ValueError(
+            f"{FP8_KEY_BLOCK_ENV} must be one of {', '.join(FP8_KEY_BLOCKS)} (or unset for auto), got {override!r}"
+        )
+
+
 def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     """ "staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
     the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then.
@@ -287,6 +303,7 @@ def fp8_attention_shard(
 ):
     """The call on one device's blocks, descales as [B * Hkv] vectors; V as it is, or V^T from the
     layout kernel, by `fp8_value_layout` of the shard's shapes."""
+    check_key_block_override()
     v_transposed = fp8_value_layout(q8.shape[1], q8.shape[2], k8.shape[2]) == "transposed"
     out, lse = flash_attention_fp8_shard_p.bind(
         q8,

@@ -22,9 +22,10 @@ from gpu_utils import HOPPER_SKIP_REASON  # noqa: E402
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """A NumPy generator seeded from the test's name: reproducible, and different per test, except that
-    a test's two FP8 V layouts (`fp8_v_layout`: "staged", "transposed") draw the same inputs, so that
+    a test's FP8 V layouts (`fp8_v_layout`: "staged", "transposed"; "wide" in tests/test_fp8_kernel_gpu.py)
+    draw the same inputs, so that
     their CPU references are computed once (tests/content_cache.py) and both layouts face the same data."""
-    name = re.sub(r"(?<=[\[-])(staged|transposed)(?=[\]-])", "layout", request.node.nodeid)
+    name = re.sub(r"(?<=[\[-])(staged|transposed|wide)(?=[\]-])", "layout", request.node.nodeid)
     return np.random.default_rng(zlib.crc32(name.encode()))
 
 
@@ -36,15 +37,17 @@ def cpu_backend(monkeypatch):
     monkeypatch.setattr(_platform, "default_backend", lambda: "cpu")
 
 
-# The FP8 path's V layout override (jzyfa/fp8_primitive.py, fp8_value_layout).
+# The FP8 path's V layout and key block overrides (jzyfa/fp8_primitive.py).
 FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
+FP8_KEY_BLOCK_ENV = "JZYFA_FP8_KEY_BLOCK"
 
 
 @pytest.fixture(autouse=True)
 def fp8_v_layout_rule(monkeypatch):
-    """Every test starts from the FP8 V layout rule (no override from the environment); tests that want
-    a layout take `fp8_v_layout` or set the variable themselves."""
+    """Every test starts from the FP8 V layout and key block rules (no override from the environment);
+    tests that want a layout take `fp8_v_layout` or set the variables themselves."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    monkeypatch.delenv(FP8_KEY_BLOCK_ENV, raising=False)
 
 
 @pytest.fixture(params=["staged", "transposed"])

@@ -68,18 +68,29 @@ def test_handler_counter_reads_the_extension(monkeypatch):
         _extension.handler_calls()
 
 
+# The dense V^T kernel's rule (ffi/flash_fwd_fp8.cu, UseWideKeyBlocks): 192-key blocks from this many keys.
+WIDE_MIN_KEYS = {True: 8192, False: 2048}  # by causal
+
+
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
-def test_default_build_runs_128_key_blocks_everywhere():
-    """The FP8 kernel's key block, which the kernel tests' emulation follows: 128 for every kernel of a
-    default build (192 only for the dense V^T kernel built with -DJZYFA_FP8_VT_BLOCK_N=192)."""
+@pytest.mark.parametrize("override", [None, "auto", "128", "192"])
+def test_fp8_key_block_rule(monkeypatch, override):
+    """The FP8 kernel's key block, which the kernel tests' emulation follows: 192 only for the dense kernel
+    with V^T from memory (head dim 128, no window), from WIDE_MIN_KEYS keys or when JZYFA_FP8_KEY_BLOCK=192
+    forces it; 128 for every other kernel whatever the variable says."""
+    if override is not None:
+        monkeypatch.setenv("JZYFA_FP8_KEY_BLOCK", override)
     for v_transposed in (False, True):
         for head_dim in (128, 192):
             for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 64))):
-                got = _extension.fp8_key_block(
-                    v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_q=1000,
-                    seq_k=1000,
-                )  # fmt: skip
-                assert got == 128, (v_transposed, head_dim, causal, window)
+                for seq_k in (1000, 2047, 2048, 8191, 8192, 40000):
+                    dense_vt = v_transposed and head_dim == 128 and window[0] == -1
+                    wide = seq_k >= WIDE_MIN_KEYS[causal] if override in (None, "auto") else override == "192"
+                    got = _extension.fp8_key_block(
+                        v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_q=1000,
+                        seq_k=seq_k,
+                    )  # fmt: skip
+                    assert got == (192 if dense_vt and wide else 128), (v_transposed, head_dim, causal, window, seq_k)
 
 
 def test_fp8_key_block_without_the_extension(monkeypatch):

@@ -17,6 +17,7 @@ from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
     FFI_TARGET_VALUE_OPERAND,
+    FP8_KEY_BLOCK_ENV,
     FP8_STAGED_V_MAX_ROWS,
     FP8_V_LAYOUT_ENV,
     flash_attention_fp8_kernel,
@@ -181,6 +182,20 @@ def test_v_layout_env_overrides_the_rule(monkeypatch):
 def test_v_layout_env_rejects_other_values(monkeypatch):
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, "vt")
     with pytest.raises(ValueError, match=FP8_V_LAYOUT_ENV):
+        lower_fp8_for_cuda(1, 64, 64, 2, 2)
+
+
+@pytest.mark.parametrize("value", ["auto", "128", "192", ""])
+def test_key_block_env_takes_auto_128_or_192(monkeypatch, value):
+    """JZYFA_FP8_KEY_BLOCK is read by the launch (no trace-time effect: the same HLO), checked at trace
+    time."""
+    monkeypatch.setenv(FP8_KEY_BLOCK_ENV, value)
+    assert_transposed(lower_fp8_for_cuda(1, 8192, 8192, 8, 8), "1,8,128,8192")
+
+
+def test_key_block_env_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(FP8_KEY_BLOCK_ENV, "256")
+    with pytest.raises(ValueError, match=f"{FP8_KEY_BLOCK_ENV} must be one of auto, 128, 192"):
         lower_fp8_for_cuda(1, 64, 64, 2, 2)
 
 

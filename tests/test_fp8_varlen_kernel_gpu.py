@@ -11,7 +11,6 @@ with JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1, whatever jzyfa.api.FP8_VARLEN_KERNEL_
 since this file passed on an H200 on 2026-12-01). Few, small cases: about a minute on an H200.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +23,8 @@ from test_fp8_window_kernel_gpu import ONE_CODE_LSE
 from test_kernel_gpu import relative_l2
 
 import jzyfa
-from jzyfa import _extension, api
-from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, FP8_V_LAYOUT_ENV, fp8_varlen_value_layout
+from jzyfa import api
+from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, FP8_KEY_BLOCK_ENV, fp8_varlen_value_layout
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 
 pytestmark = [pytest.mark.gpu, requires_hopper, pytest.mark.usefixtures("fp8_v_layout")]
@@ -65,16 +64,10 @@ def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
 
 def dense_kernel_per_sequence(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
     """Each sequence with queries and keys alone through the dense FP8 kernel: {s: (out, lse)}."""
-    # A -DJZYFA_FP8_VT_BLOCK_N=192 build: the dense V^T kernel's key blocks are not the varlen kernel's
-    # 128 keys, the staged dense kernel's are: the oracle runs staged.
-    staged_oracle = os.environ.get(FP8_V_LAYOUT_ENV) == "transposed" and _extension.fp8_key_block(
-        v_transposed=True, head_dim=128, causal=False, window=(-1, -1), seq_q=1, seq_k=1
-    ) != 128
     results = {}
     with pytest.MonkeyPatch.context() as patch:
-        if staged_oracle:
-            patch.setenv(FP8_V_LAYOUT_ENV, "staged")
-            jax.clear_caches()
+        # The varlen kernel's 128-key blocks, whatever the dense V^T kernel's rule picks (launch-time).
+        patch.setenv(FP8_KEY_BLOCK_ENV, "128")
         for s in range(len(cu_q) - 1):
             rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
             if cu_q[s + 1] == cu_q[s] or cu_k[s + 1] == cu_k[s]:
@@ -85,8 +78,6 @@ def dense_kernel_per_sequence(q8, k8, v8, descales, cu_q, cu_k, *, causal, windo
                 implementation="kernel", descale_q=ds[0], descale_k=ds[1], descale_v=ds[2],
             )  # fmt: skip
             results[s] = (np.asarray(out[0].astype(jnp.float32)), np.asarray(lse[0]))
-    if staged_oracle:
-        jax.clear_caches()  # the layout the rest of the test traces with
     return results
 
 

@@ -324,8 +324,9 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
 
 def staged_v(name: str) -> bool:
     """Whether an FP8 kernel builds V^T in shared memory (kStagedV) rather than loading the layout kernel's
-    V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin (the varlen kernels included)."""
-    return not re.search(r"ILb[01]ELb0EEEv", name)
+    V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin (the varlen kernels included); the 192-key
+    FlashFwdFp8WideKernel<kLeanP> loads V^T."""
+    return "FlashFwdFp8WideKernel" not in name and not re.search(r"ILb[01]ELb0EEEv", name)
 
 
 def reachable(text: str, start: str) -> list[str]:
@@ -386,8 +387,9 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     kernels' producer stays within R0..R39 too, with no transposing code."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name}
-    # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T)
-    assert len(found) == 16, list(found)
+    # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the 192-key
+    # plain kernel (lean, exact; V^T)
+    assert len(found) == 18, list(found)
     assert sum(staged_v(name) for name in found) == 8, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
@@ -437,12 +439,13 @@ def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
     """The FP8 kernels' epilogue (JZYFA_FP8_EPILOGUE_TMA=1, the default): the plain and windowed kernels, and
     MLA's with V^T loaded, write bf16 O through shared memory and one TMA store per 64-column slice (two),
     and only the LSE from registers; MLA's staged kernels (no room for the O tiles next to the staging
-    buffers) and the varlen kernels store O from registers."""
+    buffers), the 192-key kernels (O's float32 copy fills that room) and the varlen kernels store O from
+    registers."""
     _, sass = compiled
     fp8 = {n: t for n, t in kernels(sass).items() if "FlashFwdFp8" in n}
-    assert len(fp8) == 16, list(fp8)
+    assert len(fp8) == 18, list(fp8)
     for name, text in fp8.items():
-        tma = "Varlen" not in name and not ("Mla" in name and staged_v(name))
+        tma = "Varlen" not in name and "Wide" not in name and not ("Mla" in name and staged_v(name))
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         global_stores = len(re.findall(r"\bSTG\.E\b", text))
         if tma:
@@ -517,7 +520,7 @@ def test_q_prefetch_variant_builds(compiled, tmp_path):
     (dense and windowed, both V layouts); MLA's (32 KB Q tiles) stay as the default build's. (The varlen
     tiles keep one Q buffer: kQPrefetch_ off.)"""
     check_variant_changes(
-        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 12, lambda name: "Mla" in name
+        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 14, lambda name: "Mla" in name
     )
 
 
@@ -530,23 +533,22 @@ def test_16bit_q_prefetch_variant_builds(compiled, tmp_path):
     )
 
 
-def test_fp8_wide_key_block_variant_builds(compiled, tmp_path):
-    """-DJZYFA_FP8_VT_BLOCK_N=192 (docs/fp8.md 10.26: 192-key blocks for the dense kernel with V^T from
-    memory) changes exactly the two dense V^T kernels (lean and exact P), without spills or wgmma
-    serialization: S = Q K^T in 64x192 QGMMAs (four k-steps), P V over six k-steps of 32 keys; the
-    windowed, MLA and staged-V kernels stay as the default build's."""
-
-    def dense_vt(name: str) -> bool:
-        return "17FlashFwdFp8Kernel" in name and not staged_v(name)
-
-    variant = check_variant_changes(
-        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_VT_BLOCK_N=192", 12, lambda name: not dense_vt(name)
-    )
-    wide = {name: text for name, text in variant.items() if dense_vt(name)}
+def test_fp8_wide_kernels_use_192_key_blocks(compiled):
+    """FlashFwdFp8WideKernel (docs/fp8.md 10.26, 10.28: 192-key blocks for the dense kernel with V^T from
+    memory, which flash_fwd_fp8.cu picks for rows that see many keys), lean and exact P: S = Q K^T in
+    64x192 QGMMAs (four k-steps), P V over six k-steps of 32 keys in 64x136 ones, no 128-key S, QGMMA in
+    batches, no local memory; lean P without exponentials."""
+    _, sass = compiled
+    wide = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8WideKernel" in name}
     assert len(wide) == 2, list(wide)
     for name, text in wide.items():
-        assert re.search(r"\bQGMMA\.64x192x32\b", text), name
+        qk = len(re.findall(r"\bQGMMA\.64x192x32\.F32\.E4M3\.E4M3", text))
+        pv = len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk >= 4 and qk % 4 == 0 and pv >= 6 and pv % 6 == 0, f"{name}: {qk} Q K^T, {pv} P V"
         assert not re.search(r"\bQGMMA\.64x128x32\b", text), name
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+        assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
+        assert ("MUFU.EX2" in text) != ("ILb1E" in name), name
 
 
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):

@@ -117,29 +117,36 @@ if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
   tar czf "$OUT_DIR/ncu.tar.gz" -C /tmp ncu
 fi
 
-if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
+if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}" ]; then
   # A second build with other CUDAFLAGS (B; the build above is A), e.g.
   # JZYFA_AB_CUDAFLAGS=-DJZYFA_FP8_V_TRANSPOSE_LDSM=1 JZYFA_AB_GPU_TESTS=tests/test_fp8_kernel_gpu.py
   # JZYFA_AB_BENCH="--dtype fp8 --impls jzyfa_fp8 --shapes 16x1024,4x4096": B's GPU tests, then each
   # ";"-separated bench run on A and B in turn (A, B, A, B: clocks drift within a call).
   # JZYFA_AB_TREE: B built from another source tree (a path relative to the repository, e.g. an
   # untracked `git archive` of the commit to compare with) instead of, or as well as, other flags.
-  TREE_B=$REPO${JZYFA_AB_TREE:+/$JZYFA_AB_TREE}
-  FLAGS_B=${JZYFA_AB_CUDAFLAGS-${CUDAFLAGS:-}}
-  step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B}"
-  SITE_B=/tmp/jzyfa-site-b
-  rm -rf "$SITE_B"
-  CUDAFLAGS="$FLAGS_B" python3 -m pip install -v --no-build-isolation --no-deps \
-    -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B" | md5sum | cut -c1-8)" \
-    --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
-    || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
-  grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
+  # JZYFA_AB_ENV: environment settings for B's runs (e.g. "JZYFA_FP8_KEY_BLOCK=192"); alone, B is A's
+  # build run under them (no second build).
+  read -ra env_b <<< "${JZYFA_AB_ENV:-}"
+  SITE_B=$SITE
+  if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
+    TREE_B=$REPO${JZYFA_AB_TREE:+/$JZYFA_AB_TREE}
+    FLAGS_B=${JZYFA_AB_CUDAFLAGS-${CUDAFLAGS:-}}
+    step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B}"
+    SITE_B=/tmp/jzyfa-site-b
+    rm -rf "$SITE_B"
+    CUDAFLAGS="$FLAGS_B" python3 -m pip install -v --no-build-isolation --no-deps \
+      -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B" | md5sum | cut -c1-8)" \
+      --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
+      || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
+    grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
+  fi
+  step "A/B: B runs with environment: ${env_b[*]:-(none)}"
   if [ -n "${JZYFA_AB_GPU_TESTS:-}" ]; then
     step "A/B: GPU tests on B"
     read -ra ab_tests <<< "${JZYFA_AB_GPU_TESTS}"
     # JZYFA_AB_PYTEST_FLAGS: pytest flags for B's tests only, e.g. "-kstaged" (the kernels B changes).
     read -ra ab_pytest_flags <<< "${JZYFA_AB_PYTEST_FLAGS:-}"
-    PYTHONPATH="$SITE_B" timeout "${JZYFA_AB_GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
+    env "${env_b[@]}" PYTHONPATH="$SITE_B" timeout "${JZYFA_AB_GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
       "${ab_pytest_flags[@]}" "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
@@ -148,10 +155,10 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
   IFS=';' read -ra ab_tools <<< "${JZYFA_AB_TOOLS:-}"
   for tool in "${ab_tools[@]}"; do
     for build in A B; do
-      site=$SITE; [ "$build" = B ] && site=$SITE_B
+      site=$SITE env_run=(); [ "$build" = B ] && site=$SITE_B env_run=("${env_b[@]}")
       step "A/B tool, build $build: $tool"
       # shellcheck disable=SC2086
-      PYTHONPATH="$site" timeout 300 python3 "$REPO"/$tool 2>&1 | grep -v "Unable to initialize backend" \
+      env "${env_run[@]}" PYTHONPATH="$site" timeout 300 python3 "$REPO"/$tool 2>&1 | grep -v "Unable to initialize backend" \
         | sed "s/^/$build /" | tee -a "$OUT_DIR/ab_tools.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     done
@@ -160,10 +167,10 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
   for run in "${ab_runs[@]}"; do
     for round in 1 2; do
       for build in A B; do
-        site=$SITE; [ "$build" = B ] && site=$SITE_B
+        site=$SITE env_run=(); [ "$build" = B ] && site=$SITE_B env_run=("${env_b[@]}")
         step "A/B bench, build $build, round $round: $run"
         # shellcheck disable=SC2086
-        PYTHONPATH="$site" timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown $run \
+        env "${env_run[@]}" PYTHONPATH="$site" timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown $run \
           2>>"$OUT_DIR/bench_progress.log" | sed "s/^/$build$round /" | tee -a "$OUT_DIR/ab.md"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done
