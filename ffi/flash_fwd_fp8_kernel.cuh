@@ -232,8 +232,9 @@ using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
 using Fp8VtTile = Fp8TileT<128, false>;
 using Fp8MlaVtTile = Fp8TileT<192, false>;
 // The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory and 192 keys per
-// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; flash_fwd_fp8.cu picks it).
-using Fp8VtWideTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, true, 192>;
+// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; flash_fwd_fp8.cu picks it). One
+// Q buffer: with -DJZYFA_FP8_Q_PREFETCH=1's second one its consumers spill.
+using Fp8VtWideTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, false, 192>;
 // The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
 // 4-8 bytes in their consumers).
 using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
@@ -679,9 +680,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed, varlen and MLA kernels never
-  // record.
-  std::conditional_t<kWindow || kVarlen || kMla, NoTimeline, TimelineRecorder> timeline(consumer);
+  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed, varlen, MLA and 192-key
+  // kernels never record (their stamps' registers would spill).
+  std::conditional_t<kWindow || kVarlen || kMla || Tile::kBlockN != 128, NoTimeline, TimelineRecorder>
+      timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     const RingSlot<Tile::kQBuffers> q_slot(round);  // the round's Q buffer and index

@@ -291,3 +291,14 @@ def assert_fp8_kernel_reruns_bitwise(q8, k8, v8, descales, reruns):
 def test_fp8_kernel_is_bitwise_deterministic(rng):
     qkv, descales = random_fp8_qkv(rng, batch=2, seq_q=1024, heads_q=8, heads_kv=2)
     assert_fp8_kernel_reruns_bitwise(*qkv, descales, reruns=100)
+
+
+def test_fp8_wide_kernel_is_bitwise_deterministic(rng, monkeypatch):
+    """The same for the 192-key kernel (V^T from the layout kernel, JZYFA_FP8_KEY_BLOCK=192)."""
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "transposed")
+    monkeypatch.setenv(FP8_KEY_BLOCK_ENV, "192")
+    jax.clear_caches()
+    qkv, descales = random_fp8_qkv(rng, batch=2, seq_q=1024, heads_q=8, heads_kv=2)
+    assert kernel_key_block(qkv[0], qkv[1], causal=True) == 192
+    assert_fp8_kernel_reruns_bitwise(*qkv, descales, reruns=100)
+    jax.clear_caches()

@@ -471,14 +471,15 @@ def test_register_epilogue_variant_builds(tmp_path):
 def test_timeline_variant_builds(tmp_path, source):
     """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
     sliding-window kernels and MLA's are built too but record nothing (their stamps' registers would
-    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel), the FP8 varlen ones and FP8
-    MLA's (FlashFwdFp8MlaKernel)."""
+    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel), the FP8 varlen ones, FP8
+    MLA's (FlashFwdFp8MlaKernel) and the 192-key FP8 ones (FlashFwdFp8WideKernel)."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
     report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
     for name, text in kernels(sass).items():
-        if "WindowKernel" in name or "FlashFwdMla" in name or "Fp8Varlen" in name or "Fp8Mla" in name:
+        quiet = ("WindowKernel", "FlashFwdMla", "Fp8Varlen", "Fp8Mla", "Fp8WideKernel")
+        if any(kind in name for kind in quiet):
             assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.
@@ -518,9 +519,9 @@ def test_q_prefetch_variant_builds(compiled, tmp_path):
     """-DJZYFA_FP8_Q_PREFETCH=1 (docs/fp8.md 10.24: a second Q buffer, so the producer loads the next
     tile's Q and first K a block earlier) changes exactly the FP8 kernels where the second Q tile fits
     (dense and windowed, both V layouts); MLA's (32 KB Q tiles) stay as the default build's. (The varlen
-    tiles keep one Q buffer: kQPrefetch_ off.)"""
+    and 192-key tiles keep one Q buffer: kQPrefetch_ off.)"""
     check_variant_changes(
-        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 14, lambda name: "Mla" in name
+        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 14, lambda name: "Mla" in name or "Wide" in name
     )
 
 
