@@ -144,13 +144,21 @@ struct Fp8TileT {
   static constexpr int kKBytes = kKSliceBytes * kQkSlices;
   // V^T in slices of 128 keys (one 128-byte swizzle row: a box with 128-byte swizzle is at most 128
   // bytes wide), each [128 rows][128 keys] followed by its 8 rows of ones. A 192-key block loads its
-  // second slice whole: 64 keys of the next block ride along, never read (to trim: a 64-key box).
-  static constexpr int kVtSliceKeys = 128;
+  // second slice whole: 64 keys of the next block ride along, never read; with
+  // -DJZYFA_FP8_WIDE_VT_SLICE_KEYS=64 it takes three 64-key slices, 64-byte swizzled, instead
+  // (docs/fp8.md 10.29).
+#ifndef JZYFA_FP8_WIDE_VT_SLICE_KEYS
+#define JZYFA_FP8_WIDE_VT_SLICE_KEYS 128
+#endif
+  static constexpr int kVtSliceKeys = kBlockN % 128 == 0 ? 128 : JZYFA_FP8_WIDE_VT_SLICE_KEYS;
+  static_assert(kVtSliceKeys == 128 || kVtSliceKeys == 64, "one swizzle row (128 or 64 bytes) per slice");
+  static constexpr int kVtStepsPerSlice = kVtSliceKeys / 32;  // P V k-steps
   static constexpr int kVtSlices = (kBlockN + kVtSliceKeys - 1) / kVtSliceKeys;
   static constexpr int kVtBytes = kHeadDim * kVtSliceKeys;  // per slice (one TMA box)
   static constexpr int kOnesBytes = 8 * kVtSliceKeys;  // rows 128..135 of the P V B operand, per slice
-  static constexpr int kVtSliceBytes = kVtBytes + kOnesBytes;
-  static constexpr int kStageBytes = kKBytes + kVtSlices * kVtSliceBytes;
+  static constexpr int kVtSliceBytes = kVtBytes + kOnesBytes;  // a multiple of the swizzle's 8 rows
+  // Stages start 1024-byte aligned (Q K^T's 128-byte swizzle); 64-key slices leave 512 bytes over.
+  static constexpr int kStageBytes = (kKBytes + kVtSlices * kVtSliceBytes + 1023) / 1024 * 1024;
   // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
   // the producer's transposing warps build the stage's V^T from it (fp8_value_transpose.cuh).
   static constexpr int kVStagingBytes = kBlockN * kHeadDim;
@@ -587,8 +595,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         if constexpr (kVarlen) column += Fp8VarlenValueColumn(work.k_offset, work.batch), batch = 0;
 #pragma unroll
         for (int part = 0; part < Tile::kVtSlices; ++part)
-          ptx::tma_load_4d(smem_vt(stage) + part * Tile::kVtSliceBytes, &tmap_v, bar, column + 128 * part,
-                           0, work.kv_head, batch);
+          ptx::tma_load_4d(smem_vt(stage) + part * Tile::kVtSliceBytes, &tmap_v, bar,
+                           column + Tile::kVtSliceKeys * part, 0, work.kv_head, batch);
       };
       ProduceTiles<kStages, Tile::kBlockM, kBlockN>(bars, args, Tile::kQBytes, Tile::kKBytes,
                                                      Tile::kVtSlices * Tile::kVtBytes, load_q, load_k,
@@ -659,14 +667,16 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     ptx::wgmma_commit_group();
   };
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
-  // bytes per 8, keys contiguous; k-step j starts 32 bytes (keys) into each row.
+  // bytes per 8 (512 in 64-key slices), keys contiguous; k-step j starts 32 bytes (keys) into its
+  // slice's rows.
   // keep = 0 (warpgroup-uniform) starts the accumulator afresh after a promotion.
   auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[kBlockN / 32][4], int stage, int keep) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int j = 0; j < kBlockN / 32; ++j) {
-      const uint64_t desc_vt =
-          SmemDescSw128(smem_vt(stage) + (j / 4) * Tile::kVtSliceBytes + 32 * (j % 4), 16);
+      constexpr int kSteps = Tile::kVtStepsPerSlice;
+      const uint32_t vt = smem_vt(stage) + (j / kSteps) * Tile::kVtSliceBytes + 32 * (j % kSteps);
+      const uint64_t desc_vt = kSteps == 4 ? SmemDescSw128(vt, 16) : SmemDescSw64(vt, 16);
       ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
     }
     ptx::wgmma_commit_group();

@@ -67,7 +67,10 @@ bool EncodeValueOperandMap(CUtensorMap* map, const void* ptr, int64_t batch, int
   const uint64_t dims[4] = {k, d, h, b};
   const uint64_t strides[3] = {k, d * k, h * d * k};
   const uint32_t box[4] = {static_cast<uint32_t>(box_keys), static_cast<uint32_t>(d), 1, 1};
-  return EncodeTensorMap4d(map, ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, box, error);
+  const CUtensorMapSwizzle swizzle =
+      box_keys == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B;
+  return EncodeTensorMap4d(map, ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, dims, strides, box, error,
+                           swizzle);
 }
 
 bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, int elem_bytes,

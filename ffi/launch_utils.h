@@ -29,7 +29,8 @@ bool EncodeRowMap(CUtensorMap* map, const void* ptr, CUtensorMapDataType type, i
                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B);
 
 // The FP8 kernel's V^T operand, e4m3 [batch, heads_kv, head_dim, keys] (keys contiguous; a packed
-// varlen V^T is a batch of one): boxes of box_keys keys x the head_dim rows of one head, 128-byte swizzle.
+// varlen V^T is a batch of one): boxes of box_keys keys x the head_dim rows of one head, 128-byte
+// swizzle (64-byte for boxes of 64 keys).
 bool EncodeValueOperandMap(CUtensorMap* map, const void* ptr, int64_t batch, int64_t heads_kv,
                            int64_t head_dim, int64_t keys, int box_keys, std::string* error);
 

@@ -24,6 +24,16 @@ __device__ __forceinline__ uint64_t SmemDescSw128(uint32_t smem_addr, uint32_t l
   return desc;
 }
 
+// The same for a 64-byte-swizzled K-major operand (rows of 64 bytes): 8-row groups 512 bytes apart.
+__device__ __forceinline__ uint64_t SmemDescSw64(uint32_t smem_addr, uint32_t lbo_bytes) {
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= static_cast<uint64_t>((512 >> 4) & 0x3FFF) << 32;
+  desc |= 2ull << 62;  // swizzle mode: 64 bytes
+  return desc;
+}
+
 // Packs two floats into the 16-bit pair a wgmma A-register holds (lower k in the low half).
 template <typename Element>
 __device__ __forceinline__ uint32_t PackPair(float lo, float hi);

@@ -552,6 +552,22 @@ def test_fp8_wide_kernels_use_192_key_blocks(compiled):
         assert ("MUFU.EX2" in text) != ("ILb1E" in name), name
 
 
+def test_fp8_wide_64_key_value_slices_variant_builds(compiled, tmp_path):
+    """-DJZYFA_FP8_WIDE_VT_SLICE_KEYS=64 (docs/fp8.md 10.29: the 192-key kernel's V^T in three 64-key,
+    64-byte-swizzled slices, none over-fetched) changes exactly the two wide kernels, without spills or
+    wgmma serialization; the 17 KB it frees per stage gives them the TMA-store epilogue back (two
+    UTMASTG), and the producer issues three V^T loads per block."""
+    variant = check_variant_changes(
+        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_WIDE_VT_SLICE_KEYS=64", 14, lambda name: "Wide" not in name
+    )
+    wide = {name: text for name, text in variant.items() if "Wide" in name}
+    assert len(wide) == 2, list(wide)
+    for name, text in wide.items():
+        assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == 2, name
+        assert len(re.findall(r"\bQGMMA\.64x192x32\b", text)) >= 4, name
+        assert not re.search(r"\b(LDL|STL)\b", text), name
+
+
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
     FlashFwdWideKernel for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176
