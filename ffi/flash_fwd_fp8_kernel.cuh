@@ -676,7 +676,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     for (int j = 0; j < kBlockN / 32; ++j) {
       constexpr int kSteps = Tile::kVtStepsPerSlice;
       const uint32_t vt = smem_vt(stage) + (j / kSteps) * Tile::kVtSliceBytes + 32 * (j % kSteps);
-      const uint64_t desc_vt = kSteps == 4 ? SmemDescSw128(vt, 16) : SmemDescSw64(vt, 16);
+      const uint64_t desc_vt = SmemDescSwizzled<Tile::kVtSliceKeys>(vt, 16);  // one row per slice
       ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
     }
     ptx::wgmma_commit_group();

@@ -12,26 +12,23 @@
 
 namespace jzyfa {
 
-// wgmma shared-memory descriptor for a 128-byte-swizzled operand: 8-row groups 1024 bytes
-// apart (the stride offset). K-major (Q, K): the leading offset is unused. MN-major (V as
-// B of P V): the leading offset is the distance between 64-column atoms along N.
-__device__ __forceinline__ uint64_t SmemDescSw128(uint32_t smem_addr, uint32_t lbo_bytes) {
+// wgmma shared-memory descriptor for a kSwizzleBytes-swizzled operand (128, or 64: rows of that
+// many bytes): 8-row groups 8 * kSwizzleBytes bytes apart (the stride offset). K-major (Q, K, V^T):
+// the leading offset is unused. MN-major (V as B of P V): the leading offset is the distance
+// between 64-column atoms along N.
+template <int kSwizzleBytes>
+__device__ __forceinline__ uint64_t SmemDescSwizzled(uint32_t smem_addr, uint32_t lbo_bytes) {
+  static_assert(kSwizzleBytes == 128 || kSwizzleBytes == 64);
   uint64_t desc = 0;
   desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
   desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
-  desc |= static_cast<uint64_t>((1024 >> 4) & 0x3FFF) << 32;
-  desc |= 1ull << 62;  // swizzle mode: 128 bytes
+  desc |= static_cast<uint64_t>(((8 * kSwizzleBytes) >> 4) & 0x3FFF) << 32;
+  desc |= static_cast<uint64_t>(kSwizzleBytes == 128 ? 1 : 2) << 62;  // swizzle mode
   return desc;
 }
 
-// The same for a 64-byte-swizzled K-major operand (rows of 64 bytes): 8-row groups 512 bytes apart.
-__device__ __forceinline__ uint64_t SmemDescSw64(uint32_t smem_addr, uint32_t lbo_bytes) {
-  uint64_t desc = 0;
-  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
-  desc |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;
-  desc |= static_cast<uint64_t>((512 >> 4) & 0x3FFF) << 32;
-  desc |= 2ull << 62;  // swizzle mode: 64 bytes
-  return desc;
+__device__ __forceinline__ uint64_t SmemDescSw128(uint32_t smem_addr, uint32_t lbo_bytes) {
+  return SmemDescSwizzled<128>(smem_addr, lbo_bytes);
 }
 
 // Packs two floats into the 16-bit pair a wgmma A-register holds (lower k in the low half).
