@@ -21,7 +21,7 @@ import sys
 WGMMA_N = (64, 128, 256)
 # The FP8 kernel's P V: head dim 128 plus 8 columns that sum P (see all_wgmma_ops).
 FP8_PV_WITH_SUM_N = 136
-# Wider FP8 key blocks (S = Q K^T only, shared-memory operands): -DJZYFA_FP8_VT_BLOCK_N=192.
+# Wider FP8 key blocks (S = Q K^T only, shared-memory operands): FlashFwdFp8WideKernel's 192.
 FP8_WIDE_QK_N = (192,)
 # Wider 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
 # hd128 without a mask, 176 keys (-DJZYFA_NOMASK_BLOCK_N=176).

@@ -119,9 +119,9 @@ int KeyBlockOverride() {
 constexpr int64_t kWideMinKeysCausal = 8192;
 constexpr int64_t kWideMinKeysNoMask = 4096;
 
-bool UseWideKeyBlocks(const FlashFwdFp8Params& p, const MaskPlan& mask) {
-  const int override_block = KeyBlockOverride();
-  if (override_block > 0) return override_block == Fp8VtWideTile::kBlockN;
+// key_block_override: KeyBlockOverride(), read once per launch.
+bool UseWideKeyBlocks(const FlashFwdFp8Params& p, const MaskPlan& mask, int key_block_override) {
+  if (key_block_override > 0) return key_block_override == Fp8VtWideTile::kBlockN;
   return p.seqlen_k >= (mask.causal ? kWideMinKeysCausal : kWideMinKeysNoMask);
 }
 
@@ -129,7 +129,8 @@ bool UseWideKeyBlocks(const FlashFwdFp8Params& p, const MaskPlan& mask) {
 // its rows see: visit(TileTag<Tile>, lean P, windowed), the flags as std::bool_constant. The launch
 // and Fp8KeyBlock both ask here.
 template <typename Visit>
-auto VisitKernelTile(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit visit) {
+auto VisitKernelTile(const FlashFwdFp8Params& p, const MaskPlan& mask, int key_block_override,
+                     Visit visit) {
   using Yes = std::true_type;
   using No = std::false_type;
   const auto with_p = [&](auto tile, auto windowed) {
@@ -142,7 +143,7 @@ auto VisitKernelTile(const FlashFwdFp8Params& p, const MaskPlan& mask, Visit vis
     return p.v_transposed ? with_p(TileTag<Fp8VtTile>{}, Yes{}) : with_p(TileTag<Fp8Tile>{}, Yes{});
   }
   if (!p.v_transposed) return with_p(TileTag<Fp8Tile>{}, No{});
-  return UseWideKeyBlocks(p, mask) ? with_p(TileTag<Fp8VtWideTile>{}, No{})
+  return UseWideKeyBlocks(p, mask, key_block_override) ? with_p(TileTag<Fp8VtWideTile>{}, No{})
                                    : with_p(TileTag<Fp8VtTile>{}, No{});
 }
 
@@ -202,11 +203,12 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   MaskPlan mask;
   error = ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
   if (!error.empty()) return error;
-  if (KeyBlockOverride() == 0) {
+  const int key_block_override = KeyBlockOverride();
+  if (key_block_override == 0) {
     return std::string(kKeyBlockEnv) + " must be auto, 128 or 192 (or unset), got '" +
            std::getenv(kKeyBlockEnv) + "'";
   }
-  return VisitKernelTile(p, mask, [&](auto tile, auto lean_p, auto windowed) {
+  return VisitKernelTile(p, mask, key_block_override, [&](auto tile, auto lean_p, auto windowed) {
     return Launch<typename decltype(tile)::type, decltype(lean_p)::value, decltype(windowed)::value>(
         p, mask, stream);
   });
@@ -215,7 +217,9 @@ std::string LaunchFlashFwdFp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
 int Fp8KeyBlock(const FlashFwdFp8Params& p) {
   MaskPlan mask;  // where ResolveMask refuses the bounds the launch refuses the call: any answer does
   ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, &mask);
-  return VisitKernelTile(p, mask, [](auto tile, auto, auto) { return decltype(tile)::type::kBlockN; });
+  // An invalid JZYFA_FP8_KEY_BLOCK (0) answers as auto; the launch refuses it.
+  return VisitKernelTile(p, mask, KeyBlockOverride(),
+                         [](auto tile, auto, auto) { return decltype(tile)::type::kBlockN; });
 }
 
 std::string ReadFlashFwdFp8Timeline(std::vector<uint64_t>* out) { return ReadTimeline(out); }

@@ -373,11 +373,15 @@ struct Fp8OnlineSoftmax {
   // from S and the current map. S is overwritten.
   __device__ __forceinline__ void WriteCodes(float (&s)[kBlockN / 2],
                                              uint32_t (&p)[kBlockN / 32][4]) const {
-#pragma unroll
-    for (int i = 0; i < kBlockN / 2; ++i) s[i] = Code(s[i], i);
+    Encode(s);
     Pack(s, p);
   }
-  // The A fragments from codes already in S (WriteCodes' second half).
+  // WriteCodes' first half: each score in S replaced by its code (as a float).
+  __device__ __forceinline__ void Encode(float (&s)[kBlockN / 2]) const {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = Code(s[i], i);
+  }
+  // Its second half: the A fragments from the codes in S.
   __device__ __forceinline__ static void Pack(const float (&s)[kBlockN / 2],
                                               uint32_t (&p)[kBlockN / 32][4]) {
 #pragma unroll
@@ -431,8 +435,7 @@ struct Fp8OnlineSoftmax {
     if constexpr (kPack) {
       WriteCodes(s, p);
     } else {
-#pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) s[i] = Code(s[i], i);
+      Encode(s);
     }
   }
 };
