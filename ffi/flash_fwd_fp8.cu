@@ -61,7 +61,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   } else {
     // V^T [batch, heads_kv, 128, keys]: boxes of 128 keys (contiguous; one 128-byte swizzle row) x
     // the 128 head-dim rows, one per 128 keys of a block (Fp8TileT::kVtSlices); or of 64 keys,
-    // 64-byte swizzled (the wide tile with -DJZYFA_FP8_WIDE_VT_SLICE_KEYS=64).
+    // 64-byte swizzled (the 192-key tile).
     if (!EncodeValueOperandMap(&tmap_v, p.v, p.batch, p.heads_kv, Tile::kHeadDimV, p.seqlen_k_padded,
                                Tile::kVtSliceKeys, &error)) {
       return error;

@@ -143,14 +143,10 @@ struct Fp8TileT {
   static constexpr int kQBytes = kQConsumerBytes * kConsumers;
   static constexpr int kKBytes = kKSliceBytes * kQkSlices;
   // V^T in slices of 128 keys (one 128-byte swizzle row: a box with 128-byte swizzle is at most 128
-  // bytes wide), each [128 rows][128 keys] followed by its 8 rows of ones. A 192-key block loads its
-  // second slice whole: 64 keys of the next block ride along, never read; with
-  // -DJZYFA_FP8_WIDE_VT_SLICE_KEYS=64 it takes three 64-key slices, 64-byte swizzled, instead
-  // (docs/fp8.md 10.29).
-#ifndef JZYFA_FP8_WIDE_VT_SLICE_KEYS
-#define JZYFA_FP8_WIDE_VT_SLICE_KEYS 128
-#endif
-  static constexpr int kVtSliceKeys = kBlockN % 128 == 0 ? 128 : JZYFA_FP8_WIDE_VT_SLICE_KEYS;
+  // bytes wide), each [128 rows][128 keys] followed by its 8 rows of ones. A 192-key block takes three
+  // 64-key slices, 64-byte swizzled: no keys of the next block over-fetched, and the bytes saved bring
+  // the TMA-store epilogue back (docs/fp8.md 10.29: +1 to +3% from 8K keys, measured).
+  static constexpr int kVtSliceKeys = kBlockN % 128 == 0 ? 128 : 64;
   static_assert(kVtSliceKeys == 128 || kVtSliceKeys == 64, "one swizzle row (128 or 64 bytes) per slice");
   static constexpr int kVtStepsPerSlice = kVtSliceKeys / 32;  // P V k-steps
   static constexpr int kVtSlices = (kBlockN + kVtSliceKeys - 1) / kVtSliceKeys;

@@ -281,6 +281,23 @@ def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
 
 
+def fp8_kernel_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:
+    """Keys per block of the dense FP8 kernel that a call with q, k of these shapes ([batch, seq, heads,
+    head_dim]) runs now: the V layout as the call picks it, JZYFA_FP8_KEY_BLOCK as the launch reads it
+    (docs/fp8.md 10.28). Its emulation must use the same `block_n` to follow the kernel's block scaling.
+    128 without the extension."""
+    from jzyfa import _extension, _validation  # The extension loads on first need.
+
+    return _extension.fp8_key_block(
+        v_transposed=fp8_value_layout(q_shape[1], q_shape[2], k_shape[2]) == "transposed",
+        head_dim=q_shape[3],
+        causal=causal,
+        window=_validation.mask_window(bool(causal), _validation.check_window(window)),
+        seq_q=q_shape[1],
+        seq_k=k_shape[1],
+    )
+
+
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
     """The same for a packed varlen call (jzyfa/fp8_varlen_primitive.py): "staged" (V as it is, transposed
     in the kernel's shared memory) when max_seqlen_q * (heads_q // heads_kv) <= FP8_VARLEN_STAGED_V_MAX_ROWS,

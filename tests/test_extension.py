@@ -12,7 +12,12 @@ import pytest
 
 import jzyfa
 from jzyfa import _extension
-from jzyfa.fp8_primitive import FFI_TARGET_FP8, FFI_TARGET_VALUE_OPERAND
+from jzyfa.fp8_primitive import (
+    FFI_TARGET_FP8,
+    FFI_TARGET_VALUE_OPERAND,
+    FP8_V_LAYOUT_ENV,
+    fp8_kernel_key_block,
+)
 from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
 from jzyfa.primitive import FFI_TARGET
 from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
@@ -116,3 +121,28 @@ def test_fp8_key_block_asks_the_extension(monkeypatch):
     ]
     monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, types.SimpleNamespace(registrations=dict))
     assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4) == 128
+
+
+def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
+    """jzyfa.fp8_primitive.fp8_kernel_key_block (what the GPU tests and tools/fp8_lse_bias.py give the
+    emulation as block_n) passes the call's layout, head dim, mask and lengths from q's and k's shapes."""
+    calls = []
+
+    def fp8_key_block(**kwargs):
+        calls.append(kwargs)
+        return 192
+
+    monkeypatch.setattr(_extension, "load_error", lambda: None)
+    fake = types.SimpleNamespace(registrations=dict, fp8_key_block=fp8_key_block)
+    monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, fake)
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "transposed")
+    assert fp8_kernel_key_block((2, 300, 8, 128), (2, 9000, 2, 128), causal=True) == 192
+    assert fp8_kernel_key_block((1, 64, 4, 128), (1, 64, 4, 128), causal=False, window=(16, 16)) == 192
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
+    fp8_kernel_key_block((1, 64, 4, 128), (1, 64, 4, 128), causal=False)
+    call = dict(head_dim=128, seqlen_q=64, seqlen_k=64)
+    assert calls == [
+        dict(call, v_transposed=True, causal=True, window_left=-1, window_right=0, seqlen_q=300, seqlen_k=9000),
+        dict(call, v_transposed=True, causal=False, window_left=16, window_right=16),
+        dict(call, v_transposed=False, causal=False, window_left=-1, window_right=-1),
+    ]

@@ -20,9 +20,14 @@ from gpu_utils import assert_bitwise_reruns, requires_hopper
 from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
-from jzyfa import _extension, _validation, api
+from jzyfa import api
 from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
-from jzyfa.fp8_primitive import FFI_TARGET_FP8, FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV, fp8_value_layout
+from jzyfa.fp8_primitive import (
+    FFI_TARGET_FP8,
+    FP8_KEY_BLOCK_ENV,
+    FP8_V_LAYOUT_ENV,
+    fp8_kernel_key_block,
+)
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -53,16 +58,9 @@ def fp8_v_layout(request, monkeypatch):
 
 
 def kernel_key_block(q8, k8, *, causal, window=None):
-    """Keys per block of the kernel that a call on these inputs runs now (the V layout read as the call
-    reads it, JZYFA_FP8_KEY_BLOCK as the launch reads it): 128, or 192 for the dense V^T kernel."""
-    return _extension.fp8_key_block(
-        v_transposed=fp8_value_layout(q8.shape[1], q8.shape[2], k8.shape[2]) == "transposed",
-        head_dim=q8.shape[3],
-        causal=causal,
-        window=_validation.mask_window(bool(causal), _validation.check_window(window)),
-        seq_q=q8.shape[1],
-        seq_k=k8.shape[1],
-    )
+    """Keys per block of the kernel that a call on these inputs runs now (128, or 192 for the dense V^T
+    kernel)."""
+    return fp8_kernel_key_block(q8.shape, k8.shape, causal=causal, window=window)
 
 
 def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):

@@ -41,6 +41,7 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
 
     import jzyfa
     from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
+    from jzyfa.fp8_primitive import fp8_kernel_key_block
 
     if implementation == "kernel" and not jzyfa.kernel_available():
         raise SystemExit(f"the FP8 kernel cannot run here: {jzyfa.kernel_unavailable_reason()}")
@@ -57,7 +58,11 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
             implementation=implementation,
         )
     )(q8, k8, v8, dq, dk, dv)
-    trace = trace_attention_fp8_emulated_on_cpu(q8, k8, v8, dq, dk, dv, causal=False, integer_reference=True)
+    # The emulation in the kernel's key blocks (192 for long rows): block scaling follows the blocks.
+    block_n = fp8_kernel_key_block(q8.shape, k8.shape, causal=False) if implementation == "kernel" else 128
+    trace = trace_attention_fp8_emulated_on_cpu(
+        q8, k8, v8, dq, dk, dv, causal=False, integer_reference=True, block_n=block_n
+    )
     out = np.asarray(out.astype(jnp.float32))
     emulated = np.asarray(trace.out, np.float32)
     o_err = float(np.linalg.norm(out - emulated) / np.linalg.norm(emulated))
