@@ -114,10 +114,12 @@ int KeyBlockOverride() {
 
 // 192-key blocks pay off once a row sees enough keys: each block's fixed work (quad shuffles, the r
 // chain, waits, the turn hand-over) is spread over 1.5x the keys, while a causal tile's diagonal
-// computes ~64 more masked keys and O's TMA store is lost. Measured on the H200 (docs/fp8.md 10.28,
-// 192 against 128): causal 4x4K -2%, 2x8K +2%, 1x16K +2.5%, 1x32K +3.5%; no mask 4x4K +2%, 1x16K +3%.
-constexpr int64_t kWideMinKeysCausal = 8192;
-constexpr int64_t kWideMinKeysNoMask = 4096;
+// computes ~64 more masked keys and a row's last block covers up to 191 keys past its end. Measured on
+// the H200, 192 against 128 with V^T in 64-key slices (docs/fp8.md 10.30): causal 6x2560 +0.3%, 5x3072
+// +1.9%, 4x4K +3.3%, 3x6K +3.9%, 2x8K and longer +1 to +3%; no mask (32 q / 8 kv heads) 4x1024 -3.9%,
+// 4x1536 +7.5%, 9x2304 +8.4%, 5x3072 +7.7%.
+constexpr int64_t kWideMinKeysCausal = 3072;
+constexpr int64_t kWideMinKeysNoMask = 1536;
 
 // key_block_override: KeyBlockOverride(), read once per launch.
 bool UseWideKeyBlocks(const FlashFwdFp8Params& p, const MaskPlan& mask, int key_block_override) {

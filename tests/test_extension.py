@@ -74,7 +74,7 @@ def test_handler_counter_reads_the_extension(monkeypatch):
 
 
 # The dense V^T kernel's rule (ffi/flash_fwd_fp8.cu, UseWideKeyBlocks): 192-key blocks from this many keys.
-WIDE_MIN_KEYS = {True: 8192, False: 4096}  # by causal
+WIDE_MIN_KEYS = {True: 3072, False: 1536}  # by causal
 
 
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
@@ -88,7 +88,7 @@ def test_fp8_key_block_rule(monkeypatch, override):
     for v_transposed in (False, True):
         for head_dim in (128, 192):
             for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 64))):
-                for seq_k in (1000, 4095, 4096, 8191, 8192, 40000):
+                for seq_k in (1000, 1535, 1536, 3071, 3072, 8192, 40000):
                     dense_vt = v_transposed and head_dim == 128 and window[0] == -1
                     wide = seq_k >= WIDE_MIN_KEYS[causal] if override in (None, "auto") else override == "192"
                     got = _extension.fp8_key_block(
