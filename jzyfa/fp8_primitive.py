@@ -16,7 +16,9 @@ one of two ways, chosen per shard from its static shapes at trace time (`fp8_val
   - "transposed": `fp8_value_operand_p` writes V^T to device memory first (on CUDA the FFI kernel
     `jzyfa_fp8_value_operand`, elsewhere `fp8_layout.fp8_value_operand`) and the kernel TMA-loads its
     tiles (v_transposed=True).
-The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed
+The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed; and
+transposed for those few rows too when they see enough keys that the kernel with V^T runs 192-key
+blocks (a prefill chunk against a long cache; docs/fp8.md 10.30), which the staged kernel cannot
 (FP8_STAGED_V_VERIFIED = False, a kill switch, makes every call transposed). The
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
 is read when a call is traced (a function already traced for the same shapes keeps its layout until
@@ -37,7 +39,7 @@ from jax._src import dispatch  # As in jzyfa/primitive.py: custom_partitioning n
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jzyfa import sharding
+from jzyfa import _extension, _validation, sharding
 from jzyfa._validation import NO_WINDOW
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.fp8_layout import fp8_value_operand, padded_keys, value_from_operand
@@ -286,16 +288,36 @@ def fp8_kernel_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:
     head_dim]) runs now: the V layout as the call picks it, JZYFA_FP8_KEY_BLOCK as the launch reads it
     (docs/fp8.md 10.28). Its emulation must use the same `block_n` to follow the kernel's block scaling.
     128 without the extension."""
-    from jzyfa import _extension, _validation  # The extension loads on first need.
-
-    return _extension.fp8_key_block(
-        v_transposed=fp8_value_layout(q_shape[1], q_shape[2], k_shape[2]) == "transposed",
-        head_dim=q_shape[3],
-        causal=causal,
-        window=_validation.mask_window(bool(causal), _validation.check_window(window)),
-        seq_q=q_shape[1],
-        seq_k=k_shape[1],
+    window = _validation.mask_window(bool(causal), _validation.check_window(window))
+    (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q_shape, k_shape
+    layout = fp8_value_layout(
+        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
     )
+    return _key_block(layout == "transposed", seq_q, seq_k, head_dim, causal, window)
+
+
+def _key_block(v_transposed: bool, seq_q: int, seq_k: int, head_dim: int, causal: bool, window) -> int:
+    """The extension's answer (ffi/flash_fwd_fp8.cu's rule and JZYFA_FP8_KEY_BLOCK); 128 without it."""
+    return _extension.fp8_key_block(
+        v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_q=seq_q, seq_k=seq_k
+    )
+
+
+def fp8_value_layout(
+    seq_q: int, heads_q: int, heads_kv: int, *, seq_k: int, head_dim: int, causal: bool, window
+) -> str:
+    """ "staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
+    the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then; with few rows still
+    "transposed" when the kernel given V^T would run 192-key blocks (the extension's rule, so
+    JZYFA_FP8_KEY_BLOCK=128 or 192 steers this too): measured, the layout pass costs less than the
+    wider blocks gain (docs/fp8.md 10.30). JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides all;
+    read at trace time. `head_dim` is q's; `window` as the FP8 primitive holds it (causal folded in,
+    `_validation.mask_window`)."""
+    layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
+    if layout == "staged" and not _v_layout_override():
+        if _key_block(True, seq_q, seq_k, head_dim, causal, window) > 128:
+            return "transposed"
+    return layout
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
@@ -321,7 +343,11 @@ def fp8_attention_shard(
     """The call on one device's blocks, descales as [B * Hkv] vectors; V as it is, or V^T from the
     layout kernel, by `fp8_value_layout` of the shard's shapes."""
     check_key_block_override()
-    v_transposed = fp8_value_layout(q8.shape[1], q8.shape[2], k8.shape[2]) == "transposed"
+    (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q8.shape, k8.shape
+    layout = fp8_value_layout(
+        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
+    )
+    v_transposed = layout == "transposed"
     out, lse = flash_attention_fp8_shard_p.bind(
         q8,
         k8,

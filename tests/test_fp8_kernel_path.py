@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
 from hlo_utils import custom_call_lines
+from test_extension import WIDE_MIN_KEYS
 
 import jzyfa
 from jzyfa import api, fp8_primitive
@@ -135,6 +136,32 @@ def assert_transposed(hlo, vt_shape):
     assert "v_transposed = true" in call
 
 
+@pytest.fixture
+def key_block_rule(monkeypatch):
+    """_extension.fp8_key_block replaced by the kernel's key-block rule as tests/test_extension.py pins it
+    on the built extension (192-key blocks for head dim 128 with V^T, no window, from WIDE_MIN_KEYS),
+    so that the layout rule's tests do not depend on whether this machine built the extension; yields
+    the calls it answered."""
+    calls = []
+
+    def fp8_key_block(*, v_transposed, head_dim, causal, window, seq_q, seq_k):
+        del seq_q  # the rule reads the keys a row sees
+        calls.append(dict(v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window))
+        calls[-1]["seq_k"] = seq_k
+        wide = v_transposed and head_dim == 128 and window[0] == -1 and seq_k >= WIDE_MIN_KEYS[causal]
+        return 192 if wide else 128
+
+    monkeypatch.setattr(fp8_primitive._extension, "fp8_key_block", fp8_key_block)
+    yield calls
+
+
+def layout_of(seq_q, seq_k, heads_q, heads_kv, head_dim=128, causal=True):
+    """fp8_value_layout for a call of these shapes, the window as the FP8 primitive holds it."""
+    window = (-1, 0) if causal else (-1, -1)
+    kwargs = dict(seq_k=seq_k, head_dim=head_dim, causal=causal, window=window)
+    return fp8_value_layout(seq_q, heads_q, heads_kv, **kwargs)
+
+
 @pytest.mark.parametrize(
     "batch, seq_q, seq_k, heads_q, heads_kv, layout",
     [
@@ -144,14 +171,25 @@ def assert_transposed(hlo, vt_shape):
         (4, 4096, 4096, 16, 16, "transposed"),
         (1, 16384, 16384, 16, 16, "transposed"),
         (1, 512, 16384, 32, 4, "transposed"),  # short q, 8 query heads per KV head: 4096 rows
+        # 2048 rows, but they see enough keys for 192-key blocks, which only the V^T kernel has:
+        (1, 512, 16384, 32, 8, "transposed"),  # a prefill chunk against a long cache
+        (2, 2048, 3072, 16, 16, "transposed"),
+        (2, 2048, 3071, 16, 16, "staged"),
     ],
 )
-def test_v_layout_follows_rows_per_kv_head(monkeypatch, batch, seq_q, seq_k, heads_q, heads_kv, layout):
-    """The rule, on by default (FP8_STAGED_V_VERIFIED)."""
+def test_v_layout_follows_rows_per_kv_head_and_keys(
+    monkeypatch, key_block_rule, batch, seq_q, seq_k, heads_q, heads_kv, layout
+):
+    """The rule, on by default (FP8_STAGED_V_VERIFIED): staged up to FP8_STAGED_V_MAX_ROWS rows per KV
+    head unless the kernel given V^T would run 192-key blocks (docs/fp8.md 10.30)."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
     assert fp8_primitive.FP8_STAGED_V_VERIFIED is True
-    assert fp8_value_layout(seq_q, heads_q, heads_kv) == layout
-    assert (seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS) == (layout == "staged")
+    assert layout_of(seq_q, seq_k, heads_q, heads_kv) == layout
+    few_rows = seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS
+    assert (few_rows and seq_k < WIDE_MIN_KEYS[True]) == (layout == "staged")
+    if few_rows:  # the extension was asked about the V^T kernel for exactly this call
+        asked = dict(v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_k=seq_k)
+        assert key_block_rule[-1] == asked
     hlo = lower_fp8_for_cuda(batch, seq_q, seq_k, heads_q, heads_kv)
     if layout == "staged":
         assert_staged(hlo, f"{batch},{seq_k},{heads_kv},128")
@@ -159,12 +197,32 @@ def test_v_layout_follows_rows_per_kv_head(monkeypatch, batch, seq_q, seq_k, hea
         assert_transposed(hlo, f"{batch},{heads_kv},128,{-(-seq_k // 32) * 32}")
 
 
+@pytest.mark.parametrize("seq_k, layout", [(1535, "staged"), (1536, "transposed")])
+def test_v_layout_without_a_mask_takes_its_own_key_threshold(monkeypatch, key_block_rule, seq_k, layout):
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    assert layout_of(1024, seq_k, 16, 16, causal=False) == layout
+    hlo = lower_fp8_for_cuda(1, 1024, seq_k, 16, 16, causal=False)
+    if layout == "staged":
+        assert_staged(hlo, f"1,{seq_k},16,128")
+    else:
+        assert_transposed(hlo, f"1,16,128,{-(-seq_k // 32) * 32}")
+
+
+def test_v_layout_stays_staged_where_no_192_key_kernel_exists(monkeypatch, key_block_rule):
+    """Few rows that see many keys, but MLA's head dims or a sliding window: the V^T kernel would run
+    128-key blocks too, so V stays as it is."""
+    monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
+    assert layout_of(512, 16384, 16, 16, head_dim=192) == "staged"
+    window = (1023, 0)
+    assert fp8_value_layout(512, 16, 16, seq_k=16384, head_dim=128, causal=True, window=window) == "staged"
+
+
 def test_v_layout_kill_switch_sends_every_shape_to_the_transposed_kernels(monkeypatch):
     """With FP8_STAGED_V_VERIFIED switched off every shape takes the layout kernel and the V^T kernels,
     short calls included."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
     monkeypatch.setattr(fp8_primitive, "FP8_STAGED_V_VERIFIED", False)
-    assert fp8_value_layout(1024, 16, 16) == "transposed"
+    assert layout_of(1024, 1024, 16, 16) == "transposed"
     assert_transposed(lower_fp8_for_cuda(16, 1024, 1024, 16, 16), "16,16,128,1024")
 
 

@@ -156,7 +156,8 @@ def test_cuda_lowering_is_the_fp8_custom_call_with_v_head_dim(monkeypatch, causa
     itself): q and k 192 wide, v and out 128, lse [B, Hq, Sq], the tile counter; no window; the default
     scale is 1/sqrt(192)."""
     monkeypatch.setenv("JZYFA_FP8_V_LAYOUT", "staged")
-    assert fp8_value_layout(300, 8, 2) == "staged"
+    window = (-1, 0) if causal else (-1, -1)
+    assert fp8_value_layout(300, 8, 2, seq_k=500, head_dim=192, causal=causal, window=window) == "staged"
     hlo = cuda_hlo(fp8_call(causal, None, "kernel", lean_p), Q, K, V, DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET_FP8)
     assert "api_version=API_VERSION_TYPED_FFI" in call
