@@ -18,8 +18,8 @@ one of two ways, chosen per shard from its static shapes at trace time (`fp8_val
     tiles (v_transposed=True).
 The rule: staged when seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS, else transposed; and
 transposed for those few rows too when they see enough keys that the kernel with V^T runs 192-key
-blocks (a prefill chunk against a long cache; docs/fp8.md 10.30), which the staged kernel cannot
-(FP8_STAGED_V_VERIFIED = False, a kill switch, makes every call transposed). The
+blocks (a prefill chunk against a long cache; docs/fp8.md 10.30), which the staged kernel does not
+have. FP8_STAGED_V_VERIFIED = False, a kill switch, makes every call transposed. The
 environment variable JZYFA_FP8_V_LAYOUT = "staged" or "transposed" overrides it (benchmarks, tests); it
 is read when a call is traced (a function already traced for the same shapes keeps its layout until
 `jax.clear_caches()`), and any other non-empty value raises ValueError. Varlen calls
@@ -276,26 +276,6 @@ def check_key_block_override() -> None:
         )
 
 
-def fp8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
-    """ "staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
-    the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then.
-    JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides both; read at trace time."""
-    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
-
-
-def fp8_kernel_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:
-    """Keys per block of the dense FP8 kernel that a call with q, k of these shapes ([batch, seq, heads,
-    head_dim]) runs now: the V layout as the call picks it, JZYFA_FP8_KEY_BLOCK as the launch reads it
-    (docs/fp8.md 10.28). Its emulation must use the same `block_n` to follow the kernel's block scaling.
-    128 without the extension."""
-    window = _validation.mask_window(bool(causal), _validation.check_window(window))
-    (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q_shape, k_shape
-    layout = fp8_value_layout(
-        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
-    )
-    return _key_block(layout == "transposed", seq_q, seq_k, head_dim, causal, window)
-
-
 def _key_block(v_transposed: bool, seq_q: int, seq_k: int, head_dim: int, causal: bool, window) -> int:
     """The extension's answer (ffi/flash_fwd_fp8.cu's rule and JZYFA_FP8_KEY_BLOCK); 128 without it."""
     return _extension.fp8_key_block(
@@ -318,6 +298,19 @@ def fp8_value_layout(
         if _key_block(True, seq_q, seq_k, head_dim, causal, window) > 128:
             return "transposed"
     return layout
+
+
+def fp8_kernel_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:
+    """Keys per block of the dense FP8 kernel that a call with q, k of these shapes ([batch, seq, heads,
+    head_dim]) runs now: the V layout as the call picks it, JZYFA_FP8_KEY_BLOCK as the launch reads it
+    (docs/fp8.md 10.28). Its emulation must use the same `block_n` to follow the kernel's block scaling.
+    128 without the extension."""
+    window = _validation.mask_window(bool(causal), _validation.check_window(window))
+    (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q_shape, k_shape
+    layout = fp8_value_layout(
+        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
+    )
+    return _key_block(layout == "transposed", seq_q, seq_k, head_dim, causal, window)
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
