@@ -14,6 +14,7 @@ import jzyfa
 from jzyfa import _extension
 from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
+    FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS,
     FFI_TARGET_VALUE_OPERAND,
     FP8_KEY_BLOCK_ENV,
     FP8_V_LAYOUT_ENV,
@@ -153,7 +154,8 @@ def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
 def test_fp8_layout_rule_asks_the_built_extension(monkeypatch):
     """Few query rows per KV head (staged by rows) go to the V^T layout when the extension's rule gives
-    the V^T kernel 192-key blocks (docs/fp8.md 10.30): from WIDE_MIN_KEYS keys, head dim 128, no window;
+    the V^T kernel 192-key blocks (docs/fp8.md 10.30): head dim 128, no window, from WIDE_MIN_KEYS keys
+    without a mask (causal: from FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS, above the kernel's threshold);
     JZYFA_FP8_KEY_BLOCK=128 gives the staged layout back."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
     monkeypatch.delenv(FP8_KEY_BLOCK_ENV, raising=False)
@@ -162,9 +164,9 @@ def test_fp8_layout_rule_asks_the_built_extension(monkeypatch):
         window = window or ((-1, 0) if causal else (-1, -1))
         return fp8_value_layout(512, 32, 8, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window)
 
-    for causal in (True, False):
-        assert layout(WIDE_MIN_KEYS[causal] - 1, causal) == "staged"
-        assert layout(WIDE_MIN_KEYS[causal], causal) == "transposed"
+    assert layout(WIDE_MIN_KEYS[False] - 1, causal=False) == "staged"
+    assert layout(WIDE_MIN_KEYS[False], causal=False) == "transposed"
+    assert layout(FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS) == "transposed"
     assert layout(16384, head_dim=192) == "staged"  # MLA: no 192-key kernel
     assert layout(16384, window=(1023, 0)) == "staged"  # windowed: neither
     monkeypatch.setenv(FP8_KEY_BLOCK_ENV, "128")
