@@ -117,7 +117,7 @@ int KeyBlockOverride() {
 // computes ~64 more masked keys and a row's last block covers up to 191 keys past its end. Measured on
 // the H200, 192 against 128 with V^T in 64-key slices (docs/fp8.md 10.30): causal 6x2560 +0.3%, 5x3072
 // +1.9%, 4x4K +3.3%, 3x6K +3.9%, 2x8K and longer +1 to +3%; no mask (32 q / 8 kv heads) 4x1024 -3.9%,
-// 4x1536 +7.5%, 9x2304 +8.4%, 5x3072 +7.7%.
+// 4x1536 +7.4%, 9x2304 +8.4%, 5x3072 +7.8%.
 constexpr int64_t kWideMinKeysCausal = 3072;
 constexpr int64_t kWideMinKeysNoMask = 1536;
 

@@ -71,7 +71,7 @@ FP8_STAGED_V_MAX_ROWS = 2048
 # ... unless those rows see enough keys that the kernel with V^T runs 192-key blocks, which the staged
 # kernel does not have (docs/fp8.md 10.30; the extension's rule decides, `fp8_value_layout`). Measured
 # on the H200 with the layout pass timed: causal 512-row chunks x 4 query heads per KV head against 8K
-# and 16K keys +7.8%, no mask 1536 and 2048 keys +5.6% / +4.1%. With the causal mask the 192-key kernel
+# and 16K keys +7.8%, no mask 1536 and 2048 keys +5.6% / +4.0%. With the causal mask the 192-key kernel
 # gains only 2-4% over 128 keys below 8K, about what the layout pass costs, so causal calls of few rows
 # switch from 8192 keys.
 FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS = 8192
