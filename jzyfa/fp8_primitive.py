@@ -95,7 +95,9 @@ FP8_V_LAYOUTS = ("staged", "transposed")
 # Keys per block of the dense kernel with V^T from memory (head dim 128, no window): the kernel picks
 # 192 for rows that see many keys, 128 otherwise (ffi/flash_fwd_fp8.cu, UseWideKeyBlocks; docs/fp8.md
 # 10.28). JZYFA_FP8_KEY_BLOCK forces one for tests and A/B benchmarks; the launch reads it, so changing
-# it needs no retrace. Checked here at trace time so that a bad value fails before any launch.
+# it needs no retrace, except for calls with few query rows per KV head, whose V layout follows the key
+# block at trace time (`fp8_value_layout`). Checked here at trace time so that a bad value fails before
+# any launch.
 FP8_KEY_BLOCK_ENV = "JZYFA_FP8_KEY_BLOCK"
 FP8_KEY_BLOCKS = ("auto", "128", "192")
 
@@ -315,11 +317,16 @@ def fp8_kernel_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:
     (docs/fp8.md 10.28). Its emulation must use the same `block_n` to follow the kernel's block scaling.
     128 without the extension."""
     window = _validation.mask_window(bool(causal), _validation.check_window(window))
+    v_transposed = _call_value_layout(q_shape, k_shape, causal, window) == "transposed"
+    (_, seq_q, _, head_dim), seq_k = q_shape, k_shape[1]
+    return _key_block(v_transposed, seq_q, seq_k, head_dim, causal, window)
+
+
+def _call_value_layout(q_shape, k_shape, causal: bool, window) -> str:
+    """`fp8_value_layout` of a call with q, k of these shapes ([batch, seq, heads, head_dim])."""
     (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q_shape, k_shape
-    layout = fp8_value_layout(
-        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
-    )
-    return _key_block(layout == "transposed", seq_q, seq_k, head_dim, causal, window)
+    keys = dict(seq_k=seq_k, head_dim=head_dim, causal=causal, window=window)
+    return fp8_value_layout(seq_q, heads_q, heads_kv, **keys)
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
@@ -345,11 +352,7 @@ def fp8_attention_shard(
     """The call on one device's blocks, descales as [B * Hkv] vectors; V as it is, or V^T from the
     layout kernel, by `fp8_value_layout` of the shard's shapes."""
     check_key_block_override()
-    (_, seq_q, heads_q, head_dim), (_, seq_k, heads_kv, _) = q8.shape, k8.shape
-    layout = fp8_value_layout(
-        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
-    )
-    v_transposed = layout == "transposed"
+    v_transposed = _call_value_layout(q8.shape, k8.shape, causal, window) == "transposed"
     out, lse = flash_attention_fp8_shard_p.bind(
         q8,
         k8,

@@ -147,8 +147,9 @@ def key_block_rule(monkeypatch):
 
     def fp8_key_block(*, v_transposed, head_dim, causal, window, seq_q, seq_k):
         del seq_q  # the rule reads the keys a row sees
-        calls.append(dict(v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window))
-        calls[-1]["seq_k"] = seq_k
+        calls.append(
+            dict(v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_k=seq_k)
+        )
         wide = v_transposed and head_dim == 128 and window[0] == -1 and seq_k >= WIDE_MIN_KEYS[causal]
         return 192 if wide else 128
 
