@@ -69,12 +69,10 @@ FP8_KERNEL_HEAD_DIM = 128
 # and it.
 FP8_STAGED_V_MAX_ROWS = 2048
 # ... unless those rows see enough keys that the kernel with V^T runs 192-key blocks, which the staged
-# kernel does not have (docs/fp8.md 10.30; the extension's rule decides, `fp8_value_layout`). Measured
-# on the H200 with the layout pass timed: causal 512-row chunks x 4 query heads per KV head against 8K
-# and 16K keys +7.8%, no mask 1536 and 2048 keys +5.6% / +4.0%. With the causal mask the 192-key kernel
-# gains only 2-4% over 128 keys below 8K, about what the layout pass costs, so causal calls of few rows
-# switch from 8192 keys.
-FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS = 8192
+# kernel does not have (docs/fp8.md 10.30, 10.31; the extension's rule decides, `fp8_value_layout`).
+# Measured on the H200 with the layout pass timed, V^T against staged: causal 512-row chunks x 4 query
+# heads per KV head against 3K, 4K, 6K, 8K and 16K keys +4.1%, +0.9%, +5.6%, +7.8%, +7.7%; no mask
+# 1536 and 2048 keys +5.6% / +4.0%.
 
 # The same for packed varlen calls, on the longest sequence's rows, max_seqlen_q * (heads_q //
 # heads_kv). Their V^T costs more than a dense one (an XLA gather of token rows into the sequences'
@@ -298,15 +296,13 @@ def fp8_value_layout(
     """ "staged" or "transposed": where one shard's call builds V's operand layout (module docstring):
     the rule on rows per KV head once FP8_STAGED_V_VERIFIED, "transposed" until then; with few rows still
     "transposed" when the kernel given V^T would run 192-key blocks (the extension's rule, so
-    JZYFA_FP8_KEY_BLOCK=128 or 192 steers this too), with the causal mask from
-    FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS keys: measured, the layout pass costs less than the wider
-    blocks gain there (docs/fp8.md 10.30). JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides all;
+    JZYFA_FP8_KEY_BLOCK=128 or 192 steers this too): measured, the layout pass costs less than the wider
+    blocks gain (docs/fp8.md 10.30, 10.31). JZYFA_FP8_V_LAYOUT ("staged" | "transposed") overrides all;
     read at trace time. `head_dim` is q's; `window` as the FP8 primitive holds it (causal folded in,
     `_validation.mask_window`)."""
     layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
     if layout == "staged" and not _v_layout_override():
-        enough_keys = not causal or seq_k >= FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS
-        if enough_keys and _key_block(True, seq_q, seq_k, head_dim, causal, window) > 128:
+        if _key_block(True, seq_q, seq_k, head_dim, causal, window) > 128:
             return "transposed"
     return layout
 

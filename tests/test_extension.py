@@ -14,7 +14,6 @@ import jzyfa
 from jzyfa import _extension
 from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
-    FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS,
     FFI_TARGET_VALUE_OPERAND,
     FP8_KEY_BLOCK_ENV,
     FP8_V_LAYOUT_ENV,
@@ -154,9 +153,8 @@ def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
 def test_fp8_layout_rule_asks_the_built_extension(monkeypatch):
     """Few query rows per KV head (staged by rows) go to the V^T layout when the extension's rule gives
-    the V^T kernel 192-key blocks (docs/fp8.md 10.30): head dim 128, no window, from WIDE_MIN_KEYS keys
-    without a mask (causal: from FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS, above the kernel's threshold);
-    JZYFA_FP8_KEY_BLOCK=128 gives the staged layout back."""
+    the V^T kernel 192-key blocks (docs/fp8.md 10.30, 10.31): head dim 128, no window, from WIDE_MIN_KEYS
+    keys; JZYFA_FP8_KEY_BLOCK=128 gives the staged layout back."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
     monkeypatch.delenv(FP8_KEY_BLOCK_ENV, raising=False)
 
@@ -166,7 +164,8 @@ def test_fp8_layout_rule_asks_the_built_extension(monkeypatch):
 
     assert layout(WIDE_MIN_KEYS[False] - 1, causal=False) == "staged"
     assert layout(WIDE_MIN_KEYS[False], causal=False) == "transposed"
-    assert layout(FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS) == "transposed"
+    assert layout(WIDE_MIN_KEYS[True] - 1) == "staged"
+    assert layout(WIDE_MIN_KEYS[True]) == "transposed"
     assert layout(16384, head_dim=192) == "staged"  # MLA: no 192-key kernel
     assert layout(16384, window=(1023, 0)) == "staged"  # windowed: neither
     monkeypatch.setenv(FP8_KEY_BLOCK_ENV, "128")

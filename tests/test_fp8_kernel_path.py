@@ -19,7 +19,6 @@ from jzyfa.fp8_primitive import (
     FFI_TARGET_FP8,
     FFI_TARGET_VALUE_OPERAND,
     FP8_KEY_BLOCK_ENV,
-    FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS,
     FP8_STAGED_V_MAX_ROWS,
     FP8_V_LAYOUT_ENV,
     flash_attention_fp8_kernel,
@@ -173,25 +172,23 @@ def layout_of(seq_q, seq_k, heads_q, heads_kv, head_dim=128, causal=True):
         (4, 4096, 4096, 16, 16, "transposed"),
         (1, 16384, 16384, 16, 16, "transposed"),
         (1, 512, 16384, 32, 4, "transposed"),  # short q, 8 query heads per KV head: 4096 rows
-        # 2048 rows, but they see enough keys for 192-key blocks, which only the V^T kernel has (causal:
-        # from FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS):
+        # 2048 rows, but they see enough keys for 192-key blocks, which only the V^T kernel has:
         (1, 512, 16384, 32, 8, "transposed"),  # a prefill chunk against a long cache
         (2, 2048, 8192, 16, 16, "transposed"),
-        (2, 2048, 8191, 16, 16, "staged"),  # 192-key blocks, but too few keys to pay for the layout pass
-        (2, 2048, 3072, 16, 16, "staged"),
+        (2, 2048, 3072, 16, 16, "transposed"),
+        (2, 2048, 3071, 16, 16, "staged"),  # 128-key blocks in either layout
     ],
 )
 def test_v_layout_follows_rows_per_kv_head_and_keys(
     monkeypatch, key_block_rule, batch, seq_q, seq_k, heads_q, heads_kv, layout
 ):
     """The rule, on by default (FP8_STAGED_V_VERIFIED): staged up to FP8_STAGED_V_MAX_ROWS rows per KV
-    head unless the kernel given V^T would run 192-key blocks and, causal, the rows see at least
-    FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS keys (docs/fp8.md 10.30)."""
+    head unless the kernel given V^T would run 192-key blocks (docs/fp8.md 10.30, 10.31)."""
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
     assert fp8_primitive.FP8_STAGED_V_VERIFIED is True
     assert layout_of(seq_q, seq_k, heads_q, heads_kv) == layout
     few_rows = seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS
-    assert (few_rows and seq_k < FP8_FEW_ROWS_CAUSAL_TRANSPOSED_MIN_KEYS) == (layout == "staged")
+    assert (few_rows and seq_k < WIDE_MIN_KEYS[True]) == (layout == "staged")
     if layout == "transposed" and few_rows:  # the extension was asked about the V^T kernel for this call
         asked = dict(v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_k=seq_k)
         assert key_block_rule[-1] == asked

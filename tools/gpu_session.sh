@@ -48,6 +48,8 @@ step "GPU tests"
 read -ra gpu_tests <<< "${JZYFA_GPU_TESTS:-tests}"
 # JZYFA_PYTEST_FLAGS adds pytest flags, e.g. "-v" so a run cut by the time limit still names each result.
 read -ra pytest_flags <<< "${JZYFA_PYTEST_FLAGS:-}"
+# JZYFA_PYTEST_K: one -k expression, spaces allowed (e.g. "lean and 8192").
+[ -n "${JZYFA_PYTEST_K:-}" ] && pytest_flags+=(-k "$JZYFA_PYTEST_K")
 timeout "${JZYFA_GPU_TESTS_TIMEOUT:-480}" python3 -m pytest -q -rs -p no:cacheprovider "${pytest_flags[@]}" \
   "${gpu_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -146,6 +148,7 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}" ]; then
     read -ra ab_tests <<< "${JZYFA_AB_GPU_TESTS}"
     # JZYFA_AB_PYTEST_FLAGS: pytest flags for B's tests only, e.g. "-kstaged" (the kernels B changes).
     read -ra ab_pytest_flags <<< "${JZYFA_AB_PYTEST_FLAGS:-}"
+    [ -n "${JZYFA_AB_PYTEST_K:-}" ] && ab_pytest_flags+=(-k "$JZYFA_AB_PYTEST_K")
     env "${env_b[@]}" PYTHONPATH="$SITE_B" timeout "${JZYFA_AB_GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider \
       "${ab_pytest_flags[@]}" "${ab_tests[@]/#/$REPO/}" -m gpu 2>&1 | tee "$OUT_DIR/gpu_tests_b.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
