@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from repo_tools import load_tool
 from test_ptx_generator import find_tool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -552,6 +553,33 @@ def test_fp8_wide_kernels_use_192_key_blocks(compiled):
         assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
         assert ("MUFU.EX2" in text) != ("ILb1E" in name), name
 
+
+@pytest.mark.parametrize("kernel, block_n", [("FlashFwdFp8WideKernel", 192), ("FlashFwdFp8KernelILb[01]ELb0E", 128)])
+def test_fp8_sass_budget_walks_one_key_block(compiled, kernel, block_n):
+    """tools/sass_budget.py (docs/fp8.md 10.32) on the dense V^T FP8 kernels: the common path of one key
+    block holds one Q K^T (four k-steps) and one P V (block_n / 32 k-steps), one code per score (64 x
+    block_n per warpgroup, block_n / 2 per thread: lean, an FFMA.SAT each and no exponential; exact,
+    an EX2 each and an F2FP per two), and none of the rare paths (the mask's FSELs, the promotion's
+    shared-memory copy, the rescale's FMULs)."""
+    _, sass = compiled
+    tool = load_tool("sass_budget")
+    found = {name: text for name, text in kernels(sass).items() if re.search(kernel, name)}
+    assert len(found) == 2, list(found)  # lean and exact P
+    scores = block_n // 2
+    for name, text in found.items():
+        path = tool.common_iteration(tool.parse(text), f"QGMMA.64x{block_n}x32")
+        ops = [i.opcode for i in path]
+        assert sum(op.startswith(f"QGMMA.64x{block_n}x32") for op in ops) == 4, name
+        assert sum(op.startswith("QGMMA.64x136x32") for op in ops) == block_n // 32, name
+        assert not {"LDS", "STS", "LDL", "STL", "CALL"} & {i.base for i in path}, name
+        assert sum(op == "FSEL" for op in ops) < 8 and sum(op == "FMUL" for op in ops) < 16, name
+        if "ILb1E" in name:  # lean P
+            assert ops.count("FFMA.SAT") == scores and "MUFU.EX2" not in ops, name
+        else:
+            assert ops.count("MUFU.EX2") == scores and sum(op.startswith("F2FP") for op in ops) == scores // 2
+        budget = tool.budget(path, block_n)
+        assert budget["tensor_cycles"] == 2 * (64 * block_n * 128 * 2 + 64 * 136 * block_n * 2) / 8192
+        assert budget["issue_per_scheduler"] == 2 * len(path) < budget["tensor_cycles"], name
 
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
