@@ -581,6 +581,21 @@ def test_fp8_sass_budget_walks_one_key_block(compiled, kernel, block_n):
         assert budget["tensor_cycles"] == 2 * (64 * block_n * 128 * 2 + 64 * 136 * block_n * 2) / 8192
         assert budget["issue_per_scheduler"] == 2 * len(path) < budget["tensor_cycles"], name
 
+
+def test_sass_budget_walks_the_16bit_kernel(compiled):
+    """The same walk on the 16-bit kernel (bf16, head dim 128; docs/fp8.md 10.32): Q K^T and P V in eight
+    k-steps of 16 each, one exponential per score (64 per thread) on the common path, no mask or rescale;
+    its tensor time at the bf16 rate (4096 FLOP per SM and clock) with no sum columns."""
+    _, sass = compiled
+    tool = load_tool("sass_budget")
+    (text,) = [text for name, text in kernels(sass).items() if re.search(r"FlashFwdKernelI13__nv_bfloat16Li128E", name)]
+    path = tool.common_iteration(tool.parse(text), "HGMMA.64x128x16")
+    ops = [i.opcode for i in path]
+    assert sum(op.startswith("HGMMA.64x128x16") for op in ops) == 16
+    assert 64 <= ops.count("MUFU.EX2") <= 68 and not {"LDS", "STS", "LDL", "STL"} & {i.base for i in path}
+    assert sum(op == "FSEL" for op in ops) < 8 and sum(op == "FMUL" for op in ops) < 16
+    assert tool.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
+
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
     FlashFwdWideKernel for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176

@@ -7,7 +7,7 @@ the issue rate and the per-pipe rates measured on the H200 (docs/fp8.md 10.25) t
 block step (two consumer warpgroups), to set against the tensor cores' cycles (docs/fp8.md 6, 10.32).
 
     cuobjdump --dump-sass -fun <kernel symbol> _jzyfa_ffi*.so > kernel.sass
-    python tools/sass_budget.py kernel.sass --block_n 192
+    python tools/sass_budget.py kernel.sass --block_n 192 [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -130,10 +130,16 @@ def common_iteration(instructions: list[Instruction], qk_shape: str) -> list[Ins
     return path  # one period: the next iteration's K wait (before its turn) included
 
 
-def budget(path: list[Instruction], block_n: int, head_dim: int = 128, warps: int = 8) -> dict:
+# Dense wgmma FLOP per SM per clock, and the columns P V adds to O's (FP8: the row-sum columns).
+TENSOR_RATES = {"fp8": 8192, "bf16": 4096}
+SUM_COLUMNS = {"fp8": 8, "bf16": 0}
+
+
+def budget(path: list[Instruction], block_n: int, head_dim: int = 128, warps: int = 8, dtype: str = "fp8") -> dict:
     """Per-warp counts by pipe and SM cycles per block step (`warps` consumer warps, two warpgroups)."""
     counts = collections.Counter(pipe(i) for i in path)
-    tensor = 2 * (64 * block_n * head_dim * 2 + 64 * (head_dim + 8) * block_n * 2) / 8192
+    pv_n = head_dim + SUM_COLUMNS[dtype]
+    tensor = 2 * (64 * block_n * head_dim * 2 + 64 * pv_n * block_n * 2) / TENSOR_RATES[dtype]
     cycles = {p: counts[p] * warps * 32 / rate for p, rate in PIPE_RATES.items()}
     return {
         "instructions": len(path),
@@ -149,12 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sass", help="cuobjdump --dump-sass output of one kernel")
     parser.add_argument("--block_n", type=int, default=128, help="keys per block (the Q K^T's N)")
-    parser.add_argument("--qk_shape", default=None, help="default QGMMA.64x<block_n>x32")
+    parser.add_argument("--dtype", choices=sorted(TENSOR_RATES), default="fp8")
+    parser.add_argument("--qk_shape", default=None,
+                        help="default QGMMA.64x<block_n>x32 (fp8), HGMMA.64x<block_n>x16 (bf16)")
     args = parser.parse_args(argv)
     with open(args.sass) as f:
         instructions = parse(f.read())
-    path = common_iteration(instructions, args.qk_shape or f"QGMMA.64x{args.block_n}x32")
-    result = budget(path, args.block_n)
+    default_shape = f"QGMMA.64x{args.block_n}x32" if args.dtype == "fp8" else f"HGMMA.64x{args.block_n}x16"
+    path = common_iteration(instructions, args.qk_shape or default_shape)
+    result = budget(path, args.block_n, dtype=args.dtype)
     print(f"{result['instructions']} instructions per warp per {args.block_n}-key block "
           f"({result['instructions'] / args.block_n:.2f} per key), from {path[0].address:#x} to {path[-1].address:#x}")
     print(f"tensor cycles per block step (two consumers): {result['tensor_cycles']:.0f}")
