@@ -77,9 +77,8 @@ def rare(region: list[Instruction]) -> bool:
     """Code the common path skips: the mask (many FSEL), O's promotion or the copy's fold (shared
     memory), a rescale of O (many FMUL), a moved reference exponent (F2I), a slow-path call."""
     ops = collections.Counter(i.base for i in region)
-    return ops["FSEL"] >= 16 or ops["LDS"] + ops["STS"] > 0 or ops["FMUL"] >= 16 or ops["F2I"] > 0 or (
-        ops["CALL"] > 0
-    )
+    shared_memory = ops["LDS"] + ops["STS"] > 0
+    return shared_memory or ops["FSEL"] >= 16 or ops["FMUL"] >= 16 or ops["F2I"] > 0 or ops["CALL"] > 0
 
 
 def common_iteration(instructions: list[Instruction], qk_shape: str) -> list[Instruction]:
@@ -108,10 +107,13 @@ def common_iteration(instructions: list[Instruction], qk_shape: str) -> list[Ins
 
     turns = {turn(k) for k in qk_starts}
     k = turn(qk_starts[1])
-    path = []
+    path, visited = [], set()
     while k < len(instructions):
         if path and k in turns:
             break  # the next iteration's turn
+        if k in visited:
+            raise ValueError(f"the walk came back to {instructions[k].address:#x} before the next turn")
+        visited.add(k)
         ins = instructions[k]
         path.append(ins)
         target = ins.branch_target
