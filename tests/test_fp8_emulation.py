@@ -163,7 +163,7 @@ def test_magic_constant_trick():
 
 
 def test_kernel_lean_arithmetic_saturates_and_packs(rng):
-    # What the kernel does (ffi/flash_fwd_fp8_kernel.cuh, Fp8Softmax and PackCodes): y =
+    # What the kernel does (ffi/fp8_softmax.cuh, Fp8Softmax and PackCodes): y =
     # saturate(fl32((s c1 + c0) / 128)), code word = fl32(y * 128 + magic), then four words packed as
     # a + 2^8 b + 2^16 c + 2^24 d in uint32 arithmetic, the third word's magic cancelling the others'.
     pack_magic, pack_magic_third = np.float32(2.0**23), np.float32(2.0**23 + 0xB500)

@@ -119,7 +119,7 @@ def test_next_reference_keeps_r_on_a_fully_masked_block(integer_reference):
     # A row whose r sits high (a large score earlier), then a block far below: block scaling lowers r
     # (hysteresis and the MAX_BLOCK_EXPONENT floor). A block with no visible key (block_max = -inf)
     # would pass the same test, -inf < r + E - H, and must not: the kernel's
-    # `change &= block_max > -INFINITY` (NextReference in ffi/flash_fwd_fp8_kernel.cuh).
+    # `change &= block_max > -INFINITY` (NextReference in ffi/fp8_softmax.cuh).
     options = Fp8Options(lean_p=integer_reference, integer_reference=integer_reference)
     r, running_max = jnp.float32(12.0), jnp.float32(20.0)
     low = _next_reference(r, running_max, jnp.float32(-1e30), options)
