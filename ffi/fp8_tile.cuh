@@ -1,0 +1,167 @@
+// The FP8 kernel's tile: its shapes (rows per consumer, keys per block, head dims), the compile-time
+// choices that go with them (V staged or V^T from memory, the TMA-store epilogue, Q buffers, how often
+// O is promoted and how much of its copy stays in registers), and the shared-memory layout they give.
+// flash_fwd_fp8_kernel.cuh runs on it; flash_fwd_fp8.cu and flash_fwd_fp8_varlen.cu size their launches
+// and tensor maps by it.
+#pragma once
+
+#include <cuda.h>
+
+#include "flash_fwd_common.cuh"
+#include "fp8_value_transpose.cuh"
+
+namespace jzyfa {
+
+// The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
+// out's (V^T's rows, O's columns); Q and K rows of more than 128 bytes are loaded as 128-byte-swizzle
+// slices of 128 columns each, laid out back to back (slice s at s * rows * 128 bytes), TMA filling the
+// columns past kHeadDimQK with zeros that no wgmma reads. kStagedV: V's operand built in shared
+// memory from V as it is (staging buffers, transposing warps), or TMA-loaded from a V^T in global
+// memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
+// memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
+// next sequence).
+#ifndef JZYFA_FP8_EPILOGUE_TMA
+#define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
+#endif
+// kQPrefetch_: a second Q buffer where it fits (below). kBlockN_: keys per block, 128 or (V^T from
+// global memory only) 192 (Fp8VtWideTile, docs/fp8.md 10.26).
+template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA,
+          bool kQPrefetch_ = true, int kBlockN_ = 128>
+struct Fp8TileT {
+  static constexpr int kHeadDimQK = kHeadDimQK_;
+  static constexpr bool kStagedV = kStagedV_;
+  static constexpr int kHeadDimV = 128;
+  static constexpr int kHeadDim = kHeadDimV;
+  static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
+  static constexpr int kQkSlices = (kHeadDimQK + kQkSliceCols - 1) / kQkSliceCols;
+  static constexpr int kConsumers = 2;
+  static constexpr int kRowsPerConsumer = 64;
+  static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P V takes keys in k-steps of 32");
+  static_assert(kBlockN == 128 || !kStagedV_, "the in-kernel V transpose handles 128-key blocks");
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kPvN = kHeadDim + 8;  // O's columns plus the row-sum columns
+#ifndef JZYFA_FP8_PROMOTE_BLOCKS
+#define JZYFA_FP8_PROMOTE_BLOCKS 8
+#endif
+  // Key blocks summed in the wgmma accumulator before it is added to O's float32 copy (32 wgmma
+  // k-steps). Measured at 32K keys (H200, docs/benchmarks.md): every 4 blocks costs 8.6% of the
+  // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
+  // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
+  // Wider blocks keep about as many keys per run (192: 5 blocks, 960 keys).
+  static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN > 0
+                                            ? JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN
+                                            : 1;
+  // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
+  static constexpr int kQSliceBytes = kRowsPerConsumer * kQkSliceCols;
+  static constexpr int kKSliceBytes = kBlockN * kQkSliceCols;
+  static constexpr int kQConsumerBytes = kQSliceBytes * kQkSlices;
+  static constexpr int kQBytes = kQConsumerBytes * kConsumers;
+  static constexpr int kKBytes = kKSliceBytes * kQkSlices;
+  // V^T in slices of 128 keys (one 128-byte swizzle row: a box with 128-byte swizzle is at most 128
+  // bytes wide), each [128 rows][128 keys] followed by its 8 rows of ones. A 192-key block takes three
+  // 64-key slices, 64-byte swizzled: no keys of the next block over-fetched, and the bytes saved bring
+  // the TMA-store epilogue back (docs/fp8.md 10.29: +1 to +3% from 8K keys, measured).
+  static constexpr int kVtSliceKeys = kBlockN % 128 == 0 ? 128 : 64;
+  static_assert(kVtSliceKeys == 128 || kVtSliceKeys == 64, "one swizzle row (128 or 64 bytes) per slice");
+  static constexpr int kVtStepsPerSlice = kVtSliceKeys / 32;  // P V k-steps
+  static constexpr int kVtSlices = (kBlockN + kVtSliceKeys - 1) / kVtSliceKeys;
+  static constexpr int kVtBytes = kHeadDim * kVtSliceKeys;  // per slice (one TMA box)
+  static constexpr int kOnesBytes = 8 * kVtSliceKeys;  // rows 128..135 of the P V B operand, per slice
+  static constexpr int kVtSliceBytes = kVtBytes + kOnesBytes;  // a multiple of the swizzle's 8 rows
+  // Stages start 1024-byte aligned (Q K^T's 128-byte swizzle); 64-key slices leave 512 bytes over.
+  static constexpr int kStageBytes = (kKBytes + kVtSlices * kVtSliceBytes + 1023) / 1024 * 1024;
+  // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
+  // the producer's transposing warps build the stage's V^T from it (fp8_value_transpose.cuh).
+  static constexpr int kVStagingBytes = kBlockN * kHeadDim;
+  // How TMA lays the staging tile out: as it is, or 128-byte swizzled for the matrix transpose.
+  static constexpr CUtensorMapSwizzle kVStagingSwizzle =
+      Fp8ValueTranspose::kSwizzledStaging ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE;
+  // O's float32 copy, per consumer: each thread's kPvN / 2 accumulator values as float4s,
+  // float4 q of thread t at (q * 128 + t) * 16 (conflict-free 128-bit accesses).
+  // The copy's first kRegCopyChunks float4s per thread stay in registers, the rest in shared
+  // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
+  // consumers' 232 registers without spilling (8 spills); MLA's longer Q K^T leaves room for 6 (7
+  // spills).
+#ifndef JZYFA_FP8_REG_COPY_CHUNKS
+#if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
+#define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
+#else
+#define JZYFA_FP8_REG_COPY_CHUNKS 7
+#endif
+#endif
+#ifndef JZYFA_FP8_MLA_REG_COPY_CHUNKS
+#define JZYFA_FP8_MLA_REG_COPY_CHUNKS 6
+#endif
+  // 192-key blocks: S takes 32 more registers, so the whole copy lives in shared memory (1 chunk
+  // spilled 28 bytes with ptxas 13.0).
+  static constexpr int kRegCopyChunks =
+      kBlockN > 128                ? 0
+      : kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS
+                                : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
+  static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
+  // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
+  // 64-column slices (128-byte swizzle rows).
+  static constexpr int kOSliceBytes = kRowsPerConsumer * 128;
+  static constexpr int kOConsumerBytes = kOSliceBytes * (kHeadDimV / 64);
+  static constexpr int kOTilesBytes = kConsumers * kOConsumerBytes;
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kSmemLimit = 227 * 1024;
+  // Shared memory: Q (kQBuffers tiles), the K/V ring, O's float32 copies, V's staging buffers
+  // (staged V), the O tiles (the TMA-store epilogue).
+  static constexpr int kBetweenQAndOTilesBytes =
+      kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
+  // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
+  static constexpr bool kEpilogueTma =
+      kEpilogueTma_ && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
+#ifndef JZYFA_FP8_Q_PREFETCH
+#define JZYFA_FP8_Q_PREFETCH 0  // measured 0.6-2.4% slower (docs/fp8.md 10.24): off by default
+#endif
+  // With JZYFA_FP8_Q_PREFETCH, a second Q tile where it fits (not MLA's: 32 KB each): the producer
+  // loads the next tile's Q and first K while this tile's last blocks run, not only once its last
+  // Q K^T has landed. The tile-start waits it was to shorten stayed (they were not loads in flight,
+  // docs/fp8.md 10.24).
+  static constexpr int kQBuffers =
+      JZYFA_FP8_Q_PREFETCH && kQPrefetch_ && 2 * kQBytes + kBetweenQAndOTilesBytes +
+                                      (kEpilogueTma ? kOTilesBytes : 0) + kSmemAlign <=
+                                  kSmemLimit
+          ? 2
+          : 1;
+  static constexpr int kRingOffset = kQBuffers * kQBytes;
+  static constexpr int kOCopyOffset = kRingOffset + kStages * kStageBytes;
+  static constexpr int kVStagingOffset = kOCopyOffset + kConsumers * kOCopyBytes;
+  static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
+  static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kOTilesBytes : 0);
+  static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
+  static_assert(kStageBytes % kSmemAlign == 0, "stages must stay 1024-byte aligned");
+  static_assert(kQSliceBytes % kSmemAlign == 0 && kKSliceBytes % kSmemAlign == 0,
+                "Q and K slices must stay 1024-byte aligned");
+  static_assert(kHeadDimQK % 32 == 0 && kHeadDimQK <= kQkSlices * kQkSliceCols);
+  static_assert(kDynamicSmemBytes <= kSmemLimit, "the tile must fit Hopper's shared memory");
+  static_assert(kOTileOffset % kSmemAlign == 0, "O tiles must stay 1024-byte aligned (swizzle)");
+  static_assert(!kStagedV || (kVStagingOffset % kSmemAlign == 0 &&
+                              kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
+                              kVtBytes == Fp8ValueTranspose::kTileBytes));
+  static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
+};
+
+using Fp8Tile = Fp8TileT<128>;
+using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
+// The same tiles reading V^T from global memory (kStagedV false).
+using Fp8VtTile = Fp8TileT<128, false>;
+using Fp8MlaVtTile = Fp8TileT<192, false>;
+// The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory and 192 keys per
+// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; flash_fwd_fp8.cu picks it). One
+// Q buffer: with -DJZYFA_FP8_Q_PREFETCH=1's second one its consumers spill.
+using Fp8VtWideTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, false, 192>;
+// The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
+// 4-8 bytes in their consumers).
+using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
+using Fp8VarlenVtTile = Fp8TileT<128, false, false, false>;
+
+}  // namespace jzyfa
