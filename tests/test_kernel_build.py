@@ -19,6 +19,7 @@ from repo_tools import load_tool
 from test_ptx_generator import find_tool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+SASS_BUDGET = load_tool("sass_budget")  # its SASS parser serves reachable() below too
 
 pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 
@@ -333,27 +334,25 @@ def staged_v(name: str) -> bool:
 def reachable(text: str, start: str) -> list[str]:
     """The instructions of one kernel's SASS reachable from the first one matching `start` (a regex),
     following branches, calls and fall-through (EXIT and RET end a path; predicated ones fall through)."""
-    code = [(int(a, 16), i) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
-    index = {address: n for n, (address, _) in enumerate(code)}
-    first = next(n for n, (_, i) in enumerate(code) if re.search(start, i))
+    code = SASS_BUDGET.parse(text)
+    index = {instruction.address: n for n, instruction in enumerate(code)}
+    first = next(n for n, instruction in enumerate(code) if re.search(start, instruction.text))
     seen, todo = set(), [first]
     while todo:
         n = todo.pop()
         if n in seen or n >= len(code):
             continue
         seen.add(n)
-        instruction = code[n][1]
-        predicated = instruction.startswith("@")
-        op = instruction.split()[1 if predicated else 0]
-        target = re.search(r"\b0x([0-9a-f]+)", instruction)
-        if op.startswith(("BRA", "CALL")) and target:
+        instruction = code[n]
+        target = re.search(r"\b0x([0-9a-f]+)", instruction.text)
+        if instruction.base in ("BRA", "CALL") and target:
             todo.append(index[int(target.group(1), 16)])
-            if op.startswith("BRA") and not predicated:
+            if instruction.base == "BRA" and not instruction.conditional:
                 continue
-        elif op.startswith(("EXIT", "RET")) and not predicated:
+        elif instruction.base in ("EXIT", "RET") and not instruction.conditional:
             continue
         todo.append(n + 1)
-    return [code[n][1] for n in sorted(seen)]
+    return [code[n].text for n in sorted(seen)]
 
 
 def highest_register(instruction: str) -> int:
@@ -554,6 +553,16 @@ def test_fp8_wide_kernels_use_192_key_blocks(compiled):
         assert ("MUFU.EX2" in text) != ("ILb1E" in name), name
 
 
+def common_path(text: str, qk_shape: str, name: str):
+    """tools/sass_budget.py's walk of one key block, (instructions, opcodes), checked free of the rare
+    paths: no shared-memory copy or local memory, no call, not the mask's FSELs or the rescale's FMULs."""
+    path = SASS_BUDGET.common_iteration(SASS_BUDGET.parse(text), qk_shape)
+    ops = [i.opcode for i in path]
+    assert not {"LDS", "STS", "LDL", "STL", "CALL"} & {i.base for i in path}, name
+    assert sum(op == "FSEL" for op in ops) < 8 and sum(op == "FMUL" for op in ops) < 16, name
+    return path, ops
+
+
 @pytest.mark.parametrize("kernel, block_n", [("FlashFwdFp8WideKernel", 192), ("FlashFwdFp8KernelILb[01]ELb0E", 128)])
 def test_fp8_sass_budget_walks_one_key_block(compiled, kernel, block_n):
     """tools/sass_budget.py (docs/fp8.md 10.32) on the dense V^T FP8 kernels: the common path of one key
@@ -562,22 +571,18 @@ def test_fp8_sass_budget_walks_one_key_block(compiled, kernel, block_n):
     an EX2 each and an F2FP per two), and none of the rare paths (the mask's FSELs, the promotion's
     shared-memory copy, the rescale's FMULs)."""
     _, sass = compiled
-    tool = load_tool("sass_budget")
     found = {name: text for name, text in kernels(sass).items() if re.search(kernel, name)}
     assert len(found) == 2, list(found)  # lean and exact P
     scores = block_n // 2
     for name, text in found.items():
-        path = tool.common_iteration(tool.parse(text), f"QGMMA.64x{block_n}x32")
-        ops = [i.opcode for i in path]
+        path, ops = common_path(text, f"QGMMA.64x{block_n}x32", name)
         assert sum(op.startswith(f"QGMMA.64x{block_n}x32") for op in ops) == 4, name
         assert sum(op.startswith("QGMMA.64x136x32") for op in ops) == block_n // 32, name
-        assert not {"LDS", "STS", "LDL", "STL", "CALL"} & {i.base for i in path}, name
-        assert sum(op == "FSEL" for op in ops) < 8 and sum(op == "FMUL" for op in ops) < 16, name
         if "ILb1E" in name:  # lean P
             assert ops.count("FFMA.SAT") == scores and "MUFU.EX2" not in ops, name
         else:
             assert ops.count("MUFU.EX2") == scores and sum(op.startswith("F2FP") for op in ops) == scores // 2
-        budget = tool.budget(path, block_n)
+        budget = SASS_BUDGET.budget(path, block_n)
         assert budget["tensor_cycles"] == 2 * (64 * block_n * 128 * 2 + 64 * 136 * block_n * 2) / 8192
         assert budget["issue_per_scheduler"] == 2 * len(path) < budget["tensor_cycles"], name
 
@@ -587,14 +592,11 @@ def test_sass_budget_walks_the_16bit_kernel(compiled):
     k-steps of 16 each, one exponential per score (64 per thread) on the common path, no mask or rescale;
     its tensor time at the bf16 rate (4096 FLOP per SM and clock) with no sum columns."""
     _, sass = compiled
-    tool = load_tool("sass_budget")
     (text,) = [text for name, text in kernels(sass).items() if re.search(r"FlashFwdKernelI13__nv_bfloat16Li128E", name)]
-    path = tool.common_iteration(tool.parse(text), "HGMMA.64x128x16")
-    ops = [i.opcode for i in path]
+    path, ops = common_path(text, "HGMMA.64x128x16", "bf16")
     assert sum(op.startswith("HGMMA.64x128x16") for op in ops) == 16
-    assert 64 <= ops.count("MUFU.EX2") <= 68 and not {"LDS", "STS", "LDL", "STL"} & {i.base for i in path}
-    assert sum(op == "FSEL" for op in ops) < 8 and sum(op == "FMUL" for op in ops) < 16
-    assert tool.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
+    assert 64 <= ops.count("MUFU.EX2") <= 68
+    assert SASS_BUDGET.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
 
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
