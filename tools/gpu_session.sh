@@ -68,6 +68,17 @@ if [ -n "${JZYFA_PIPE_RATES:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_SOFTMAX_PROBE:-}" ]; then
+  # The FP8 softmax's cycles per block beside tensor-core work (tools/softmax_interference.cu,
+  # docs/fp8.md 10.33): seconds.
+  step "softmax interference probe"
+  { python3 "$REPO/asm/gen_ptx.py" --out /tmp/probe_gen/jzyfa_ptx.h \
+      && "$CUDACXX" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+           -I"$REPO/ffi" -I/tmp/probe_gen -o /tmp/softmax_interference "$REPO/tools/softmax_interference.cu" \
+      && /tmp/softmax_interference; } 2>&1 | tee "$OUT_DIR/softmax_interference.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if [ -n "${JZYFA_MULTI_GPU:-}" ]; then
   # Sharded prefill over all GPUs (issue 8), e.g. JZYFA_MULTI_GPU="--seqs 32768,65536".
   step "multi-GPU prefill: ${JZYFA_MULTI_GPU}"
