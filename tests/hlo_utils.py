@@ -33,3 +33,11 @@ def cuda_hlo(fn, *args) -> str:
 
 def custom_call_lines(hlo_text: str, target: str) -> list[str]:
     return [line for line in hlo_text.splitlines() if f'custom_call_target="{target}"' in line]
+
+
+def window_attributes(call: str) -> tuple[int, int]:
+    """(window_left, window_right) from a windowed jzyfa custom call's HLO line (lowered or compiled)."""
+    left = re.search(r"window_left\s*=\s*(-?\d+)", call)
+    right = re.search(r"window_right\s*=\s*(-?\d+)", call)
+    assert left and right, call
+    return int(left.group(1)), int(right.group(1))

@@ -10,13 +10,13 @@ the kill switches say (jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is True since this f
 """
 
 import math
-import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_fp8_qkv
 from gpu_utils import requires_hopper
+from hlo_utils import window_attributes
 from test_fp8_kernel_gpu import (
     EMULATION_TOLERANCE,
     FLOAT64_TOLERANCE,
@@ -38,13 +38,6 @@ pytestmark = [pytest.mark.gpu, requires_hopper]
 def allow_unverified_kernels(monkeypatch):
     monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
     monkeypatch.setenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, "1")
-
-
-def window_attributes(call: str) -> tuple[int, int]:
-    left = re.search(r"window_left\s*=\s*(-?\d+)", call)
-    right = re.search(r"window_right\s*=\s*(-?\d+)", call)
-    assert left and right, call
-    return int(left.group(1)), int(right.group(1))
 
 
 def dequantized(x8, d, heads):

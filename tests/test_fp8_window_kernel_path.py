@@ -4,14 +4,13 @@ that keeps windows on the pure-JAX path until the windowed FP8 kernel is verifie
 with a window. (The kernel itself: tests/test_fp8_window_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import random_fp8_qkv
-from hlo_utils import cuda_hlo, custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines, window_attributes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
@@ -56,13 +55,6 @@ def fp8_call(causal, window, implementation):
         )
 
     return fn
-
-
-def window_attributes(call: str) -> tuple[int, int]:
-    left = re.search(r"window_left = (-?\d+) : i64", call)
-    right = re.search(r"window_right = (-?\d+) : i64", call)
-    assert left and right, call
-    return int(left.group(1)), int(right.group(1))
 
 
 @pytest.mark.parametrize(

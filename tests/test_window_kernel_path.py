@@ -4,14 +4,13 @@ their kill switch, the primitive's reference lowering, and sequence sharding wit
 kernel itself: tests/test_window_kernel_gpu.py and tests/test_kernel_build.py.)"""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, naive_varlen_f64, random_qkv
-from hlo_utils import custom_call_lines
+from hlo_utils import cuda_hlo, custom_call_lines, window_attributes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
@@ -38,16 +37,8 @@ def no_gate_variables(monkeypatch):
 
 
 def custom_call(fn, *args) -> str:
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
-    (call,) = [line for line in hlo.splitlines() if "custom-call(" in line]
+    (call,) = [line for line in cuda_hlo(fn, *args).splitlines() if "custom-call(" in line]
     return call
-
-
-def window_attributes(call: str) -> tuple[int, int]:
-    left = re.search(r"window_left = (-?\d+) : i64", call)
-    right = re.search(r"window_right = (-?\d+) : i64", call)
-    assert left and right, call
-    return int(left.group(1)), int(right.group(1))
 
 
 @pytest.mark.parametrize(
