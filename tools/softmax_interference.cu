@@ -5,31 +5,38 @@
 // Is that the softmax's own code (its chains, its instruction mix), or the wgmma beside it (the
 // warpgroup's own P V reading P and writing O in the register file; the other consumer's GEMMs)?
 //
-// One CTA per SM, two warpgroups. Warpgroup 0 runs blocks as the kernel's consumer does: Q K^T
-// (e4m3 wgmma, m64n128k32 x 4, into S) waited for, then the kernel's softmax (Fp8OnlineSoftmax, lean
-// P, 128 keys: the reference update, the codes and their packing), P stored to shared memory (so that
-// no variant's codes are dead code), kIterations times; its cycles per block are read around the
-// whole loop (ptxas moves arithmetic across clock reads, so no part is timed on its own). Each
-// variant runs twice, with the softmax and with S's bits as P (no arithmetic): the difference is
-// what the softmax adds to a block. Per variant, what else runs:
-//   own P V      warpgroup 0 issues its previous block's P V (m64n136k32 x 4, A = P from registers)
-//                with the Q K^T and waits for it after the softmax, as the kernel does (so the
-//                difference is the softmax's time less the P V it hides);
-//   other GEMMs  warpgroup 1 issues Q K^T + P V groups back to back (one in flight) while warpgroup 0
-//                runs (and some after): the other consumer's tensor work, all the time instead of
-//                ~half of it;
-//   twin         warpgroup 1 runs the same loop (two softmaxes per scheduler, no turns), or the same
-//                with the kernel's ping-pong turns around each warpgroup's wgmma issue.
+// Three sections, one CTA per SM and no memory traffic in any; cycles are read around whole loops
+// (ptxas moves arithmetic across clock reads, so no part is timed on its own), and every variant runs
+// twice, with its work and with S's bits as P (no arithmetic): the difference is what the work adds.
+//
+// 1. The softmax beside tensor work. Warpgroup 0 runs blocks as the kernel's consumer does: Q K^T
+//    (e4m3 wgmma, m64n128k32 x 4, into S) waited for, the kernel's softmax (Fp8OnlineSoftmax, lean P,
+//    128 keys), P stored to shared memory (so that no variant's codes are dead code), kIterations
+//    times. What else runs:
+//      own P V      warpgroup 0 issues its previous block's P V (m64n136k32 x 4, A = P from registers,
+//                   or m64n128k32 with A from shared memory) with the Q K^T and waits for it after the
+//                   softmax, as the kernel does (the difference is then the softmax less the P V it hides);
+//      other GEMMs  warpgroup 1 issues Q K^T + P V groups back to back (one in flight) while warpgroup 0
+//                   runs (and some after): the other consumer's tensor work all the time instead of
+//                   ~half of it (e4m3 with P V's A from registers or shared memory, or bf16);
+//      twin         warpgroup 1 runs the same loop (two softmaxes per scheduler).
+// 2. Per instruction: 320 instructions of one kind per thread and block instead of the softmax (FFMA,
+//    FMNMX, IMAD, LOP3, HMNMX2, HFMA2, a dependent FFMA chain, MUFU.EX2), alone and beside the other
+//    warpgroup's GEMMs: which pipes the tensor work slows.
+// 3. Consumer schedules: every warpgroup runs the loop with its own P V (2 x 128, 2 x 192, 2 x 64 and
+//    3 x 64 warpgroups x keys), with the kernel's ping-pong turns (round robin for three) or without:
+//    the tensor cores' busy share the kernel's loop could reach if loads, barriers, masks, promotions,
+//    rescales and tile changes cost nothing.
 // The operands are e4m3 values in shared memory (no NaN); the softmax's common path has no branch
 // that the data pick, so they do not change its instructions.
 //
 //   python3 asm/gen_ptx.py --out /tmp/gen/jzyfa_ptx.h
-//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi -I/tmp/gen \
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -Iffi -I/tmp/gen \
 //     -o /tmp/softmax_interference tools/softmax_interference.cu && /tmp/softmax_interference
 //
-// tests/test_softmax_interference.py checks on the CPU that it builds without spills and that the loop
-// with the softmax holds its instructions (the max tree, one code per score, the packing) and the one
-// without holds none of them.
+// tests/test_softmax_interference.py checks on the CPU that every probe builds without spills or wgmma
+// serialization and that its timed loop holds what its variant names (the wgmmas, the softmax's codes,
+// max tree and shuffles, or the synthetic instructions), so that none times dead code.
 #include <cuda_runtime.h>
 
 #include <cstdint>
