@@ -53,6 +53,14 @@
 #define JZYFA_Q_PREFETCH 0
 #endif
 
+// Measuring only, results wrong: 1 takes the softmax out of the 16-bit kernels (P = the scaled
+// scores, masked keys 0, no maximum, exponential, row sum or rescale), so that a benchmark gives
+// what the tensor work, the loads and the schedule alone reach, clock and power included
+// (docs/benchmarks.md, seventeenth session). Never set in a build that serves calls.
+#ifndef JZYFA_SOFTMAX_ABLATION
+#define JZYFA_SOFTMAX_ABLATION 0
+#endif
+
 namespace jzyfa {
 
 // Runtime arguments of one launch (the tensor maps travel as separate kernel parameters).
@@ -159,6 +167,8 @@ struct OnlineSoftmax {
                                                int lane, int seqlen_k, bool causal, int diagonal,
                                                float scale_log2) {
     const int quad_col = 2 * (lane % 4);
+    // The ablation's masked keys get 0 (finite P, so the tensor cores see ordinary operands).
+    constexpr float kMasked = JZYFA_SOFTMAX_ABLATION ? 0.f : -INFINITY;
     if (needs_mask) {
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c)
@@ -167,8 +177,16 @@ struct OnlineSoftmax {
           const int key = key_start + 8 * c + quad_col + (e & 1);
           const int row = first_row + 8 * (e >> 1);
           const bool visible = key < seqlen_k && (!causal || key <= row + diagonal);
-          if (!visible) s[4 * c + e] = -INFINITY;
+          if (!visible) s[4 * c + e] = kMasked;
         }
+    }
+    if constexpr (JZYFA_SOFTMAX_ABLATION) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) s[i] *= scale_log2;
+      correction[0] = correction[1] = 1.f;
+      row_max[0] = row_max[1] = 0.f;
+      row_sum[0] = row_sum[1] = 1.f;
+      return;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
