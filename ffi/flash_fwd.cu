@@ -76,6 +76,7 @@ std::string Launch(const FlashFwdParams& p, const MaskPlan& mask, cudaStream_t s
                     Tile::kBlockM);
     args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
     SetWindowArgs(args, mask.window_left, mask.window_right);
+    SetTileGroups(args, info->sm_count, mask.window_left, mask.window_right, Tile::kBlockM);
 
     // Persistent: CTA i starts on tile i and claims the rest from the counter.
     int grid = 0;

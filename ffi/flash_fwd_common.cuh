@@ -195,16 +195,27 @@ __device__ __forceinline__ void MaskWindowByRowBounds(float (&s)[kBlockN / 2], i
   }
 }
 
-// Tile order: heads fastest, then query tiles (longest first: under a causal mask the last
-// tiles see the most keys), then batch.
+// Tile order: the (batch, head) pairs in equal groups of args.group_pairs; inside a group, query
+// tiles longest first (under a causal mask the last tiles see the most keys), the group's pairs
+// fastest. Concurrent CTAs then work on few heads and walk their keys together, so K/V blocks come
+// from L2 more often than from HBM; groups are large enough that the last one still balances the
+// CTAs' work (TileGroupPairs, launch_utils.h).
 // Args: any launch-argument struct with the fields read here.
 template <int kBlockM, int kBlockN, typename Args>
 __device__ __forceinline__ FwdWork PlanTile(int tile, const Args& args) {
   FwdWork w;
-  w.head = tile % args.heads_q;
-  const int rest = tile / args.heads_q;
-  w.q_start = (args.m_tiles - 1 - rest % args.m_tiles) * kBlockM;
-  w.batch = rest / args.m_tiles;
+  // Opaque copies of the divisors: ptxas then works out the divisions' reciprocals per tile instead
+  // of keeping them live across the producer's loop (its 40 registers have none to spare).
+  int group_pairs = args.group_pairs, m_tiles = args.m_tiles, heads_q = args.heads_q;
+  asm volatile("" : "+r"(group_pairs), "+r"(m_tiles), "+r"(heads_q));
+  const int group_tiles = group_pairs * m_tiles;
+  const int group = tile / group_tiles;
+  const int within = tile - group * group_tiles;
+  const int q_index = within / group_pairs;
+  const int pair = group * group_pairs + (within - q_index * group_pairs);
+  w.head = pair % heads_q;
+  w.batch = pair / heads_q;
+  w.q_start = (m_tiles - 1 - q_index) * kBlockM;
   w.kv_head = w.head / (args.heads_q / args.heads_kv);
   // Bottom-right causal alignment: query i sees keys j <= i + diagonal.
   w.diagonal = args.seqlen_k - args.seqlen_q;

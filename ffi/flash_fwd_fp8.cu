@@ -84,6 +84,7 @@ std::string Launch(const FlashFwdFp8Params& p, const MaskPlan& mask, cudaStream_
   // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
   args.scale_log2 = static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
   SetWindowArgs(args, mask.window_left, mask.window_right);
+  SetTileGroups(args, info->sm_count, mask.window_left, mask.window_right, Tile::kBlockM);
 
   int grid = 0;
   error = StartTileQueue(p.tile_counter, args.num_tiles, info->sm_count, stream, &grid);

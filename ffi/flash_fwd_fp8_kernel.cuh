@@ -53,8 +53,9 @@ struct Fp8Args {
   const float* descale_k;
   const float* descale_v;
   int descale_per_head;
-  int num_tiles;  // batch * m_tiles * heads_q
-  int m_tiles;    // query tiles per (batch, head)
+  int num_tiles;    // batch * m_tiles * heads_q
+  int m_tiles;      // query tiles per (batch, head)
+  int group_pairs;  // (batch, head) pairs per group of the tile order (PlanTile)
   int seqlen_q;
   int seqlen_k;
   int heads_q;

@@ -70,6 +70,7 @@ struct FwdArgs {
   int* tile_counter;  // zero before the launch; each claim takes the next tile
   int num_tiles;      // batch * m_tiles * heads_q
   int m_tiles;        // query tiles per (batch, head)
+  int group_pairs;    // (batch, head) pairs per group of the tile order (PlanTile)
   int seqlen_q;
   int seqlen_k;
   int heads_q;

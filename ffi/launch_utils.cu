@@ -118,6 +118,32 @@ std::string CurrentDevice(int* device) {
   return "";
 }
 
+int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causal, int window_left,
+                   int window_right, int block_m, int sm_count) {
+  const int64_t m_tiles = (seqlen_q + block_m - 1) / block_m;
+  if (!JZYFA_TILE_GROUPS || pairs <= 1 || m_tiles < 1) return static_cast<int>(pairs);
+  const int64_t right = causal && window_right < 0 ? 0 : window_right;
+  const int64_t diagonal = seqlen_k - seqlen_q;
+  // Past a few thousand tiles per pair one pair's work balances any grid: skip the sum.
+  if (m_tiles > 4096) return 1;
+  int64_t work = 0, longest = 0;  // keys over the pair's tiles, and the most one tile sees
+  for (int64_t t = 0; t < m_tiles; ++t) {
+    const int64_t first = t * block_m + diagonal;                                 // first row's position
+    const int64_t last = std::min((t + 1) * block_m, seqlen_q) - 1 + diagonal;   // last row's
+    const int64_t lo = window_left < 0 ? 0 : std::max<int64_t>(0, first - window_left);
+    const int64_t hi = right < 0 ? seqlen_k : std::min(seqlen_k, last + right + 1);
+    const int64_t keys = std::max<int64_t>(0, hi - lo);
+    work += keys;
+    longest = std::max(longest, keys);
+  }
+  if (work == 0) return static_cast<int>(pairs);
+  const int64_t need = kTileGroupBalance * static_cast<int64_t>(sm_count) * longest;
+  // The smallest divisor of `pairs` that is large enough: every group the same size.
+  int64_t group = std::clamp<int64_t>((need + work - 1) / work, 1, pairs);
+  while (pairs % group != 0) ++group;
+  return static_cast<int>(group);
+}
+
 std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,
                            cudaStream_t stream, int* grid) {
   cudaError_t err = cudaMemsetAsync(tile_counter, 0, sizeof(int32_t), stream);

@@ -95,6 +95,25 @@ void SetTileGeometry(Args& args, int64_t batch, int64_t seqlen_q, int64_t seqlen
   args.causal = causal ? 1 : 0;
 }
 
+// The tile order's group size (PlanTile): how many (batch, head) pairs the persistent grid works
+// through together. Small groups keep concurrent CTAs on few heads (K/V shared in L2); a group
+// must still hold work enough to balance the CTAs at its end: the pairs' key work is at least
+// kTileGroupBalance times sm_count longest tiles, and groups are equal (a divisor of the pairs). Keys per tile from the mask (causal, or the
+// window's left/right bounds, -1 unbounded; bottom-right aligned), block_m rows per tile.
+// JZYFA_TILE_GROUPS=0 (measuring only) puts every pair in one group.
+#ifndef JZYFA_TILE_GROUPS
+#define JZYFA_TILE_GROUPS 1
+#endif
+constexpr int kTileGroupBalance = 2;
+int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causal, int window_left,
+                   int window_right, int block_m, int sm_count);
+
+template <typename Args>
+void SetTileGroups(Args& args, int sm_count, int window_left, int window_right, int block_m) {
+  args.group_pairs = TileGroupPairs(args.num_tiles / args.m_tiles, args.seqlen_q, args.seqlen_k,
+                                    args.causal != 0, window_left, window_right, block_m, sm_count);
+}
+
 // Why a 16-bit tile (FwdTile) of head dims (qk, v) is not instantiated in this build: its shared
 // memory is more than a block can have (MLA with JZYFA_KV_STAGES=3 or the TMA-store epilogue).
 template <typename Tile>
