@@ -136,7 +136,7 @@ int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causa
     work += keys;
     longest = std::max(longest, keys);
   }
-  if (work == 0) return static_cast<int>(pairs);
+  if (work == 0) return 1;  // no keys anywhere: any order will do
   const int64_t need = kTileGroupBalance * static_cast<int64_t>(sm_count) * longest;
   // The smallest divisor of `pairs` that is large enough: every group the same size.
   int64_t group = std::clamp<int64_t>((need + work - 1) / work, 1, pairs);

@@ -10,6 +10,7 @@
 
 #include "ffi_handlers.h"
 #include "flash_fwd.h"
+#include "launch_utils.h"
 
 namespace nb = nanobind;
 
@@ -55,6 +56,17 @@ NB_MODULE(_jzyfa_ffi, m) {
       nb::arg("window_right"), nb::arg("seqlen_q"), nb::arg("seqlen_k"),
       "Keys per block of the FP8 kernel for such a call (window bounds -1 for none, head_dim of q "
       "and k): the block_n its emulation must use.");
+  m.def(
+      "tile_group_pairs",
+      [](int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causal, int window_left,
+         int window_right, int block_m, int sm_count) {
+        return jzyfa::TileGroupPairs(pairs, seqlen_q, seqlen_k, causal, window_left, window_right,
+                                     block_m, sm_count);
+      },
+      nb::arg("pairs"), nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("causal"),
+      nb::arg("window_left"), nb::arg("window_right"), nb::arg("block_m"), nb::arg("sm_count"),
+      "(batch, head) pairs per group of the dense kernels' tile order (ffi/launch_utils.h) for such "
+      "a call on a GPU of sm_count SMs.");
   m.def(
       "kernel_timeline",
       [](const std::string& kernel) {

@@ -16,7 +16,7 @@ import pytest
 from attention_oracle import random_fp8_qkv
 from content_cache import cached_by_content
 from fp8_lse_slack import lse_rounding_slack
-from gpu_utils import assert_bitwise_reruns, requires_hopper
+from gpu_utils import assert_bitwise_reruns, assert_equals_per_head_calls, requires_hopper, tile_groups
 from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
@@ -284,6 +284,18 @@ def assert_fp8_kernel_reruns_bitwise(q8, k8, v8, descales, reruns):
         )
     )
     assert_bitwise_reruns(fn, (q8, k8, v8), reruns=reruns)
+
+
+def test_fp8_tile_groups_cover_every_tile(rng):
+    """A call whose tile order has several groups of (batch, head) pairs (PlanTile: 4 groups of 4 heads
+    on the H200) gives, bit for bit, what one call per head gives (a single group each)."""
+    assert tile_groups(batch=1, seq_q=16384, seq_k=16384, heads_q=16, causal=False) > 1
+    qkv, descales = random_fp8_qkv(rng, batch=1, seq_q=16384, heads_q=16, heads_kv=16)
+
+    def run(q8, k8, v8):
+        return run_poisoned(q8, k8, v8, descales, causal=False, lean_p=True)
+
+    assert_equals_per_head_calls(run, *qkv)
 
 
 def test_fp8_kernel_is_bitwise_deterministic(rng):

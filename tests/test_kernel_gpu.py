@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_utils import assert_bitwise_reruns
+from gpu_utils import assert_bitwise_reruns, assert_equals_per_head_calls, tile_groups
 
 import jzyfa
 from jzyfa.primitive import TILE_COUNTER
@@ -163,6 +163,22 @@ def test_deterministic_across_launches():
         lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, return_lse=True, implementation="kernel")
     )
     assert_bitwise_reruns(fn, (q, k, v), reruns=100)
+
+
+@pytest.mark.parametrize(
+    "batch,seq,hq,hkv,causal",
+    [
+        (1, 16384, 16, 16, False),  # 4 groups of 4 heads on the H200
+        (2, 8192, 16, 4, True),  # 2 groups of 16 (batch, head) pairs, GQA
+    ],
+)
+def test_tile_groups_cover_every_tile(batch, seq, hq, hkv, causal):
+    """Calls whose tile order has several groups of (batch, head) pairs (PlanTile) give, bit for bit,
+    what one call per (batch, KV head) gives, each of those a single group."""
+    assert tile_groups(batch=batch, seq_q=seq, seq_k=seq, heads_q=hq, causal=causal) > 1
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, batch, seq, seq, hq, hkv, 128, jnp.bfloat16)
+    assert_equals_per_head_calls(lambda q, k, v: run_kernel_poisoned(q, k, v, causal=causal), q, k, v)
 
 
 def test_kernel_and_reference_path_agree_under_jit():
