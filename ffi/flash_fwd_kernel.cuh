@@ -2,8 +2,9 @@
 // (q/k head dim 192, v head dim 128); every head dim dense or varlen, with or without a window.
 //
 // A persistent grid (one CTA per SM) works through tiles of 128 query rows of one
-// (batch, head), claimed in order from a global counter: longest tiles first inside a
-// batch element, the heads of one tile row side by side so concurrent CTAs share K/V in L2.
+// (batch, head), claimed in order from a global counter: (batch, head) pairs in groups, longest
+// tiles first inside a group, its heads side by side, so that concurrent CTAs share K/V in L2
+// (PlanTile, TileGroupPairs).
 // Each CTA has three warpgroups:
 //   warpgroup 0, the producer: one thread streams Q once and 128-key blocks of K and V
 //     (64-key blocks at head dim 256: FwdTile) through a 2-stage shared-memory ring with TMA

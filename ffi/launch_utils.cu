@@ -121,7 +121,7 @@ std::string CurrentDevice(int* device) {
 int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causal, int window_left,
                    int window_right, int block_m, int sm_count) {
   const int64_t m_tiles = (seqlen_q + block_m - 1) / block_m;
-  if (!JZYFA_TILE_GROUPS || pairs <= 1 || m_tiles < 1) return static_cast<int>(pairs);
+  if (pairs <= 1 || m_tiles < 1) return static_cast<int>(pairs);
   const int64_t right = causal && window_right < 0 ? 0 : window_right;
   const int64_t diagonal = seqlen_k - seqlen_q;
   // Past a few thousand tiles per pair one pair's work balances any grid: skip the sum.

@@ -97,10 +97,13 @@ void SetTileGeometry(Args& args, int64_t batch, int64_t seqlen_q, int64_t seqlen
 
 // The tile order's group size (PlanTile): how many (batch, head) pairs the persistent grid works
 // through together. Small groups keep concurrent CTAs on few heads (K/V shared in L2); a group
-// must still hold work enough to balance the CTAs at its end: the pairs' key work is at least
-// kTileGroupBalance times sm_count longest tiles, and groups are equal (a divisor of the pairs). Keys per tile from the mask (causal, or the
-// window's left/right bounds, -1 unbounded; bottom-right aligned), block_m rows per tile.
-// JZYFA_TILE_GROUPS=0 (measuring only) puts every pair in one group.
+// must still hold work enough to balance the CTAs at its end: the smallest divisor of the pairs
+// (equal groups) whose key work is at least kTileGroupBalance times sm_count longest tiles. Keys
+// per tile from the mask (causal, or the window's left/right bounds, -1 unbounded; bottom-right
+// aligned), block_m rows per tile. Measured: +2 to +4% at 16K-32K keys (docs/benchmarks.md,
+// seventeenth session).
+// JZYFA_TILE_GROUPS=0 (measuring only) makes each batch element a group: the order before
+// 2026-12-03 (heads fastest, then query tiles longest first, then batch).
 #ifndef JZYFA_TILE_GROUPS
 #define JZYFA_TILE_GROUPS 1
 #endif
@@ -110,8 +113,10 @@ int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causa
 
 template <typename Args>
 void SetTileGroups(Args& args, int sm_count, int window_left, int window_right, int block_m) {
-  args.group_pairs = TileGroupPairs(args.num_tiles / args.m_tiles, args.seqlen_q, args.seqlen_k,
-                                    args.causal != 0, window_left, window_right, block_m, sm_count);
+  args.group_pairs =
+      JZYFA_TILE_GROUPS ? TileGroupPairs(args.num_tiles / args.m_tiles, args.seqlen_q, args.seqlen_k,
+                                         args.causal != 0, window_left, window_right, block_m, sm_count)
+                        : args.heads_q;
 }
 
 // Why a 16-bit tile (FwdTile) of head dims (qk, v) is not instantiated in this build: its shared
