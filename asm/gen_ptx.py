@@ -23,9 +23,9 @@ WGMMA_N = (64, 128, 256)
 FP8_PV_WITH_SUM_N = 136
 # Wider FP8 key blocks (S = Q K^T only, shared-memory operands): FlashFwdFp8WideKernel's 192.
 FP8_WIDE_QK_N = (192,)
-# Wider 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
-# hd128 without a mask, 176 keys (-DJZYFA_NOMASK_BLOCK_N=176).
-WIDE_QK_N = (176,)
+# Other 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
+# hd128 without a mask, 176 keys (-DJZYFA_NOMASK_BLOCK_N=176); hd256, 80 keys (-DJZYFA_HD256_BLOCK_N=80).
+WIDE_QK_N = (80, 176)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}

@@ -202,9 +202,9 @@ std::string LaunchFlashFwd(const FlashFwdParams& p, cudaStream_t stream) {
     return bf16 ? Launch<__nv_bfloat16, 64, 64, false>(p, mask, stream)
                 : Launch<__half, 64, 64, false>(p, mask, stream);
   }
-  if (p.head_dim == 256) {
-    return bf16 ? Launch<__nv_bfloat16, 256, 256, false>(p, mask, stream)
-                : Launch<__half, 256, 256, false>(p, mask, stream);
+  if (p.head_dim == 256) {  // JZYFA_HD256_BLOCK_N keys per block
+    return bf16 ? Launch<__nv_bfloat16, 256, 256, false, JZYFA_HD256_BLOCK_N>(p, mask, stream)
+                : Launch<__half, 256, 256, false, JZYFA_HD256_BLOCK_N>(p, mask, stream);
   }
   if (!mask.causal) {  // no mask: JZYFA_NOMASK_BLOCK_N keys per block
     return bf16 ? Launch<__nv_bfloat16, 128, 128, false, JZYFA_NOMASK_BLOCK_N>(p, mask, stream)

@@ -47,6 +47,13 @@
 #define JZYFA_NOMASK_BLOCK_N 128
 #endif
 
+// Keys per block of the dense head-dim-256 kernel, causal or no mask (not windowed): 64, or 80
+// (FlashFwdWideKernel; the most that fits 2 stages beside Q: 64 + 2 x (40 + 40) = 224 KB), which
+// reads Q from shared memory once per 80 keys instead of 64. Built for measuring; not yet measured.
+#ifndef JZYFA_HD256_BLOCK_N
+#define JZYFA_HD256_BLOCK_N 64
+#endif
+
 // A second Q buffer where it fits (1; hd64 and hd128 with 2 stages), so that the producer loads the
 // next tile's Q and first K a key block earlier (docs/fp8.md 10.24, the FP8 kernel's
 // JZYFA_FP8_Q_PREFETCH). Measured: no gain (BF16 -1% to +1%): off (0) by default.
@@ -99,8 +106,11 @@ struct FwdTile {
   // hd256 with 3 stages would need 256 KB of shared memory; hd128 with 176 keys 296 KB.
   static constexpr int kStages = kHeadDimV > 128 || kBlockN > 128 ? 2 : JZYFA_KV_STAGES;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // Head dim 256 with 80-key blocks (JZYFA_HD256_BLOCK_N) needs 240 registers per consumer thread
+  // (at 232 ptxas spills 44 bytes); its producer then has 24, which its loop fits (no spill).
+  static constexpr bool kWideHd256 = kHeadDimV > 128 && kBlockN > 64;
+  static constexpr int kProducerRegs = kWideHd256 ? 24 : 40;
+  static constexpr int kConsumerRegs = kWideHd256 ? 240 : 232;
   // 128-byte swizzle atoms are 64 16-bit elements wide: the head dims come in slices.
   static constexpr int kQKSlices = kHeadDimQK / 64;  // of Q and K
   static constexpr int kVSlices = kHeadDimV / 64;    // of V and O
