@@ -598,18 +598,28 @@ def test_sass_budget_walks_the_16bit_kernel(compiled):
     assert 64 <= ops.count("MUFU.EX2") <= 68
     assert SASS_BUDGET.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
 
+
+def wide_16bit_kernels(compiled, tmp_path, define: str, count: int, head_dim: int, block_n: int, hgmmas: int):
+    """ffi/flash_fwd.cu built with -D<define> (check_variant_changes: `count` kernels, the default ones
+    unchanged): its two FlashFwdWideKernels (bf16, f16) at (head_dim, block_n), S = Q K^T in `hgmmas`
+    64 x block_n HGMMAs each. Returns their SASS per kernel."""
+    variant = check_variant_changes(
+        compiled, tmp_path, "flash_fwd", define, count, lambda name: "FlashFwdWideKernel" not in name
+    )
+    wide = {name: text for name, text in variant.items() if "FlashFwdWideKernel" in name}
+    assert len(wide) == 2 and all(f"Li{head_dim}ELi{block_n}E" in name for name in wide), list(wide)
+    for name, text in wide.items():
+        assert len(re.findall(rf"\bHGMMA\.64x{block_n}x16\b", text)) == hgmmas, name
+    return wide
+
+
 def test_16bit_hd256_80_key_variant_builds(compiled, tmp_path):
     """-DJZYFA_HD256_BLOCK_N=80 (80-key blocks at head dim 256, causal or no mask; docs/benchmarks.md,
     seventeenth session) puts FlashFwdWideKernel for bf16 and f16 where FlashFwdKernel<256> was, without
     spills or wgmma serialization: S = Q K^T in 64x80 HGMMAs (three issue sites of sixteen k-steps), its
     producer at 24 registers and its consumers at 240 (at 232 they spill); every other kernel unchanged."""
-    variant = check_variant_changes(
-        compiled, tmp_path, "flash_fwd", "JZYFA_HD256_BLOCK_N=80", 16, lambda name: "FlashFwdWideKernel" not in name
-    )
-    wide = {name: text for name, text in variant.items() if "FlashFwdWideKernel" in name}
-    assert len(wide) == 2 and all("Li256ELi80E" in name for name in wide), list(wide)
+    wide = wide_16bit_kernels(compiled, tmp_path, "JZYFA_HD256_BLOCK_N=80", 16, 256, 80, 48)
     for name, text in wide.items():
-        assert len(re.findall(r"\bHGMMA\.64x80x16\b", text)) == 48, name
         assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xf0\b", text), f"{name}: consumers not at 240"
         # ptxas does not hold the producer to its setmaxnreg: what its warps can reach must use R0..R23.
         producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b")
@@ -620,10 +630,5 @@ def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
     FlashFwdWideKernel for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176
     HGMMAs (three issue sites of eight k-steps); every default kernel stays as it was."""
-    variant = check_variant_changes(
-        compiled, tmp_path, "flash_fwd", "JZYFA_NOMASK_BLOCK_N=176", 18, lambda name: "FlashFwdWideKernel" not in name
-    )
-    wide = {name: text for name, text in variant.items() if "FlashFwdWideKernel" in name}
-    assert len(wide) == 2 and all("Li128ELi176E" in name for name in wide), list(wide)
-    for name, text in wide.items():
-        assert len(re.findall(r"\bHGMMA\.64x176x16\b", text)) == 24, name
+    wide_16bit_kernels(compiled, tmp_path, "JZYFA_NOMASK_BLOCK_N=176", 18, 128, 176, 24)
+
