@@ -233,7 +233,8 @@ __device__ __forceinline__ auto PlanTile(int tile, const WindowedArgs<Base>& arg
   using Work = decltype(PlanTile<kBlockM, kBlockN>(tile, static_cast<const Base&>(args)));
   // The divisors pass through an opaque move, so ptxas recomputes the divisions' reciprocals per
   // tile instead of keeping them across the producer's loop: the windowed producer then fits in
-  // its 40 registers (CtaRegisterPool leaves none to spare).
+  // its 40 registers (CtaRegisterPool leaves none to spare). The varlen base needs it here; the
+  // dense base's PlanTile makes its own divisors opaque as well (heads_kv only through this one).
   Base base = args;
   asm volatile("" : "+r"(base.heads_q), "+r"(base.heads_kv), "+r"(base.m_tiles));
   WindowWork<Work> w;
