@@ -7,15 +7,15 @@ import jax.numpy as jnp
 from absl import flags
 
 import jzyfa
-from jzyfa import bench, peers
+from jzyfa.bench import peers, speed
 
 
 def resolve_config(argv: list[str]) -> dict:
-    """bench.resolve_config() after parsing argv (without the program name); flags reset afterwards."""
+    """speed.resolve_config() after parsing argv (without the program name); flags reset afterwards."""
     try:
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["bench", *argv])
-        return bench.resolve_config()
+        return speed.resolve_config()
     finally:
         flags.FLAGS.unparse_flags()
 
@@ -34,9 +34,9 @@ def record_flash_attention(monkeypatch) -> list[dict]:
     return calls
 
 
-def quick_options(allow_xla_fallback: bool = False) -> bench.Options:
+def quick_options(allow_xla_fallback: bool = False) -> speed.Options:
     """Timing options for tests: two samples, no warm-up, no CUPTI."""
-    return bench.Options(
+    return speed.Options(
         iters=2,
         min_time_s=0,
         warmup_s=0,

@@ -14,7 +14,11 @@ from attention_oracle import naive_attention_f64, random_qkv
 from bench_helpers import quick_options, record_flash_attention, resolve_config
 
 import jzyfa
-from jzyfa import _timing, api, bench, peers
+from jzyfa import plan
+from jzyfa.bench import float64, peers, speed
+from jzyfa.bench import report as bench_report
+from jzyfa.bench import timing as _timing
+from jzyfa.bench.problem import Problem, attention_flops, parse_shapes, visible_pairs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -32,39 +36,39 @@ def brute_force_pairs(seq_q, seq_k, causal):
 @pytest.mark.parametrize("seq_q,seq_k", [(1, 1), (7, 7), (1, 9), (5, 12), (12, 5), (64, 16)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_visible_pairs_match_the_mask(seq_q, seq_k, causal):
-    assert bench.visible_pairs(seq_q, seq_k, causal) == brute_force_pairs(seq_q, seq_k, causal)
+    assert visible_pairs(seq_q, seq_k, causal) == brute_force_pairs(seq_q, seq_k, causal)
 
 
 def test_flops_standard_shapes():
     full = 4 * 16 * 16 * 1024 * 1024 * 128
-    assert bench.attention_flops(16, 1024, 1024, 16, 128, causal=False) == full
+    assert attention_flops(16, 1024, 1024, 16, 128, causal=False) == full
     # Causal squares count half (the FA3 / cuDNN convention), not the S(S+1)/2 pairs computed.
-    assert bench.attention_flops(16, 1024, 1024, 16, 128, causal=True) == full / 2
+    assert attention_flops(16, 1024, 1024, 16, 128, causal=True) == full / 2
     # Every standard shape has B * S = 16K, so FLOPs grow with S.
     for batch, seq in [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]:
-        ratio = bench.attention_flops(batch, seq, seq, 16, 128, True) / (full / 2)
+        ratio = attention_flops(batch, seq, seq, 16, 128, True) / (full / 2)
         assert ratio == seq // 1024
 
 
 def test_flops_causal_rectangles_count_visible_pairs():
     # One query sees every key (decode); a chunk of 1024 queries after 1024 keys of context.
-    assert bench.attention_flops(1, 1, 4096, 8, 128, True) == 4 * 8 * 4096 * 128
+    assert attention_flops(1, 1, 4096, 8, 128, True) == 4 * 8 * 4096 * 128
     pairs = 1024 * 1024 + 1024 * 1025 // 2
-    assert bench.attention_flops(2, 1024, 2048, 8, 64, True) == 4 * 2 * 8 * 64 * pairs
+    assert attention_flops(2, 1024, 2048, 8, 64, True) == 4 * 2 * 8 * 64 * pairs
 
 
 def test_parse_shapes():
-    assert bench.parse_shapes(bench.STANDARD_SHAPES) == [
+    assert parse_shapes(speed.STANDARD_SHAPES) == [
         (16, 1024, 1024),
         (8, 2048, 2048),
         (4, 4096, 4096),
         (2, 8192, 8192),
         (1, 16384, 16384),
     ]
-    assert bench.parse_shapes(" 1x512x4096 ,2X64,") == [(1, 512, 4096), (2, 64, 64)]
+    assert parse_shapes(" 1x512x4096 ,2X64,") == [(1, 512, 4096), (2, 64, 64)]
     for bad in ["", "16", "16x", "0x128", "1x2x3x4", "ax128"]:
         with pytest.raises(ValueError, match="--shapes"):
-            bench.parse_shapes(bad)
+            parse_shapes(bad)
 
 
 # ---- Reference and error
@@ -77,7 +81,7 @@ def test_float64_reference_matches_the_oracle(rng, seq_q, seq_k, causal):
     expected, _ = naive_attention_f64(
         q[None, :, None], k[None, :, None], v[None, :, None], causal=causal, softmax_scale=0.3
     )
-    got = bench.attention_float64(q, k, v, 0.3, causal)
+    got = float64.attention_float64(q, k, v, 0.3, causal)
     np.testing.assert_allclose(got, expected[0, :, 0], rtol=1e-12, atol=1e-12)
 
 
@@ -85,7 +89,7 @@ def test_float64_reference_long_sequence_uses_blocks(rng):
     # 2**22 // seq_k rows per block: several blocks here, and the causal key range shrinks.
     seq = 5000
     q, k, v = (rng.standard_normal((seq, 8)) for _ in range(3))
-    got = bench.attention_float64(q, k, v, 0.5, True)
+    got = float64.attention_float64(q, k, v, 0.5, True)
     rows = [0, 837, 838, 2500, seq - 1]
     for i in rows:
         s = (k[: i + 1] @ q[i]) * 0.5
@@ -94,34 +98,34 @@ def test_float64_reference_long_sequence_uses_blocks(rng):
 
 
 def test_reference_pairs_spread_and_budget():
-    small = bench.Problem(2, 128, 128, 4, 2, 64, True, "bf16")
-    assert bench.reference_pairs(small, 0) == [(b, h) for b in range(2) for h in range(4)]
-    pairs = bench.reference_pairs(small, 3)
+    small = Problem(2, 128, 128, 4, 2, 64, True, "bf16")
+    assert speed.reference_pairs(small, 0) == [(b, h) for b in range(2) for h in range(4)]
+    pairs = speed.reference_pairs(small, 3)
     assert pairs[0] == (0, 0) and pairs[-1] == (1, 3) and len(pairs) == 3
-    big = bench.Problem(1, 16384, 16384, 16, 16, 128, True, "bf16")
-    assert len(bench.reference_pairs(big, -1)) == 2  # the budget allows no more at 16K
-    mid = bench.Problem(16, 1024, 1024, 16, 16, 128, True, "bf16")
-    assert len(bench.reference_pairs(mid, -1)) == 16
+    big = Problem(1, 16384, 16384, 16, 16, 128, True, "bf16")
+    assert len(speed.reference_pairs(big, -1)) == 2  # the budget allows no more at 16K
+    mid = Problem(16, 1024, 1024, 16, 16, 128, True, "bf16")
+    assert len(speed.reference_pairs(mid, -1)) == 16
 
 
 def test_relative_error_on_gqa_slices(rng):
-    problem = bench.Problem(2, 32, 48, 4, 2, 16, True, "bf16")
+    problem = Problem(2, 32, 48, 4, 2, 16, True, "bf16")
     q, k, v = random_qkv(rng, batch=2, seq_q=32, seq_k=48, heads_q=4, heads_kv=2, head_dim=16)
-    ref = bench.compute_reference(problem, q, k, v, requested_pairs=0)
+    ref = speed.compute_reference(problem, q, k, v, requested_pairs=0)
     exact, _ = naive_attention_f64(q, k, v, causal=True)
-    err = bench.relative_error(jnp.asarray(exact, jnp.float32), ref)
+    err = speed.relative_error(jnp.asarray(exact, jnp.float32), ref)
     assert err["rel_l2"] < 1e-6 and err["finite"]
     # A wrong head mapping must show: swap the query heads.
-    err = bench.relative_error(jnp.asarray(exact[:, :, ::-1], jnp.float32), ref)
+    err = speed.relative_error(jnp.asarray(exact[:, :, ::-1], jnp.float32), ref)
     assert err["rel_l2"] > 0.1
 
 
 def test_rotation_spans_the_requested_bytes():
-    standard = bench.Problem(16, 1024, 1024, 16, 16, 128, True, "bf16")
+    standard = Problem(16, 1024, 1024, 16, 16, 128, True, "bf16")
     assert standard.set_bytes == 4 * 16 * 1024 * 16 * 128 * 2
-    assert bench.rotation_sets(standard, 256) == 2
-    tiny = bench.Problem(1, 128, 128, 4, 4, 128, True, "bf16")
-    n = bench.rotation_sets(tiny, 256)
+    assert speed.rotation_sets(standard, 256) == 2
+    tiny = Problem(1, 128, 128, 4, 4, 128, True, "bf16")
+    n = speed.rotation_sets(tiny, 256)
     assert n * tiny.set_bytes >= 256 * 2**20 > (n - 1) * tiny.set_bytes
 
 
@@ -284,7 +288,7 @@ class NumpyPeer(peers.Peer):
             out = np.zeros(q.shape)
             for b in range(q.shape[0]):
                 for h in range(q.shape[2]):
-                    out[b, :, h] = bench.attention_float64(
+                    out[b, :, h] = float64.attention_float64(
                         q[b, :, h],
                         k[b, :, h // group],
                         v[b, :, h // group],
@@ -301,13 +305,13 @@ class NumpyPeer(peers.Peer):
 
 def test_measure_peer_times_torch_peers_with_events(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", FakeTorch)
-    problem = bench.Problem(1, 32, 32, 2, 1, 16, True, "bf16")
-    sets = bench.make_input_sets(problem, "activations", 2, seed=3)
-    ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
-    opts = bench.Options(
+    problem = Problem(1, 32, 32, 2, 1, 16, True, "bf16")
+    sets = speed.make_input_sets(problem, "activations", 2, seed=3)
+    ref = speed.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
+    opts = speed.Options(
         iters=4, min_time_s=0, warmup_s=0, wall_rounds=2, cupti=True, cupti_mem_mb=1, max_rel_err=None
     )
-    r = bench.measure_peer(NumpyPeer(), problem, sets, ref, opts, _timing.ClockMonitor(None))
+    r = speed.measure_peer(NumpyPeer(), problem, sets, ref, opts, _timing.ClockMonitor(None))
     assert r["status"] == "ok", r
     assert r["rel_err"] < 1e-6 and r["max_rel_err"] == 2e-2 and r["framework"] == "torch"
     assert r["timing_source"] == "cuda-events" and r["kernel"]["samples"] >= 4 and r["wall"]["samples"] == 2
@@ -319,7 +323,7 @@ def test_measure_peer_times_torch_peers_with_events(monkeypatch):
 def test_peers_off_gpu_say_why():
     if ON_GPU:
         pytest.skip("checks the CPU behaviour")
-    problem = bench.Problem(1, 256, 256, 4, 4, 128, True, "bf16")
+    problem = Problem(1, 256, 256, 4, 4, 128, True, "bf16")
     for name in [
         "cudnn",
         "cudnn_fp8",
@@ -337,16 +341,16 @@ def test_peers_off_gpu_say_why():
 
 
 def test_peer_limits():
-    rectangle = bench.Problem(1, 128, 256, 4, 4, 128, True, "bf16")
+    rectangle = Problem(1, 128, 256, 4, 4, 128, True, "bf16")
     assert "top-left" in peers.PEERS["xla"].supports(rectangle)
     assert peers.PEERS["xla"].supports(dataclasses_replace(rectangle, causal=False)) is None
-    huge = bench.Problem(1, 32768, 32768, 16, 16, 128, True, "bf16")
+    huge = Problem(1, 32768, 32768, 16, 16, 128, True, "bf16")
     assert "GiB" in peers.PEERS["xla"].supports(huge)
     assert peers.AUTO_FP8[0] == "jzyfa_fp8" and "jzyfa" in peers.auto_peers("fp8")
     assert "pallas" in peers.auto_peers("bf16") and "jzyfa_xla" not in peers.auto_peers("bf16")
-    assert bench.resolve_impls("auto,jzyfa_xla,jzyfa", "bf16")[-1] == "jzyfa_xla"  # deduplicated
+    assert speed.resolve_impls("auto,jzyfa_xla,jzyfa", "bf16")[-1] == "jzyfa_xla"  # deduplicated
     with pytest.raises(ValueError, match="--impls"):
-        bench.resolve_impls("jzyfa,nope", "bf16")
+        speed.resolve_impls("jzyfa,nope", "bf16")
 
 
 def dataclasses_replace(problem, **changes):
@@ -377,8 +381,8 @@ def test_cudnn_fp8_params_and_decode():
 
 
 def test_pallas_arguments_prescale_q_in_f16():
-    problem = bench.Problem(1, 128, 128, 2, 2, 64, True, "bf16")
-    inputs = bench.make_input_sets(problem, "gaussian", 1, seed=0)[0]
+    problem = Problem(1, 128, 128, 2, 2, 64, True, "bf16")
+    inputs = speed.make_input_sets(problem, "gaussian", 1, seed=0)[0]
     q, k, v = peers.PEERS["pallas"].arguments(problem, inputs)
     assert q.dtype == k.dtype == v.dtype == jnp.float16
     expected = np.asarray(inputs.q, np.float32) / 8.0
@@ -387,18 +391,16 @@ def test_pallas_arguments_prescale_q_in_f16():
 
 
 @pytest.mark.parametrize("allow", [False, True])
-def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, allow):
-    """On a GPU (faked here) the FP8 peer asks for the kernel; with the kernel gated off
-    (jzyfa.api.FP8_KERNEL_VERIFIED = False): unsupported (saying how to lift the gate), or with
-    --allow_xla_fallback the pure-JAX path under a name that says so."""
+def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, allow):
+    """On a GPU (faked here) the FP8 peer asks for the kernel; where the plan has none (FP8 at head dim
+    64): unsupported (saying why, and how to time the pure-JAX path), or with --allow_xla_fallback the
+    pure-JAX path under a name that says so."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(api, "FP8_KERNEL_VERIFIED", False)
-    monkeypatch.delenv(peers.UNVERIFIED_FP8_KERNEL_ENV, raising=False)
-    problem = bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8")
-    sets = bench.make_input_sets(problem, "gaussian", 2, seed=0)
-    ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
+    problem = Problem(1, 64, 64, 2, 2, 64, True, "fp8")
+    sets = speed.make_input_sets(problem, "gaussian", 2, seed=0)
+    ref = speed.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
     opts = quick_options(allow)
-    r = bench.measure_peer(peers.PEERS["jzyfa_fp8"], problem, sets, ref, opts, _timing.ClockMonitor(None))
+    r = speed.measure_peer(peers.PEERS["jzyfa_fp8"], problem, sets, ref, opts, _timing.ClockMonitor(None))
     if allow:
         assert r["status"] == "ok" and r["impl"] == "jzyfa_fp8[xla-fallback]" and r["path"] == "xla-fallback"
         assert r["compute_dtype"] == "fp8" and r["max_rel_err"] == 0.15 and r["rel_err"] < 0.15
@@ -407,21 +409,21 @@ def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, cpu_backend, 
         assert r["impl"] == "jzyfa_fp8" and r["tflops"] is None
     # The lean_p=False variant: unsupported either way (the pure-JAX path has no lean P to switch
     # off, so a fallback would time what jzyfa_fp8[xla-fallback] times).
-    exact = bench.measure_peer(
+    exact = speed.measure_peer(
         peers.PEERS["jzyfa_fp8_exact_p"], problem, sets, ref, opts, _timing.ClockMonitor(None)
     )
     assert exact["status"] == "unsupported" and exact["impl"] == "jzyfa_fp8_exact_p", exact
     assert ("no fallback for lean_p=False" if allow else "--allow_xla_fallback") in exact["message"]
     for unsupported in [exact] + ([] if allow else [r]):
-        assert f"{peers.UNVERIFIED_FP8_KERNEL_ENV}=1" in unsupported["message"], unsupported["message"]
+        assert "head dim" in unsupported["message"], unsupported["message"]  # jzyfa's reason comes first
 
 
 def test_fp8_peers_pass_lean_p(monkeypatch):
     """jzyfa_fp8 passes lean_p=True, jzyfa_fp8_exact_p lean_p=False; 16-bit jzyfa passes none. Off
     GPU both FP8 peers build jzyfa's default (pure-JAX FP8) path, as jzyfa does."""
     calls = record_flash_attention(monkeypatch)
-    problem = bench.Problem(1, 32, 32, 2, 2, 16, True, "fp8")
-    inputs = bench.make_input_sets(problem, "gaussian", 1, seed=0)[0]
+    problem = Problem(1, 32, 32, 2, 2, 16, True, "fp8")
+    inputs = speed.make_input_sets(problem, "gaussian", 1, seed=0)[0]
     for name, expected in [("jzyfa_fp8", True), ("jzyfa_fp8_exact_p", False), ("jzyfa", None)]:
         peer = peers.PEERS[name]
         built = peer.build(problem, peers.Options())
@@ -442,37 +444,33 @@ def test_fp8_exact_p_runs_only_in_fp8_runs():
     assert "jzyfa_fp8_exact_p" in peers.auto_peers("fp8")
     assert "jzyfa_fp8_exact_p" not in peers.auto_peers("bf16") + peers.auto_peers("f16")
     for dtype in ("bf16", "f16"):
-        reason = peer.supports(bench.Problem(1, 64, 64, 2, 2, 128, True, dtype))
+        reason = peer.supports(Problem(1, 64, 64, 2, 2, 128, True, dtype))
         assert "--dtype fp8" in reason and dtype in reason
-    problem = bench.Problem(1, 64, 64, 2, 2, 128, True, "bf16")
-    sets = bench.make_input_sets(problem, "gaussian", 1, seed=0)
-    ref = bench.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
-    opts = bench.Options(
+    problem = Problem(1, 64, 64, 2, 2, 128, True, "bf16")
+    sets = speed.make_input_sets(problem, "gaussian", 1, seed=0)
+    ref = speed.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
+    opts = speed.Options(
         iters=2, min_time_s=0, warmup_s=0, wall_rounds=1, cupti=False, cupti_mem_mb=1, max_rel_err=None
     )
-    r = bench.measure_peer(peer, problem, sets, ref, opts, _timing.ClockMonitor(None))
+    r = speed.measure_peer(peer, problem, sets, ref, opts, _timing.ClockMonitor(None))
     assert r["status"] == "unsupported" and "--dtype fp8" in r["message"] and r["tflops"] is None
 
 
 @pytest.mark.parametrize("name", ["jzyfa_fp8", "jzyfa_fp8_exact_p"])
-def test_unverified_fp8_kernel_runs_when_the_variable_is_set(monkeypatch, cpu_backend, name):
-    """With JZYFA_UNVERIFIED_FP8_KERNEL=1 on a GPU (faked) the FP8 peers build the kernel call,
-    labelled unverified; where the kernel cannot serve, the reason is jzyfa's, without the gate hint."""
-    from jzyfa import api
-
+def test_fp8_peers_build_the_kernel_call_where_the_plan_has_one(monkeypatch, name):
+    """On a GPU (faked) the FP8 peers build the kernel call where `jzyfa.plan` has a kernel (head dim
+    128); where it has none the reason is jzyfa's."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
-    monkeypatch.setenv(peers.UNVERIFIED_FP8_KERNEL_ENV, "1")
     peer = peers.PEERS[name]
-    built = peer.build(bench.Problem(1, 64, 64, 2, 2, 128, True, "fp8"), peers.Options())
-    assert built.path == ("kernel" if api.FP8_KERNEL_VERIFIED else "kernel (unverified)")
-    with pytest.raises(peers.Unsupported, match="head dim 128") as info:
-        peer.build(bench.Problem(1, 64, 64, 2, 2, 64, True, "fp8"), peers.Options())
-    assert peers.UNVERIFIED_FP8_KERNEL_ENV not in str(info.value)
+    assert plan.kernel_for(plan.Config("fp8", (128, 128), "causal", "dense")) is not None
+    assert peer.build(Problem(1, 64, 64, 2, 2, 128, True, "fp8"), peers.Options()).path == "kernel"
+    with pytest.raises(peers.Unsupported, match="head dim"):
+        peer.build(Problem(1, 64, 64, 2, 2, 64, True, "fp8"), peers.Options())
 
 
 def test_fp8_sets_quantize_once():
-    problem = bench.Problem(1, 32, 32, 2, 2, 16, False, "fp8")
-    inputs = bench.make_input_sets(problem, "gaussian", 1, seed=1)[0]
+    problem = Problem(1, 32, 32, 2, 2, 16, False, "fp8")
+    inputs = speed.make_input_sets(problem, "gaussian", 1, seed=1)[0]
     assert inputs.q.dtype == jnp.bfloat16  # FP8 runs start from bf16
     f = inputs.fp8()
     assert f is inputs.fp8() and f.q.dtype == jnp.float8_e4m3fn and f.descale_q.shape == ()
@@ -555,10 +553,10 @@ def _results():
 
 def test_tables():
     results = _results()
-    plain = bench.format_plain(results)
+    plain = speed.format_plain(results)
     assert "32/8" in plain and "733" in plain and "1755" in plain and "cuDNN is not" in plain
     assert "activations" in plain and "bf16" in plain
-    markdown = bench.format_markdown(results, ENV, CONFIG)
+    markdown = speed.format_markdown(results, ENV, CONFIG)
     assert "| impl | 2x8192 |" in markdown and "| impl | 1x16384 | 2x8192 |" in markdown
     assert "| jzyfa | 733 (1755 MHz) |" in markdown and "| cudnn | error |" in markdown
     assert "TFLOP/s on gaussian inputs" in markdown and "TFLOP/s on activations inputs" in markdown
@@ -568,41 +566,41 @@ def test_tables():
     )
     assert "- torch_sdpa_cudnn: layout" in markdown
     # No power reading (as on a GPU whose nvidia-smi says [N/A]): the W column says n/a.
-    w = bench.TABLE_COLUMNS.index("W")
-    assert bench.TABLE_COLUMNS[w - 1] == "SM MHz"
-    assert [row[w] for row in bench.table_rows(results)] == ["n/a"] * 4
+    w = speed.TABLE_COLUMNS.index("W")
+    assert speed.TABLE_COLUMNS[w - 1] == "SM MHz"
+    assert [row[w] for row in speed.table_rows(results)] == ["n/a"] * 4
     assert "(SM clock during the timed loop)" in markdown
 
 
 def test_tables_with_board_power():
     results = _results()
     results[0]["board_power_w"] = 690.4
-    plain = bench.format_plain(results)
+    plain = speed.format_plain(results)
     header, _, first = plain.splitlines()[:3]
     assert header.split()[header.split().index("MHz") + 1] == "W"
-    assert first.split()[bench.TABLE_COLUMNS.index("W")] == "690"  # one word per cell in data rows
-    markdown = bench.format_markdown(results, ENV, CONFIG)
+    assert first.split()[speed.TABLE_COLUMNS.index("W")] == "690"  # one word per cell in data rows
+    markdown = speed.format_markdown(results, ENV, CONFIG)
     assert "| jzyfa | 733 (1755 MHz, 690 W) |" in markdown
     assert "TFLOP/s on gaussian inputs (SM clock and board power during the timed loop)" in markdown
     assert "| jzyfa | 701 (1755 MHz) |" in markdown  # activations: no reading, no "W"
-    assert "SM 1755 MHz, 690 W" in bench.progress_line(results[0])
-    assert "SM 1755 MHz, n/a W" in bench.progress_line(results[2])
+    assert "SM 1755 MHz, 690 W" in speed.progress_line(results[0])
+    assert "SM 1755 MHz, n/a W" in speed.progress_line(results[2])
     no_clock = _fake_result(sm_clock_mhz=None)
-    assert "SM n/a MHz, n/a W" in bench.progress_line(no_clock)
-    assert "| jzyfa | 733 |" in bench.format_markdown([no_clock], ENV, CONFIG)
+    assert "SM n/a MHz, n/a W" in speed.progress_line(no_clock)
+    assert "| jzyfa | 733 |" in speed.format_markdown([no_clock], ENV, CONFIG)
 
 
 def test_plot_png(tmp_path):
     pytest.importorskip("matplotlib")
-    path = tmp_path / "bench.png"
-    assert bench.write_plot(_results(), ENV, CONFIG, str(path)) == 3  # the error has no point
+    path = tmp_path / "speed.png"
+    assert speed.write_plot(_results(), ENV, CONFIG, str(path)) == 3  # the error has no point
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
-    with pytest.raises(bench.PlotUnavailable, match="pip install matplotlib"):
-        bench.write_plot(_results(), ENV, CONFIG, str(tmp_path / "x.png"))
+    with pytest.raises(speed.PlotUnavailable, match="pip install matplotlib"):
+        speed.write_plot(_results(), ENV, CONFIG, str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
 
 
@@ -619,8 +617,8 @@ RESULT_KEYS = {
 
 def test_smoke_run_writes_sane_json(tmp_path):
     """The command as a user runs it, in smoke mode on this machine, on both input kinds."""
-    out = tmp_path / "bench.json"
-    png = tmp_path / "bench.png"
+    out = tmp_path / "speed.json"
+    png = tmp_path / "speed.png"
     impls = "jzyfa,cudnn,xla,pallas,torch_sdpa_cudnn,flash_attn3,cudnn_fp8,jzyfa_fp8,jzyfa_fp8_exact_p"
     cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--kv_heads", "2", "--shapes", "2x128,1x96x160",
            "--impls", impls, "--inputs", "gaussian,activations", "--markdown", f"--json_out={out}",
@@ -646,7 +644,7 @@ def test_smoke_run_writes_sane_json(tmp_path):
     for (kind, peer, seq_q, seq_k), r in results.items():
         assert set(r) >= RESULT_KEYS, RESULT_KEYS - set(r)
         assert r["heads_q"] == 4 and r["heads_kv"] == 2 and r["causal"] is True
-        assert r["flops"] == bench.attention_flops(r["batch"], seq_q, seq_k, 4, 128, True)
+        assert r["flops"] == attention_flops(r["batch"], seq_q, seq_k, 4, 128, True)
         if peer == "jzyfa_fp8_exact_p":  # a bf16 run
             assert r["status"] == "unsupported" and "--dtype fp8" in r["message"]
             continue
@@ -697,7 +695,7 @@ def test_nocausal_run_in_process():
     config = resolve_config(["--smoke", "--nocausal", "--dtype", "f16", "--shapes", "1x64", "--inputs", "gaussian",
                        "--impls", "jzyfa,jzyfa_xla", "--iters", "2", "--min_time_s", "0"])  # fmt: skip
     assert config["heads"] == 4 and config["max_rel_err"] is None  # smoke default; per-peer thresholds
-    report = bench.run(config)
+    report = speed.run(config)
     for r in report["results"]:
         assert r["status"] == "ok", r
         assert r["flops"] == 4 * 1 * 4 * 64 * 64 * 128
@@ -707,7 +705,7 @@ def test_nocausal_run_in_process():
 def test_fp8_run_in_process():
     config = resolve_config(["--smoke", "--dtype", "fp8", "--shapes", "1x128", "--inputs", "activations",
                        "--iters", "2"])  # fmt: skip
-    report = bench.run(config)
+    report = speed.run(config)
     by_peer = {r["peer"]: r for r in report["results"]}
     assert list(by_peer) == peers.AUTO_FP8
     fp8, bf16 = by_peer["jzyfa_fp8"], by_peer["jzyfa"]
@@ -720,9 +718,9 @@ def test_fp8_run_in_process():
         assert exact["status"] == "ok" and exact["path"] == fp8["path"] == "pure-JAX (no GPU)"
         assert exact["rel_err"] == pytest.approx(fp8["rel_err"], rel=1e-6)
     else:
-        assert exact["status"] in ("ok", "unsupported")
-        if exact["status"] == "unsupported" and not os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV):
-            assert f"{peers.UNVERIFIED_FP8_KERNEL_ENV}=1" in exact["message"]
+        # The plan has FP8 at head dim 128: timed where the kernel runs, else unsupported saying why.
+        expected = "ok" if jzyfa.kernel_available() else "unsupported"
+        assert exact["status"] == fp8["status"] == expected, (exact, fp8)
 
 
 class PowerClock:
@@ -747,20 +745,20 @@ def test_board_power_reaches_json_and_tables(monkeypatch, watts):
     monkeypatch.setattr(_timing, "open_clock_reader", lambda device=None: PowerClock(watts))
     config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa_xla,cudnn",
                        "--iters", "2", "--min_time_s", "0"])  # fmt: skip
-    report = json.loads(json.dumps(bench._json_safe(bench.run(config)), allow_nan=False))  # as main writes it
+    report = json.loads(json.dumps(bench_report.json_safe(speed.run(config)), allow_nan=False))  # as main writes it
     timed, other = report["results"]
     assert timed["status"] == "ok" and timed["sm_clock_mhz"] == 1560.0 and timed["board_power_w"] == watts
     clock = timed["wall"]["sm_clock"]
     assert clock["source"] == "fake-power" and clock["median_watts"] == watts
     assert clock["min_watts"] == clock["max_watts"] == watts
-    w = bench.TABLE_COLUMNS.index("W")
+    w = speed.TABLE_COLUMNS.index("W")
     shown = "n/a" if watts is None else "655"
-    assert bench.table_rows(report["results"])[0][w] == shown
-    assert bench.table_rows(report["results"])[1][w] == "n/a"  # no timed loop
-    markdown = bench.format_markdown(report["results"], report["env"], config)
+    assert speed.table_rows(report["results"])[0][w] == shown
+    assert speed.table_rows(report["results"])[1][w] == "n/a"  # no timed loop
+    markdown = speed.format_markdown(report["results"], report["env"], config)
     cell = next(line for line in markdown.splitlines() if line.startswith("| jzyfa_xla | "))
     assert cell.endswith("(1560 MHz, 655 W) |" if watts else "(1560 MHz) |"), cell
-    assert f"SM 1560 MHz, {shown} W" in bench.progress_line(timed)
+    assert f"SM 1560 MHz, {shown} W" in speed.progress_line(timed)
     if ON_GPU:
         return
     assert other["status"] == "unsupported" and other["board_power_w"] is None
@@ -769,7 +767,7 @@ def test_board_power_reaches_json_and_tables(monkeypatch, watts):
 def test_replot_draws_a_saved_report_without_measuring(tmp_path):
     """--replot: the tables and the PNG of an earlier run's JSON, with no GPU and no timing."""
     pytest.importorskip("matplotlib")
-    out, png = tmp_path / "bench.json", tmp_path / "again.png"
+    out, png = tmp_path / "speed.json", tmp_path / "again.png"
     run = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--shapes", "2x128,1x256", "--impls", "jzyfa,xla",
            f"--json_out={out}"]  # fmt: skip
     subprocess.run(run, check=True, capture_output=True, text=True)
@@ -785,26 +783,25 @@ def test_replot_draws_a_saved_report_without_measuring(tmp_path):
 
 def test_top_kernel_ms_is_the_longest_kernel():
     result = {"kernel": {"kernels": [{"name": "a", "ms_per_call": 0.02}, {"name": "b", "ms_per_call": 0.14}]}}
-    assert bench.top_kernel_ms(result) == 0.14
-    assert bench.top_kernel_ms({"kernel": None}) is None  # no CUPTI (wall-clock or smoke runs)
-    assert bench.top_kernel_ms({}) is None
+    assert speed.top_kernel_ms(result) == 0.14
+    assert speed.top_kernel_ms({"kernel": None}) is None  # no CUPTI (wall-clock or smoke runs)
+    assert speed.top_kernel_ms({}) is None
 
 
 def test_fp8_v_layout_flag_sets_the_variable_for_the_run_only(monkeypatch):
     """--fp8_v_layout reaches the config, and run() holds JZYFA_FP8_V_LAYOUT at it while it traces and
     times (recorded in the report's env), then restores what was there."""
-    from jzyfa.fp8_primitive import FP8_V_LAYOUT_ENV
-
+    FP8_V_LAYOUT_ENV = plan.FP8_V_LAYOUT_ENV
     assert resolve_config(["--fp8_v_layout", "staged"])["fp8_v_layout"] == "staged"
     assert resolve_config([])["fp8_v_layout"] is None
     monkeypatch.delenv(FP8_V_LAYOUT_ENV, raising=False)
-    with bench.fp8_v_layout("transposed"):
+    with speed.fp8_v_layout("transposed"):
         assert os.environ[FP8_V_LAYOUT_ENV] == "transposed"
-        assert bench._jzyfa_status()["fp8_v_layout_env"] == "transposed"
+        assert speed._jzyfa_status()["fp8_v_layout_env"] == "transposed"
     assert FP8_V_LAYOUT_ENV not in os.environ
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
-    with bench.fp8_v_layout("transposed"):
+    with speed.fp8_v_layout("transposed"):
         assert os.environ[FP8_V_LAYOUT_ENV] == "transposed"
     assert os.environ[FP8_V_LAYOUT_ENV] == "staged"
-    with bench.fp8_v_layout(None):
+    with speed.fp8_v_layout(None):
         assert os.environ[FP8_V_LAYOUT_ENV] == "staged"

@@ -14,24 +14,26 @@ import pytest
 from attention_oracle import naive_attention_f64
 from bench_helpers import resolve_config
 
-from jzyfa import bench, peers
+from jzyfa import plan
+from jzyfa.bench import peers, speed
+from jzyfa.bench.problem import Problem, attention_flops, visible_pairs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
 
 
-def mla(batch=2, seq=64, causal=True, window=None, **kwargs) -> bench.Problem:
-    return bench.Problem(batch, seq, seq, 4, 2, 192, causal, "bf16", window, head_dim_v=128, **kwargs)
+def mla(batch=2, seq=64, causal=True, window=None, **kwargs) -> Problem:
+    return Problem(batch, seq, seq, 4, 2, 192, causal, "bf16", window, head_dim_v=128, **kwargs)
 
 
 def test_the_flag_reaches_the_config():
     assert resolve_config(["--head_dim", "192", "--v_head_dim", "128"])["v_head_dim"] == 128
     assert resolve_config([])["v_head_dim"] is None
-    assert bench._config_head_dim_v({"head_dim": 192, "v_head_dim": 128}) == 128
-    assert bench._config_head_dim_v({"head_dim": 128, "v_head_dim": 128}) is None  # one head dim
-    assert bench._config_head_dim_v({"head_dim": 128}) is None  # a config from before the flag
+    assert speed._config_head_dim_v({"head_dim": 192, "v_head_dim": 128}) == 128
+    assert speed._config_head_dim_v({"head_dim": 128, "v_head_dim": 128}) is None  # one head dim
+    assert speed._config_head_dim_v({"head_dim": 128}) is None  # a config from before the flag
     with pytest.raises(ValueError, match="--v_head_dim must be at least 1, got 0"):
-        bench._config_head_dim_v({"head_dim": 128, "v_head_dim": 0})
+        speed._config_head_dim_v({"head_dim": 128, "v_head_dim": 0})
 
 
 def test_problem_shapes_bytes_and_flops():
@@ -43,10 +45,10 @@ def test_problem_shapes_bytes_and_flops():
     # Q K^T: 2 * 192 per visible pair, P V: 2 * 128; causal Sq = Sk counted half (the convention).
     assert p.flops == (2 * 192 + 2 * 128) * 2 * 4 * 64 * 64 / 2
     windowed = mla(window=(8, 0))
-    assert windowed.flops == (2 * 192 + 2 * 128) * 2 * 4 * bench.visible_pairs(64, 64, True, (8, 0))
-    packed = bench.Problem.packed([(40, 50), (1, 3)], 4, 2, 192, True, "bf16", None, head_dim_v=128)
+    assert windowed.flops == (2 * 192 + 2 * 128) * 2 * 4 * visible_pairs(64, 64, True, (8, 0))
+    packed = Problem.packed([(40, 50), (1, 3)], 4, 2, 192, True, "bf16", None, head_dim_v=128)
     assert packed.v_shape == (53, 2, 128) and packed.out_shape == (41, 4, 128)
-    assert packed.flops == sum(bench.attention_flops(1, q, k, 4, 160, True) for q, k in [(40, 50), (1, 3)])
+    assert packed.flops == sum(attention_flops(1, q, k, 4, 160, True) for q, k in [(40, 50), (1, 3)])
     assert [a.shape for a in packed.abstract(jnp.bfloat16)] == [
         (41, 4, 192),
         (53, 2, 192),
@@ -55,7 +57,7 @@ def test_problem_shapes_bytes_and_flops():
         (3,),
     ]
     # One head dim: as before.
-    one = bench.Problem(2, 64, 64, 4, 2, 128, True, "bf16")
+    one = Problem(2, 64, 64, 4, 2, 128, True, "bf16")
     assert one.v_head_dim == 128 and one.v_shape == one.kv_shape and one.out_shape == one.q_shape
 
 
@@ -63,13 +65,13 @@ def test_problem_shapes_bytes_and_flops():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_inputs_and_reference_take_vs_head_dim(kind, varlen):
     p = (
-        bench.Problem.packed([(24, 30), (9, 9)], 4, 2, 192, False, "bf16", None, 128)
+        Problem.packed([(24, 30), (9, 9)], 4, 2, 192, False, "bf16", None, 128)
         if varlen
         else mla(seq=24)
     )
-    (s,) = bench.make_input_sets(p, kind, 1, seed=0)
+    (s,) = speed.make_input_sets(p, kind, 1, seed=0)
     assert s.q.shape == p.q_shape and s.k.shape == p.kv_shape and s.v.shape == p.v_shape
-    ref = bench.compute_reference(p, s.q, s.k, s.v, requested_pairs=0)
+    ref = speed.compute_reference(p, s.q, s.k, s.v, requested_pairs=0)
     assert ref.out.shape[-1] == 128
     if not varlen:
         want, _ = naive_attention_f64(
@@ -95,7 +97,7 @@ def test_peers_with_one_head_dim_say_so(monkeypatch):
         assert reason and reason.startswith("v's head dim 128 != q's and k's 192: "), (name, reason)
     assert "cuDNN's own unequal head dims are not reachable" in peers.PEERS["cudnn"].supports(p)
     monkeypatch.setattr(peers, "_gpu_reason", lambda: None)  # cuDNN FP8 asks for the GPU first
-    fp8 = bench.Problem(2, 64, 64, 4, 2, 192, True, "fp8", head_dim_v=128)
+    fp8 = Problem(2, 64, 64, 4, 2, 192, True, "fp8", head_dim_v=128)
     assert peers.PEERS["cudnn_fp8"].supports(fp8).startswith("v's head dim 128 != q's and k's 192")
     for name in ("jzyfa", "jzyfa_xla"):
         assert peers.PEERS[name].supports(p) is None
@@ -104,13 +106,13 @@ def test_peers_with_one_head_dim_say_so(monkeypatch):
 
 def test_reports_show_both_head_dims():
     row = {"head_dim": 192, "v_head_dim": 128}
-    assert bench._head_dims_text(row) == "192/128"
-    assert bench._head_dims_text({"head_dim": 128, "v_head_dim": 128}) == "128"
-    assert bench._head_dims_text({"head_dim": 128}) == "128"  # reports from before the flag
+    assert speed._head_dims_text(row) == "192/128"
+    assert speed._head_dims_text({"head_dim": 128, "v_head_dim": 128}) == "128"
+    assert speed._head_dims_text({"head_dim": 128}) == "128"  # reports from before the flag
 
 
 def test_smoke_run_times_mla(tmp_path):
-    out = tmp_path / "bench.json"
+    out = tmp_path / "speed.json"
     impls = "jzyfa,jzyfa_xla,cudnn,xla,pallas"
     cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--head_dim", "192", "--v_head_dim", "128",
            "--shapes", "1x128", "--heads", "4", "--kv_heads", "2", "--impls", impls, "--inputs", "gaussian",
@@ -132,27 +134,16 @@ def test_smoke_run_times_mla(tmp_path):
         assert rows[name]["status"] == "unsupported" and "v's head dim 128" in rows[name]["message"]
 
 
-def test_fp8_mla_flags_reach_the_fp8_peers(monkeypatch, cpu_backend):
+def test_fp8_mla_flags_reach_the_fp8_peers(monkeypatch):
     """`--dtype fp8 --head_dim 192 --v_head_dim 128`: the FP8 problem has MLA's shapes and the jzyfa FP8 peers
-    take it. On a GPU (faked) they ask for the FP8 kernel's MLA instantiation: while its gate
-    (jzyfa.api.FP8_MLA_KERNEL_VERIFIED) is off, unsupported naming the variable that lifts it; with the
-    variable, the kernel call, labelled unverified."""
-    from jzyfa import api
-
+    take it. On a GPU (faked) they build the FP8 kernel's MLA instantiation (a row of `jzyfa.plan`)."""
     config = resolve_config(["--dtype", "fp8", "--head_dim", "192", "--v_head_dim", "128"])
-    assert (config["dtype"], config["head_dim"], bench._config_head_dim_v(config)) == ("fp8", 192, 128)
-    problem = bench.Problem(1, 64, 64, 4, 2, 192, True, "fp8", head_dim_v=128)
+    assert (config["dtype"], config["head_dim"], speed._config_head_dim_v(config)) == ("fp8", 192, 128)
+    problem = Problem(1, 64, 64, 4, 2, 192, True, "fp8", head_dim_v=128)
     assert problem.v_shape == (1, 64, 2, 128) and problem.out_shape == (1, 64, 4, 128)
+    assert plan.kernel_for(plan.Config("fp8", plan.MLA_HEAD_DIMS, "causal", "dense")) is not None
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
-    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", False)
-    monkeypatch.delenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, raising=False)
     for name in ("jzyfa_fp8", "jzyfa_fp8_exact_p"):
         peer = peers.PEERS[name]
         assert peer.supports(problem) is None
-        with pytest.raises(peers.Unsupported, match=f"{api.UNVERIFIED_FP8_MLA_KERNEL_ENV}=1"):
-            peer.build(problem, peers.Options())
-    monkeypatch.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
-    for name in ("jzyfa_fp8", "jzyfa_fp8_exact_p"):
-        assert peers.PEERS[name].build(problem, peers.Options()).path == "kernel (unverified)"
-    monkeypatch.setattr(api, "FP8_MLA_KERNEL_VERIFIED", True)
-    assert peers.PEERS["jzyfa_fp8"].build(problem, peers.Options()).path == "kernel"
+        assert peer.build(problem, peers.Options()).path == "kernel"

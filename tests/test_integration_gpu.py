@@ -2,7 +2,7 @@
 
 Skipped without a Hopper GPU and the built extension. The measured numbers (handler runs, host
 overhead per call) are printed past pytest's capture, so they reach the log without `-s`.
-`python -m jzyfa.call_overhead` measures per-call overhead next to cuDNN's and XLA's.
+`python -m jzyfa.bench.overhead` measures per-call overhead next to cuDNN's and XLA's.
 """
 
 import functools
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jzyfa
 from jzyfa import _extension
-from jzyfa.call_overhead import wall_us_per_call
+from jzyfa.bench.overhead import wall_us_per_call
 from jzyfa.primitive import FFI_TARGET
 
 pytestmark = [pytest.mark.gpu, requires_hopper]

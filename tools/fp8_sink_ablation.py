@@ -15,7 +15,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jzyfa import accuracy, realistic_inputs
+from jzyfa.bench import accuracy
+from jzyfa.bench import inputs as realistic_inputs
 from jzyfa.fp8_emulation import FIXED_OFFSET_OPTIONS, attention_fp8_emulated
 from jzyfa.quantize import fp8_quantize
 

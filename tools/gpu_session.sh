@@ -92,7 +92,7 @@ if [ -n "${JZYFA_OVERHEAD:-}" ]; then
   # Host time per call above the kernel, jzyfa next to cuDNN (issue 6), e.g. JZYFA_OVERHEAD="--seq 512".
   step "call overhead: ${JZYFA_OVERHEAD}"
   # shellcheck disable=SC2086
-  timeout 240 python3 -m jzyfa.call_overhead --markdown ${JZYFA_OVERHEAD} 2>&1 | tee "$OUT_DIR/overhead.md"
+  timeout 240 python3 -m jzyfa.bench.overhead --markdown ${JZYFA_OVERHEAD} 2>&1 | tee "$OUT_DIR/overhead.md"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -14,8 +14,8 @@ Standard runs on a Hopper GPU (docs/measuring.md explains every column):
   python -m jzyfa.bench --dtype fp8 --json_out bench_fp8.json --markdown          # FP8 (+ bf16 baselines)
 
 Defaults: causal, head dim 128, 16 heads, (batch, seq) in (16,1024) (8,2048) (4,4096) (2,8192)
-(1,16384), Gaussian and activation-like inputs (`jzyfa.realistic_inputs`), every implementation
-of the run's precision (`jzyfa.peers`; those that cannot run here say why). Without a GPU the
+(1,16384), Gaussian and activation-like inputs (`jzyfa.bench.inputs`), every implementation
+of the run's precision (`jzyfa.bench.peers`; those that cannot run here say why). Without a GPU the
 command runs in smoke mode (small shapes, few iterations); `--smoke` forces it on a GPU.
 
 FLOPs: 4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the FA3 / cuDNN convention);
@@ -57,7 +57,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 import traceback
 from collections.abc import Sequence
@@ -67,31 +66,24 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from jzyfa import _timing, _validation, peers, realistic_inputs
-from jzyfa._errors import short_error
-from jzyfa.accuracy import attention_float64, take_pairs
-from jzyfa.fp8_primitive import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV
-from jzyfa.peers import (
+from jzyfa import plan
+from jzyfa.bench import float64, peers
+from jzyfa.bench import inputs as realistic_inputs
+from jzyfa.bench import timing as _timing
+from jzyfa.bench.float64 import Reference, take_pairs
+from jzyfa.bench.peers import Unsupported
+from jzyfa.bench.problem import (
     Problem,
-    Unsupported,
-    attention_flops,
+    Window,
+    mask_window,
     parse_shapes,
     parse_varlen,
     parse_window,
     visible_pairs,
     window_text,
 )
-
-__all__ = [
-    "Problem",
-    "Unsupported",
-    "attention_float64",
-    "attention_flops",
-    "parse_shapes",
-    "parse_varlen",
-    "parse_window",
-    "visible_pairs",
-]
+from jzyfa.bench.report import fmt, logger, markdown_table, plain_table, run_absl, short_error, write_json
+from jzyfa.bench.report import split_list as _split
 
 STANDARD_SHAPES = "16x1024,8x2048,4x4096,2x8192,1x16384"
 SMOKE_SHAPES = "2x128,1x256"
@@ -238,15 +230,7 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     keys = jax.random.split(jax.random.key(seed), n_sets)
     if problem.varlen:
         return [_packed_input_set(problem, kind, key) for key in keys]
-    shape = {
-        "batch": problem.batch,
-        "seq_q": problem.seq_q,
-        "seq_k": problem.seq_k,
-        "heads_q": problem.heads_q,
-        "heads_kv": problem.heads_kv,
-        "head_dim": problem.head_dim,
-        "dtype": problem.jnp_dtype,
-    }
+    shape = dict(problem.sizes, dtype=problem.jnp_dtype)
     sets = []
     for i in range(n_sets):
         q, k, v = realistic_inputs.make_qkv(kind, keys[i], **shape)
@@ -299,29 +283,16 @@ def reference_pairs(problem: Problem, requested: int) -> list[tuple[int, int]]:
     Varlen problems: (0, head) pairs, each head over every sequence of the packed batch (the budget
     counts all of them), spread over the query heads."""
     total = problem.heads_q if problem.varlen else problem.batch * problem.heads_q
-    if requested == 0:
-        n = total
-    elif requested > 0:
-        n = min(requested, total)
-    else:
+    count = requested
+    if requested < 0:
         per_pair = 4.0 * problem.flops_head_dim * max(1, _visible_pairs_per_head(problem))
-        n = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
-    flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
-    return [(i // problem.heads_q, i % problem.heads_q) for i in flat]
+        count = min(total, max(2, min(16, int(_REF_FLOP_BUDGET // per_pair))))
+    return [(i // problem.heads_q, i % problem.heads_q) for i in float64.spread(total, count)]
 
 
-@dataclasses.dataclass
-class Reference:
-    batches: np.ndarray
-    heads: np.ndarray
-    out: np.ndarray  # float64 [pairs, Sq, D]
-    seconds: float
-
-
-def _attention_float64_masked(problem: Problem, q, k, v) -> np.ndarray:
-    """One head in float64 (q [Sq, D], k and v [Sk, D]) under the problem's mask."""
-    window = None if problem.window is None else problem.mask
-    return attention_float64(q, k, v, problem.softmax_scale, problem.causal, window=window)
+def _reference_window(problem: Problem) -> Window | None:
+    """The window `attention_float64` takes for the problem's mask (None: causal's or none)."""
+    return None if problem.window is None else problem.mask
 
 
 def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) -> Reference:
@@ -336,26 +307,23 @@ def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) ->
     vs = take_pairs(v[None], np.zeros_like(heads), heads // group)
     cu_q, cu_k = problem.cu_seqlens_q, problem.cu_seqlens_k
     out = np.zeros((*qs.shape[:-1], vs.shape[-1]), np.float64)  # v's head dim
+    window = _reference_window(problem)
     for s in range(problem.batch):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         for i in range(len(heads)):
-            out[i, rows] = _attention_float64_masked(problem, qs[i, rows], ks[i, keys], vs[i, keys])
-    return Reference(np.zeros_like(heads), heads, out, time.perf_counter() - start)
+            out[i, rows] = float64.attention_float64(
+                qs[i, rows], ks[i, keys], vs[i, keys], problem.softmax_scale, problem.causal, window=window
+            )
+    return Reference(np.zeros_like(heads), heads, out, None, time.perf_counter() - start)
 
 
 def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Reference:
     if problem.varlen:
         return compute_varlen_reference(problem, q, k, v, requested_pairs)
-    start = time.perf_counter()
     pairs = reference_pairs(problem, requested_pairs)
-    batches = np.array([b for b, _ in pairs])
-    heads = np.array([h for _, h in pairs])
-    group = problem.heads_q // problem.heads_kv
-    qs = take_pairs(q, batches, heads)
-    ks = take_pairs(k, batches, heads // group)
-    vs = take_pairs(v, batches, heads // group)
-    out = np.stack([_attention_float64_masked(problem, qs[i], ks[i], vs[i]) for i in range(len(pairs))])
-    return Reference(batches, heads, out, time.perf_counter() - start)
+    return float64.reference_on_pairs(
+        q, k, v, pairs, scale=problem.softmax_scale, causal=problem.causal, window=_reference_window(problem)
+    )
 
 
 def relative_error(out, ref: Reference) -> dict[str, float]:
@@ -363,15 +331,8 @@ def relative_error(out, ref: Reference) -> dict[str, float]:
     [total_q, Hq, D], seen as one batch row) on the checked pairs."""
     if out.ndim == 3:
         out = out[None]
-    got = take_pairs(out, ref.batches, ref.heads)
-    diff = got - ref.out
-    ref_norm = float(np.linalg.norm(ref.out))
-    diff_norm = float(np.linalg.norm(diff))
-    return {
-        "rel_l2": diff_norm / ref_norm if ref_norm > 0 else diff_norm,
-        "max_abs": float(np.max(np.abs(diff))) if diff.size else 0.0,
-        "finite": bool(np.all(np.isfinite(got))),
-    }
+    err = float64.error_metrics(take_pairs(out, ref.batches, ref.heads), ref.out)
+    return {"rel_l2": err["o_rel_l2"], "max_abs": err["o_max_abs"], "finite": err["finite"]}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,15 +421,11 @@ def _jzyfa_status() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         info["kernel_unavailable"] = f"unknown ({type(e).__name__}: {e})"
     try:
-        import importlib.metadata
-
         info["version"] = importlib.metadata.version("jzyfa")
     except Exception:  # noqa: BLE001 - running from a source tree
         info["version"] = None
-    # Set, it lets implementation="kernel" run the FP8 kernel before it has passed its GPU tests.
-    info["unverified_fp8_kernel_env"] = os.environ.get(peers.UNVERIFIED_FP8_KERNEL_ENV)
-    info["fp8_v_layout_env"] = os.environ.get(FP8_V_LAYOUT_ENV)  # --fp8_v_layout, or set outside
-    info["fp8_key_block_env"] = os.environ.get(FP8_KEY_BLOCK_ENV)  # the dense V^T kernel's, forced
+    info["fp8_v_layout_env"] = os.environ.get(plan.FP8_V_LAYOUT_ENV)  # --fp8_v_layout, or set outside
+    info["fp8_key_block_env"] = os.environ.get(plan.FP8_KEY_BLOCK_ENV)  # the dense V^T kernel's, forced
     # An installed copy is no git checkout: tools/gpu_session.sh can pass the commit it built.
     info["git_commit"] = os.environ.get("JZYFA_GIT_COMMIT") or _run_text(
         ["git", "-C", str(_package_dir()), "rev-parse", "--short", "HEAD"]
@@ -570,12 +527,7 @@ def measure_peer(
         "notes": peer.notes or None,
         "framework": peer.framework,
         "path": None,
-        "batch": problem.batch,
-        "seq_q": problem.seq_q,
-        "seq_k": problem.seq_k,
-        "heads_q": problem.heads_q,
-        "heads_kv": problem.heads_kv,
-        "head_dim": problem.head_dim,
+        **problem.sizes,
         "v_head_dim": problem.v_head_dim,
         "causal": problem.causal,
         # The (left, right) window of the mask, causal folded in (right 0 under --causal); None: no --window.
@@ -683,10 +635,6 @@ def _out_bytes(problem: Problem) -> int:
 # Reporting
 
 
-def _fmt(value, spec: str, missing: str = "n/a") -> str:
-    return missing if value is None else format(value, spec)
-
-
 def _fmt_tflops(value: float | None) -> str:
     """Whole TFLOP/s on a GPU; three significant digits for the small CPU figures."""
     if value is None:
@@ -755,13 +703,13 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
                 r.get("inputs") or "gaussian",
                 r.get("compute_dtype") or r.get("dtype") or "",
                 *_shape_cells(r),
-                _fmt(r["median_ms"], ".3f"),
-                _fmt(wall_ms, ".3f"),
-                _fmt(top_kernel_ms(r), ".3f"),
+                fmt(r["median_ms"], ".3f"),
+                fmt(wall_ms, ".3f"),
+                fmt(top_kernel_ms(r), ".3f"),
                 _fmt_tflops(r["tflops"]),
-                _fmt(r["sm_clock_mhz"], ".0f"),
-                _fmt(r.get("board_power_w"), ".0f"),
-                _fmt(r["rel_err"], ".2e"),
+                fmt(r["sm_clock_mhz"], ".0f"),
+                fmt(r.get("board_power_w"), ".0f"),
+                fmt(r["rel_err"], ".2e"),
                 status,
             ]
         )
@@ -769,12 +717,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
 
 
 def format_plain(results: Sequence[dict[str, Any]]) -> str:
-    rows = [TABLE_COLUMNS] + table_rows(results)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS) - 1)]
-    lines = []
-    for row in rows:
-        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells + [row[-1]]))
+    lines = plain_table(TABLE_COLUMNS, table_rows(results), right=range(3, len(TABLE_COLUMNS)))
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 
@@ -787,11 +730,6 @@ _TIMING_TEXT = {
 
 
 def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], config: dict[str, Any]) -> str:
-    def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-        return out
-
     source = sorted({r["timing_source"] for r in results if r["timing_source"]})
     kinds = list(dict.fromkeys(r.get("inputs") or "gaussian" for r in results))
     lines = [
@@ -825,12 +763,12 @@ def format_markdown(results: Sequence[dict[str, Any]], env: dict[str, Any], conf
             else "SM clock"
         )
         lines += ["", f"TFLOP/s on {kind} inputs ({during} during the timed loop):", ""]
-        lines += md_table(["impl"] + labels, summary)
+        lines += markdown_table(["impl"] + labels, summary)
     notes = {r["impl"]: r["notes"] for r in results if r.get("notes") and r["status"] not in ("unsupported",)}
     if notes:
         lines += ["", "Notes:"] + [f"- {impl}: {note}" for impl, note in notes.items()]
     lines += ["", "Details:", ""]
-    lines += md_table(TABLE_COLUMNS, table_rows(results))
+    lines += markdown_table(TABLE_COLUMNS, table_rows(results))
     return "\n".join(lines)
 
 
@@ -851,7 +789,7 @@ def _label(r: dict[str, Any]) -> str:
     return f"{r['batch']}x{seq}"
 
 
-def _config_window(config: dict[str, Any]) -> _validation.Window | None:
+def _config_window(config: dict[str, Any]) -> Window | None:
     """The run's --window as given (a pair, or the flag's text in a hand-made config), or None."""
     window = config.get("window")
     if isinstance(window, str) or window is None:
@@ -875,7 +813,7 @@ def _mask_text(config: dict[str, Any]) -> str:
     window = _config_window(config)
     if window is None:
         return text
-    return f"{text}, {window_text(_validation.mask_window(config['causal'], window))} (left, right)"
+    return f"{text}, {window_text(mask_window(config['causal'], window))} (left, right)"
 
 
 def _varlen_text(config: dict[str, Any]) -> str:
@@ -919,7 +857,7 @@ def progress_line(r: dict[str, Any]) -> str:
     if r.get("wall"):
         parts.append(f"wall {r['wall']['median_ms']:.4f} ms")
     parts.append(f"{_fmt_tflops(r['tflops'])} TFLOP/s")
-    parts.append(f"SM {_fmt(r['sm_clock_mhz'], '.0f')} MHz, {_fmt(r.get('board_power_w'), '.0f')} W")
+    parts.append(f"SM {fmt(r['sm_clock_mhz'], '.0f')} MHz, {fmt(r.get('board_power_w'), '.0f')} W")
     return f"{head}: " + ", ".join(parts) + ("" if r["status"] == "ok" else " [BAD]")
 
 
@@ -986,12 +924,7 @@ def write_plot(
 # Main
 
 
-def _log(text: str) -> None:
-    print(f"[jzyfa.bench] {text}", file=sys.stderr, flush=True)
-
-
-def _split(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip()]
+_log = logger("jzyfa.bench")
 
 
 def resolve_config() -> dict[str, Any]:
@@ -1072,15 +1005,15 @@ def fp8_v_layout(layout: str | None):
     if layout is None:
         yield
         return
-    before = os.environ.get(FP8_V_LAYOUT_ENV)
-    os.environ[FP8_V_LAYOUT_ENV] = layout
+    before = os.environ.get(plan.FP8_V_LAYOUT_ENV)
+    os.environ[plan.FP8_V_LAYOUT_ENV] = layout
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop(FP8_V_LAYOUT_ENV, None)
+            os.environ.pop(plan.FP8_V_LAYOUT_ENV, None)
         else:
-            os.environ[FP8_V_LAYOUT_ENV] = before
+            os.environ[plan.FP8_V_LAYOUT_ENV] = before
 
 
 def run(config: dict[str, Any]) -> dict[str, Any]:
@@ -1112,7 +1045,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
     if config["smoke"]:
         _log("smoke mode: small shapes, few iterations (no GPU, or --smoke)")
     if window is not None:
-        mask = _validation.mask_window(config["causal"], window)
+        mask = mask_window(config["causal"], window)
         _log(f"sliding {window_text(mask)} (left, right); FLOPs count its visible (query, key) pairs")
         if mask != window:
             _log(
@@ -1234,32 +1167,15 @@ def main(argv: Sequence[str]) -> int:
         raise app.UsageError(str(e)) from e
     _print_tables(report["results"], report["env"], config, config["markdown"])
     if config["json_out"]:
-        with open(config["json_out"], "w") as f:
-            json.dump(_json_safe(report), f, indent=1, allow_nan=False)
-            f.write("\n")
+        write_json(report, config["json_out"])
         _log(f"wrote {config['json_out']}")
     if config["plot"]:
         return _write_plot(report["results"], report["env"], config, config["plot"])
     return 0
 
 
-def _json_safe(value):
-    """The report as strict JSON values: NumPy scalars unwrapped, non-finite floats as strings."""
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, (np.generic, np.ndarray)):
-        return _json_safe(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "nan", "inf"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def run_main() -> None:
-    app.run(main)
+    run_absl(main, __doc__)
 
 
 if __name__ == "__main__":

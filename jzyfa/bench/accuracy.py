@@ -1,4 +1,4 @@
-r"""Attention accuracy against float64 attention, and FP8's effect on a model: `python -m jzyfa.accuracy`.
+r"""Attention accuracy against float64 attention, and FP8's effect on a model: `python -m jzyfa.bench.accuracy`.
 
 Two reports:
 
@@ -13,8 +13,8 @@ Two reports:
    BF16 attention and once per FP8 variant; the report gives KL(p_bf16 || p_fp8) of the
    next-token distributions, averaged over positions, and how often the top-1 token agrees.
 
-    python -m jzyfa.accuracy --json_out accuracy.json --markdown    # on the H200
-    python -m jzyfa.accuracy --smoke                                # seconds on a CPU
+    python -m jzyfa.bench.accuracy --json_out accuracy.json --markdown    # on the H200
+    python -m jzyfa.bench.accuracy --smoke                                # seconds on a CPU
 
 Without a GPU it runs in smoke mode (small shapes and model); GPU-only variants say why not.
 """
@@ -24,9 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import json
 import math
-import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,163 +35,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jzyfa import peers, realistic_inputs
-from jzyfa._errors import short_error
+from jzyfa import plan
+from jzyfa.bench import inputs as realistic_inputs
+from jzyfa.bench import peers
+from jzyfa.bench.float64 import (  # noqa: F401 - the report's reference, under these names here too
+    Reference,
+    attention_float64,
+    error_metrics,
+    reference_on_pairs,
+    spread_pairs,
+    take_lse_pairs,
+    take_pairs,
+)
+from jzyfa.bench.problem import parse_shapes
+from jzyfa.bench.report import fmt, logger, markdown_table, plain_table, run_absl, short_error, split_list, write_json
 from jzyfa.fp8_emulation import FIXED_OFFSET_OPTIONS
-
-_ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
-
-
-# ----------------------------------------------------------------------------------------------
-# The float64 reference
-
-
-def attention_float64(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    scale: float,
-    causal: bool,
-    *,
-    window: tuple[int, int] | None = None,
-    return_lse: bool = False,
-):
-    """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
-
-    window: None (the mask is causal or none), or a (left, right) mask with causal already folded in
-    (`jzyfa._validation.mask_window`; `causal` is then not read): query i, at position
-    p = i + Sk - Sq, sees key j iff p - left <= j <= p + right (-1: unbounded on that side). Causal
-    is (-1, 0), bottom-right aligned. Runs over blocks of query rows so long sequences fit in
-    memory, each block multiplying only the key range its rows can see. Rows that see no key give
-    out 0 and lse -inf.
-    """
-    left, right = window if window is not None else ((-1, 0) if causal else (-1, -1))
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    seq_q, seq_k = q.shape[0], k.shape[0]
-    offset = seq_k - seq_q  # row i sits at position i + offset
-    out = np.zeros((seq_q, v.shape[1]), np.float64)
-    lse = np.full(seq_q, -np.inf)
-    rows_per_block = max(1, min(seq_q, _ROWS_BUDGET // max(seq_k, 1)))
-    for start in range(0, seq_q, rows_per_block):
-        stop = min(seq_q, start + rows_per_block)
-        first = max(0, start + offset - left) if left >= 0 else 0
-        end = min(seq_k, stop + offset + right) if right >= 0 else seq_k  # exclusive
-        if end <= first:
-            continue
-        scores = (q[start:stop] @ k[first:end].T) * scale
-        if left >= 0 or right >= 0:
-            position = np.arange(start, stop)[:, None] + offset
-            keys = np.arange(first, end)[None, :]
-            visible = np.ones(scores.shape, bool)
-            if left >= 0:
-                visible &= keys >= position - left
-            if right >= 0:
-                visible &= keys <= position + right
-            scores = np.where(visible, scores, -np.inf)
-        row_max = scores.max(axis=1, keepdims=True)
-        seen = np.isfinite(row_max)
-        probs = np.exp(scores - np.where(seen, row_max, 0.0))
-        row_sum = probs.sum(axis=1, keepdims=True)
-        out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
-        lse[start:stop] = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)[:, 0]
-    return (out, lse) if return_lse else out
-
-
-def take_pairs(x, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
-    """x[b, :, h, :] for each (b, h) pair of x [B, S, H, D] (JAX or NumPy), as float64 [P, S, D]."""
-    if isinstance(x, np.ndarray):
-        return np.asarray(x[batches, :, heads, :], np.float64)
-    return np.asarray(jax.device_get(x[batches, :, heads, :]), np.float64)
-
-
-def take_lse_pairs(lse, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
-    """lse[b, h, :] for each pair of lse [B, H, S], as float64 [P, S]."""
-    if isinstance(lse, np.ndarray):
-        return np.asarray(lse[batches, heads, :], np.float64)
-    return np.asarray(jax.device_get(lse[batches, heads, :]), np.float64)
-
-
-@dataclasses.dataclass
-class Reference:
-    """float64 attention on (batch, query head) pairs of the unquantized inputs."""
-
-    batches: np.ndarray
-    heads: np.ndarray
-    out: np.ndarray  # float64 [P, Sq, D]
-    lse: np.ndarray  # float64 [P, Sq]
-    seconds: float
-
-
-def reference_on_pairs(q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool) -> Reference:
-    """The float64 reference for query heads `pairs` = [(batch, head), ...] (GQA-aware)."""
-    start = time.perf_counter()
-    batches = np.array([b for b, _ in pairs], dtype=np.int64)
-    heads = np.array([h for _, h in pairs], dtype=np.int64)
-    group = q.shape[2] // k.shape[2]
-    qs = take_pairs(q, batches, heads)
-    ks = take_pairs(k, batches, heads // group)
-    vs = take_pairs(v, batches, heads // group)
-    results = [
-        attention_float64(qs[i], ks[i], vs[i], scale, causal, return_lse=True) for i in range(len(pairs))
-    ]
-    out = np.stack([o for o, _ in results]) if results else np.zeros((0, q.shape[1], q.shape[3]))
-    lse = np.stack([s for _, s in results]) if results else np.zeros((0, q.shape[1]))
-    return Reference(batches, heads, out, lse, time.perf_counter() - start)
-
-
-_REF_FLOP_BUDGET = 6e11  # float64 reference FLOPs per shape when the pair count is -1 (automatic)
-
-
-def reference_pair_count(requested: int, shape: dict, causal: bool) -> int:
-    """The pairs to check: as requested (0: all), or for -1 what the FLOP budget allows (2 to 8)."""
-    if requested >= 0:
-        return requested
-    pairs = shape["seq_q"] * shape["seq_k"] / (2 if causal and shape["seq_q"] == shape["seq_k"] else 1)
-    return max(2, min(8, int(_REF_FLOP_BUDGET // (4.0 * shape["head_dim"] * pairs))))
-
-
-def spread_pairs(batch: int, heads: int, count: int) -> list[tuple[int, int]]:
-    """`count` (batch, head) pairs spread evenly over the flattened batch*heads index (0: all)."""
-    total = batch * heads
-    n = total if count == 0 else min(count, total)
-    flat = sorted({round(i * (total - 1) / max(1, n - 1)) for i in range(n)})
-    return [(i // heads, i % heads) for i in flat]
-
 
 # ----------------------------------------------------------------------------------------------
 # Metrics
-
-
-def error_metrics(out: np.ndarray, ref_out: np.ndarray, lse=None, ref_lse=None) -> dict[str, Any]:
-    """Relative L2 and max abs error of O (and of the LSE, where given) against the reference.
-
-    LSE: rows where both are -inf (no visible key) are left out; a row where only one is finite
-    makes the LSE errors infinite.
-    """
-    out = np.asarray(out, np.float64)
-    diff = out - ref_out
-    ref_norm = float(np.linalg.norm(ref_out))
-    diff_norm = float(np.linalg.norm(diff))
-    metrics: dict[str, Any] = {
-        "o_rel_l2": diff_norm / ref_norm if ref_norm > 0 else diff_norm,
-        "o_max_abs": float(np.max(np.abs(diff))) if diff.size else 0.0,
-        "finite": bool(np.all(np.isfinite(out))),
-        "lse_rel_l2": None,
-        "lse_max_abs": None,
-    }
-    if lse is not None:
-        lse = np.asarray(lse, np.float64)
-        both_empty = np.isneginf(lse) & np.isneginf(ref_lse)
-        if np.any(np.isfinite(lse) != np.isfinite(ref_lse)) or np.any(np.isnan(lse)):
-            metrics.update(lse_rel_l2=math.inf, lse_max_abs=math.inf)
-        else:
-            keep = ~both_empty
-            lse_diff = lse[keep] - ref_lse[keep]
-            ref_lse_norm = float(np.linalg.norm(ref_lse[keep]))
-            lse_diff_norm = float(np.linalg.norm(lse_diff))
-            metrics["lse_rel_l2"] = lse_diff_norm / ref_lse_norm if ref_lse_norm > 0 else lse_diff_norm
-            metrics["lse_max_abs"] = float(np.max(np.abs(lse_diff))) if lse_diff.size else 0.0
-    return metrics
 
 
 def kl_divergence(logits_p, logits_q) -> dict[str, float]:
@@ -216,6 +75,17 @@ def kl_divergence(logits_p, logits_q) -> dict[str, float]:
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+_REF_FLOP_BUDGET = 6e11  # float64 reference FLOPs per shape when the pair count is -1 (automatic)
+
+
+def reference_pair_count(requested: int, shape: dict, causal: bool) -> int:
+    """The pairs to check: as requested (0: all), or for -1 what the FLOP budget allows (2 to 8)."""
+    if requested >= 0:
+        return requested
+    pairs = shape["seq_q"] * shape["seq_k"] / (2 if causal and shape["seq_q"] == shape["seq_k"] else 1)
+    return max(2, min(8, int(_REF_FLOP_BUDGET // (4.0 * shape["head_dim"] * pairs))))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,11 +301,13 @@ VARIANTS: dict[str, Variant] = {
 KL_VARIANTS = [name for name in VARIANTS if name not in ("jzyfa_bf16", "cudnn_bf16")]
 
 
-def jzyfa_bf16_path(head_dim: int) -> str:
-    """What serves the jzyfa_bf16 variant here: the kernel, or the pure-JAX path."""
+def jzyfa_bf16_path(head_dim: int, causal: bool = True) -> str:
+    """What serves the jzyfa_bf16 variant here: the kernel (its row in `jzyfa.plan.KERNELS`, and a
+    Hopper GPU), or the pure-JAX path."""
     import jzyfa
 
-    if jzyfa.kernel_available() and head_dim in (64, 128):
+    row = plan.Config("16bit", (head_dim, head_dim), "causal" if causal else "none", "dense")
+    if jzyfa.kernel_available() and plan.kernel_for(row) is not None:
         return "kernel"
     return "pure-JAX"
 
@@ -496,7 +368,7 @@ def run_errors(config: dict[str, Any], log: Callable[[str], None]) -> list[dict[
                 r = evaluate_variant(VARIANTS[name], q, k, v, setting, ref)
                 r.update(inputs=kind, **shape, causal=setting.causal, reference_pairs=len(pairs))
                 if name == "jzyfa_bf16":
-                    r["path"] = jzyfa_bf16_path(config["head_dim"])
+                    r["path"] = jzyfa_bf16_path(config["head_dim"], config["causal"])
                 results.append(r)
                 log(f"{label} {name}: {_error_summary(r)}")
             del q, k, v
@@ -664,16 +536,14 @@ def _mean_entropy(logits) -> float:
 
 
 def _fmt(value, spec: str = ".3e") -> str:
-    return "n/a" if value is None else format(value, spec)
+    return fmt(value, spec)
 
 
 def format_tables(report: dict[str, Any], markdown: bool) -> str:
     def table(header: list[str], rows: list[list[str]]) -> list[str]:
         if markdown:
-            out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            return out + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
-        widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header] + rows]
+            return markdown_table(header, rows)
+        lines = plain_table(header + [""], [row + [""] for row in rows])
         return [lines[0], "-" * len(lines[0])] + lines[1:]
 
     lines = []
@@ -760,35 +630,12 @@ def run(config: dict[str, Any], log: Callable[[str], None] | None = None) -> dic
     return report
 
 
-def _log(text: str) -> None:
-    print(f"[jzyfa.accuracy] {text}", file=sys.stderr, flush=True)
-
-
-def _json_safe(value):
-    if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _json_safe(dataclasses.asdict(value))
-    if isinstance(value, (np.generic, np.ndarray)):
-        return _json_safe(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
-def write_json(report: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(_json_safe(report), f, indent=1, allow_nan=False)
-        f.write("\n")
+_log = logger("jzyfa.bench.accuracy")
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line (flags are defined only when this module is the program, so that importing it, as
-# jzyfa.bench does, defines none)
+# Command line (flags are defined only when this module is the program, so that importing it defines
+# none: `python -m jzyfa.bench`'s flags share some names)
 
 GPU_SHAPES = "1x4096,1x32768"
 SMOKE_SHAPES = "1x256"
@@ -840,10 +687,6 @@ def parse_model_overrides(text: str, base: ModelConfig) -> ModelConfig:
     return dataclasses.replace(base, **changes)
 
 
-def _split(text: str) -> list[str]:
-    return [s.strip() for s in text.split(",") if s.strip()]
-
-
 def resolve_config() -> dict[str, Any]:
     from absl import flags
 
@@ -856,17 +699,17 @@ def resolve_config() -> dict[str, Any]:
     if heads % kv_heads:
         raise ValueError(f"--heads ({heads}) must be a multiple of --kv_heads ({kv_heads})")
     return {
-        "shapes": peers.parse_shapes(shapes_text),
+        "shapes": parse_shapes(shapes_text),
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": f.head_dim,
         "causal": f.causal,
-        "inputs": _split(f.inputs),
+        "inputs": split_list(f.inputs),
         "granularity": f.granularity,
-        "variants": _split(f.variants),
+        "variants": split_list(f.variants),
         "ref_pairs": f.ref_pairs,
         "kl": f.kl,
-        "kl_variants": _split(f.kl_variants),
+        "kl_variants": split_list(f.kl_variants),
         "model": model,
         "seed": f.seed,
         "smoke": smoke,
@@ -892,10 +735,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 def run_main() -> None:
-    from absl import app
-
     _define_flags()
-    app.run(main)
+    run_absl(main, __doc__)
 
 
 if __name__ == "__main__":

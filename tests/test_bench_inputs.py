@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jzyfa import accuracy
-from jzyfa import realistic_inputs as ri
+from jzyfa.bench import float64
+from jzyfa.bench import inputs as ri
 
 KNOBS = ri.ActivationKnobs()
 
@@ -96,7 +96,7 @@ def test_the_first_token_is_an_attention_sink():
     sink_mass = [_attention_probabilities(a.q, a.k, h, h // 2)[1:, 0].mean() for h in range(4)]
     assert np.mean(sink_mass) > 0.5 and min(sink_mass) > 0.3, sink_mass
     # The float64 reference agrees: O is then close to the sink token's (small) value.
-    out, lse = accuracy.attention_float64(
+    out, lse = float64.attention_float64(
         _float(a.q)[0, :, 0], _float(a.k)[0, :, 0], _float(a.v)[0, :, 0], 1 / 8, True, return_lse=True
     )
     assert np.all(np.isfinite(lse)) and out.shape == (512, 64)

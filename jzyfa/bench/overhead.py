@@ -1,7 +1,7 @@
-r"""A call's overhead above its kernels, next to cuDNN's and XLA's: `python -m jzyfa.call_overhead`.
+r"""A call's overhead above its kernels, next to cuDNN's and XLA's: `python -m jzyfa.bench.overhead`.
 
-  python -m jzyfa.call_overhead                      # batch 1, 512 tokens, 16 heads, head dim 128
-  python -m jzyfa.call_overhead --seq 2048 --markdown
+  python -m jzyfa.bench.overhead                     # batch 1, 512 tokens, 16 heads, head dim 128
+  python -m jzyfa.bench.overhead --seq 2048 --markdown
 
 For one small causal problem (q, k, v all [batch, seq, heads, head_dim], bf16 by default), each of
 
@@ -14,7 +14,7 @@ is compiled twice, with XLA's command buffers (CUDA graphs) off and on (COMMAND_
 
   wall      host wall time per call: --calls calls dispatched back to back on the same inputs,
             block_until_ready once at the end of the loop; the best of --rounds loops.
-  kernel    GPU time per call of every kernel the call launches, from CUPTI (jzyfa._timing); measured
+  kernel    GPU time per call of every kernel the call launches, from CUPTI (jzyfa.bench.timing); measured
             once per implementation, since command buffers change how kernels are launched, not them.
   overhead  wall - kernel: what a call costs beyond its kernels when calls run back to back. Near 0
             when the GPU is the bottleneck (the host's work hides behind the kernels); large when the
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 
 import jzyfa
-from jzyfa import _platform, _timing
-from jzyfa._errors import short_error
+from jzyfa.bench import timing as _timing
+from jzyfa.bench.report import logger, markdown_table, plain_table, short_error
 
 # compiler_options per mode. A repeated enum field is a comma-separated list of names that replaces
 # XLA's default list; "" turns command buffers off. min_graph_size 1 records even a single command.
@@ -145,7 +145,7 @@ def _positive_int(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m jzyfa.call_overhead",
+        prog="python -m jzyfa.bench.overhead",
         description="Per-call wall time, kernel time and overhead of jzyfa's kernel, cuDNN's and XLA's "
         "attention, with XLA's command buffers off and on. Needs a CUDA GPU.",
     )
@@ -169,9 +169,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def require_gpu() -> None:
-    backend = _platform.default_backend()
+    backend = jax.default_backend()
     if backend != "gpu":
-        raise NeedsGpu(f"jzyfa.call_overhead needs a CUDA GPU: the default JAX backend is {backend!r}")
+        raise NeedsGpu(f"jzyfa.bench.overhead needs a CUDA GPU: the default JAX backend is {backend!r}")
 
 
 def wall_us_per_call(fn: Callable, args: tuple, *, calls: int, rounds: int) -> float:
@@ -209,8 +209,7 @@ def attach_floor(rows: list[Row]) -> None:
         r.floor_us = floors.get(r.command_buffers)
 
 
-def _progress(message: str) -> None:
-    print(f"[call_overhead] {message}", file=sys.stderr, flush=True)
+_progress = logger("jzyfa.bench.overhead")
 
 
 def measure(args: argparse.Namespace, implementations: Sequence[Implementation] = IMPLEMENTATIONS) -> Report:
@@ -308,25 +307,13 @@ def _options_text(mode: str) -> str:
 
 
 def format_plain(report: Report) -> str:
-    table = [COLUMNS] + [_cells(r) for r in report.rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS) - 1)]
-    numeric = range(2, len(COLUMNS) - 1)
-    lines = []
-    for line in table:
-        cells = [
-            cell.rjust(width) if i in numeric else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(line, widths))
-        ]
-        lines.append("  ".join(cells + [line[-1]]).rstrip())
+    lines = plain_table(COLUMNS, [_cells(r) for r in report.rows], right=range(2, len(COLUMNS) - 1))
     return "\n".join(_title(report) + [""] + lines)
 
 
 def format_markdown(report: Report) -> str:
-    def row(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
     align = ["---", "---"] + ["---:"] * (len(COLUMNS) - 3) + ["---"]
-    lines = [row(COLUMNS), "|" + "|".join(align) + "|"] + [row(_cells(r)) for r in report.rows]
+    lines = markdown_table(COLUMNS, [_cells(r) for r in report.rows], align)
     return "\n".join(_title(report) + [""] + lines)
 
 

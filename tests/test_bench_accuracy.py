@@ -1,4 +1,4 @@
-"""jzyfa.accuracy: the chunked float64 reference, the error and KL metrics, the variants, the report."""
+"""`python -m jzyfa.bench.accuracy`: the chunked float64 reference, the error and KL metrics, the variants, the report."""
 
 import dataclasses
 import json
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
 
-from jzyfa import accuracy, realistic_inputs
+from jzyfa.bench import accuracy, float64
+from jzyfa.bench import inputs as realistic_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -44,7 +45,7 @@ def test_attention_float64_hand_computed():
 @pytest.mark.parametrize("seq_q,seq_k", [(40, 40), (7, 33), (33, 7)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_float64_in_blocks_matches_the_oracle(rng, monkeypatch, seq_q, seq_k, causal):
-    monkeypatch.setattr(accuracy, "_ROWS_BUDGET", 5 * seq_k)  # blocks of 5 rows
+    monkeypatch.setattr(float64, "_ROWS_BUDGET", 5 * seq_k)  # blocks of 5 rows
     q, k, v = (rng.standard_normal((s, 8)) for s in (seq_q, seq_k, seq_k))
     expected_out, expected_lse = naive_attention_f64(
         q[None, :, None], k[None, :, None], v[None, :, None], causal=causal, softmax_scale=0.4
@@ -233,12 +234,12 @@ def test_model_overrides():
 
 def test_command_smoke(tmp_path):
     out = tmp_path / "acc.json"
-    cmd = [sys.executable, "-m", "jzyfa.accuracy", "--smoke", "--shapes", "1x64", "--head_dim", "32",
+    cmd = [sys.executable, "-m", "jzyfa.bench.accuracy", "--smoke", "--shapes", "1x64", "--head_dim", "32",
            "--variants", "jzyfa_bf16,fp8_emul_lean,cudnn_fp8", "--kl_variants", "fp8_emul_lean",
            "--model", "seq=16,vocab=32,layers=1", "--inputs", "activations", f"--json_out={out}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "activations inputs, 1x64" in proc.stdout and "[jzyfa.accuracy]" in proc.stderr
+    assert "activations inputs, 1x64" in proc.stdout and "[jzyfa.bench.accuracy]" in proc.stderr
     report = json.loads(out.read_text())
     assert [r["variant"] for r in report["errors"]] == ["jzyfa_bf16", "fp8_emul_lean", "cudnn_fp8"]
     assert report["kl"]["model"]["seq"] == 16 and report["config"]["heads"] == 2

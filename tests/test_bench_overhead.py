@@ -1,4 +1,4 @@
-"""`python -m jzyfa.call_overhead`: arguments, the tables, the timing loop, and failing clearly without a GPU.
+"""`python -m jzyfa.bench.overhead`: arguments, the tables, the timing loop, and failing clearly without a GPU.
 
 The measurement itself needs a CUDA GPU; `test_measures_every_implementation_on_hopper` runs it there.
 """
@@ -14,21 +14,21 @@ import jax.numpy as jnp
 import pytest
 from gpu_utils import requires_hopper
 
-from jzyfa import call_overhead
-from jzyfa.call_overhead import Report, Row
+from jzyfa.bench import overhead
+from jzyfa.bench.overhead import Report, Row
 
 # ---- Arguments
 
 
 def test_defaults_are_the_issue_shape():
-    args = call_overhead.parse_args([])
+    args = overhead.parse_args([])
     assert (args.batch, args.seq, args.heads, args.head_dim) == (1, 512, 16, 128)
     assert (args.dtype, args.calls, args.rounds, args.markdown) == ("bf16", 2000, 3, False)
 
 
 def test_arguments_override_the_defaults():
     argv = "--batch 2 --seq 1024 --heads 8 --head_dim 64 --calls 50 --rounds 5 --dtype f16 --markdown"
-    args = call_overhead.parse_args(argv.split())
+    args = overhead.parse_args(argv.split())
     assert (args.batch, args.seq, args.heads, args.head_dim) == (2, 1024, 8, 64)
     assert (args.dtype, args.calls, args.rounds, args.markdown) == ("f16", 50, 5, True)
 
@@ -45,7 +45,7 @@ def test_arguments_override_the_defaults():
 )
 def test_bad_arguments_are_rejected(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        call_overhead.parse_args(argv)
+        overhead.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -64,8 +64,8 @@ def fake_report(kernel_time_unavailable: str | None = None) -> Report:
         Row("trivial", "off", wall_us=8.0, kernel_us=1.5),
         Row("trivial", "on", wall_us=6.5, kernel_us=1.5),
     ]
-    call_overhead.attach_floor(rows)
-    args = call_overhead.parse_args(["--calls", "100"])
+    overhead.attach_floor(rows)
+    args = overhead.parse_args(["--calls", "100"])
     return Report(args, rows, "NVIDIA H200 (gpu)", "0.11.2", kernel_time_unavailable)
 
 
@@ -80,7 +80,7 @@ def test_floor_is_the_trivial_op_in_the_same_mode():
 
 
 def test_plain_table():
-    text = call_overhead.format_report(fake_report())
+    text = overhead.format_report(fake_report())
     lines = text.splitlines()
     assert lines[0].startswith("Per-call time: batch 1, 512 tokens, 16 heads, head dim 128, causal, bf16")
     assert "100 calls per loop, best of 3 loops; NVIDIA H200 (gpu), jax 0.11.2." in lines[0]
@@ -102,7 +102,7 @@ def test_plain_table():
 
 
 def test_markdown_table():
-    text = call_overhead.format_report(fake_report(), markdown=True)
+    text = overhead.format_report(fake_report(), markdown=True)
     lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| impl"))
     assert lines[header + 1] == "|---|---|---:|---:|---:|---:|---:|---|"
@@ -116,7 +116,7 @@ def test_markdown_table():
 
 
 def test_without_kernel_time_the_report_says_so():
-    text = call_overhead.format_report(fake_report("jaxlib has no Mosaic GPU extension"))
+    text = overhead.format_report(fake_report("jaxlib has no Mosaic GPU extension"))
     assert "Kernel time unavailable (jaxlib has no Mosaic GPU extension): wall time only." in text
     assert "Kernel time: CUPTI" not in text
 
@@ -131,7 +131,7 @@ def test_wall_time_is_the_best_loop_of_back_to_back_calls():
         calls.append(x)
         return x
 
-    us = call_overhead.wall_us_per_call(fn, (jnp.zeros(3),), calls=7, rounds=4)
+    us = overhead.wall_us_per_call(fn, (jnp.zeros(3),), calls=7, rounds=4)
     assert len(calls) == 1 + 7 * 4  # one warm-up call, then the timed loops
     assert 0 < us < 1e6
 
@@ -140,7 +140,7 @@ def test_command_buffer_options_are_valid_compile_options():
     """The option names and enum values exist in this jaxlib: every backend parses them, CPU too."""
     x = jnp.ones((4,), jnp.float32)
     lowered = jax.jit(lambda x: x + 1).lower(x)
-    for options in call_overhead.COMMAND_BUFFERS.values():
+    for options in overhead.COMMAND_BUFFERS.values():
         assert float(lowered.compile(compiler_options=options)(x)[0]) == 2.0
     # A misspelt enum value is rejected, so the check above would catch one.
     with pytest.raises(Exception, match="BOGUS"):
@@ -148,8 +148,8 @@ def test_command_buffer_options_are_valid_compile_options():
 
 
 def test_short_error_keeps_the_first_line():
-    """The reports' one-line errors (jzyfa._errors, shared by bench, accuracy and call_overhead)."""
-    from jzyfa._errors import short_error
+    """The reports' one-line errors (jzyfa.bench.report, shared by the speed, accuracy and overhead reports)."""
+    from jzyfa.bench.report import short_error
 
     error = RuntimeError("INVALID_ARGUMENT: no cuDNN here\n" + "traceback line\n" * 50)
     assert short_error(error) == "RuntimeError: INVALID_ARGUMENT: no cuDNN here"
@@ -161,15 +161,16 @@ def test_short_error_keeps_the_first_line():
 # ---- Without a GPU
 
 
-def test_measure_needs_a_gpu(cpu_backend):
-    with pytest.raises(call_overhead.NeedsGpu, match="needs a CUDA GPU: the default JAX backend is 'cpu'"):
-        call_overhead.measure(call_overhead.parse_args([]))
+def test_measure_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(overhead.NeedsGpu, match="needs a CUDA GPU: the default JAX backend is 'cpu'"):
+        overhead.measure(overhead.parse_args([]))
 
 
 def test_the_command_fails_clearly_without_a_gpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "jzyfa.call_overhead", "--calls", "10"],
+        [sys.executable, "-P", "-m", "jzyfa.bench.overhead", "--calls", "10"],
         env=env,
         capture_output=True,
         text=True,
@@ -177,7 +178,7 @@ def test_the_command_fails_clearly_without_a_gpu():
         check=False,
     )
     assert proc.returncode == 1, proc.stderr
-    assert "error: jzyfa.call_overhead needs a CUDA GPU" in proc.stderr
+    assert "error: jzyfa.bench.overhead needs a CUDA GPU" in proc.stderr
     assert proc.stdout == ""
 
 
@@ -187,10 +188,10 @@ def test_the_command_fails_clearly_without_a_gpu():
 @pytest.mark.gpu
 @requires_hopper
 def test_measures_every_implementation_on_hopper():
-    args = call_overhead.parse_args(["--calls", "50", "--rounds", "2"])
-    report = call_overhead.measure(args)
+    args = overhead.parse_args(["--calls", "50", "--rounds", "2"])
+    report = overhead.measure(args)
     rows = {(r.impl, r.command_buffers): r for r in report.rows}
-    assert set(rows) == {(i.name, mode) for i in call_overhead.IMPLEMENTATIONS for mode in ("off", "on")}
+    assert set(rows) == {(i.name, mode) for i in overhead.IMPLEMENTATIONS for mode in ("off", "on")}
     for name in ("jzyfa", "xla", "trivial"):  # cuDNN may be missing; its row then says why
         for mode in ("off", "on"):
             row = rows[name, mode]
@@ -199,4 +200,4 @@ def test_measures_every_implementation_on_hopper():
             if report.kernel_time_unavailable is None and row.note is None:
                 assert row.kernel_us > 0
     assert rows["cudnn", "off"].error or rows["cudnn", "off"].wall_us > 0
-    print("\n" + call_overhead.format_report(report))
+    print("\n" + overhead.format_report(report))

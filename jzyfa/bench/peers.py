@@ -1,7 +1,9 @@
-"""The attention implementations that `jzyfa.bench` and `jzyfa.accuracy` put side by side.
+"""The attention implementations that `python -m jzyfa.bench` and `jzyfa.bench.accuracy` put side by side.
 
 Each peer is a small adapter:
-- `supports(problem)`: None, or why it cannot serve this problem here (reported as "unsupported");
+- `supports(problem)`: None, or why it cannot serve this problem here (reported as "unsupported"):
+  first what the peer declares it lacks (`no_varlen`, `no_window`, `one_head_dim`, `top_left`), then
+  its own checks (`_supports`);
 - `build(problem, options)`: the function to time, the same for every input set (raises
   `Unsupported` for what only shows when tracing, such as a missing kernel);
 - `arguments(problem, inputs)`: its arguments for one input set, converted outside the timed call
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jzyfa import _validation, api, primitive
+from jzyfa.bench.problem import Problem
 
 PRECISIONS = ("16-bit", "fp8")
 # jax.nn's XLA attention materialises the [B, Hq, Sq, Sk] scores; beyond this it is not attempted.
@@ -43,293 +44,6 @@ XLA_SCORE_BYTES_LIMIT = 40 * 2**30
 
 class Unsupported(Exception):
     """The implementation does not serve this problem (reported, not an error)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# The problem, and its FLOPs
-
-
-def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: _validation.Window | None = None) -> int:
-    """(query, key) pairs the mask leaves visible; causal and windows are bottom-right aligned.
-
-    The mask is jzyfa's (`jzyfa.flash_attention`): query i, at position p = i + seq_k - seq_q, sees
-    key j iff p - left <= j <= p + right (-1: that side unbounded), with causal=True the window
-    (-1, 0) or, with a window, its right bound set to 0. One clamped range per row: O(Sq).
-    """
-    if window is None and not causal:
-        return seq_q * seq_k
-    left, right = _validation.mask_window(causal, window)
-    pos = np.arange(seq_q, dtype=np.int64) + (seq_k - seq_q)
-    first = np.maximum(pos - left, 0) if left >= 0 else np.zeros_like(pos)
-    last = np.minimum(pos + right, seq_k - 1) if right >= 0 else np.full_like(pos, seq_k - 1)
-    return int(np.maximum(last - first + 1, 0).sum())
-
-
-def attention_flops(
-    batch: int,
-    seq_q: int,
-    seq_k: int,
-    heads_q: int,
-    head_dim: int,
-    causal: bool,
-    window: _validation.Window | None = None,
-) -> float:
-    """Forward FLOPs of attention: two matmuls of 2 * D FLOPs per (query, key) pair.
-
-    4 * B * Hq * Sq * Sk * D, halved for causal when Sq == Sk (the convention of FA3, cuDNN and
-    Pallas, slightly under the S(S+1)/2 pairs really computed); for causal with Sq != Sk, the
-    visible pairs of the bottom-right aligned mask are counted. With a window (even one equal to
-    causal or no mask), 4 * B * Hq * D * the visible pairs of the mask (`visible_pairs`).
-    """
-    if window is not None:
-        return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, causal, window)
-    full = 4.0 * batch * heads_q * seq_q * seq_k * head_dim
-    if not causal:
-        return full
-    if seq_q == seq_k:
-        return full / 2
-    return 4.0 * batch * heads_q * head_dim * visible_pairs(seq_q, seq_k, True)
-
-
-def parse_window(text: str | None) -> _validation.Window | None:
-    """'1024,0' -> (1024, 0): --window's (left, right), each >= 0 or -1 (unbounded); None or '' -> None."""
-    if text is None or not text.strip():
-        return None
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        bounds = [int(p) for p in parts]
-    except ValueError:
-        bounds = []
-    if len(bounds) != 2 or min(bounds) < -1:
-        raise ValueError(
-            f"--window: {text!r} is not L,R with two integers >= -1 (the left and right bounds of the "
-            "sliding window; -1: unbounded on that side), e.g. --window 1024,0"
-        )
-    return bounds[0], bounds[1]
-
-
-def window_text(window) -> str:
-    """'window (1024, 0)' for a (left, right) window, '' for none."""
-    return "" if window is None else f"window ({window[0]}, {window[1]})"
-
-
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    """'16x1024,1x512x4096' -> [(16, 1024, 1024), (1, 512, 4096)] as (batch, seq_q, seq_k)."""
-    shapes = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        try:
-            dims = [int(d) for d in item.split("x")]
-        except ValueError:
-            dims = []
-        if len(dims) not in (2, 3) or min(dims) < 1:
-            raise ValueError(f"--shapes: {item!r} is not BxS or BxSqxSk with positive integers")
-        shapes.append((dims[0], dims[1], dims[-1]))
-    if not shapes:
-        raise ValueError("--shapes: no shape given")
-    return shapes
-
-
-def parse_varlen(text: str | None) -> list[tuple[int, int]] | None:
-    """'8192,512:1024' -> [(8192, 8192), (512, 1024)]: --varlen's (len_q, len_k) per packed sequence.
-
-    Each item is L (Sq = Sk = L) or Lq:Lk, integers >= 1; None -> None (no --varlen). Raises ValueError
-    naming --varlen for empty items, non-integers, lengths < 1, or no item at all.
-    """
-    if text is None:
-        return None
-    example = "e.g. --varlen 8192,4096,2048,1024 or --varlen 512:1024,256"
-    seqlens = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            raise ValueError(
-                f"--varlen: empty item in {text!r}; give comma-separated sequence lengths, {example}"
-            )
-        try:
-            dims = [int(d) for d in item.split(":")]
-        except ValueError:
-            dims = []
-        if len(dims) not in (1, 2) or min(dims) < 1:
-            raise ValueError(
-                f"--varlen: {item!r} in {text!r} is not a sequence length L or Lq:Lk with integers >= 1, {example}"
-            )
-        seqlens.append((dims[0], dims[-1]))
-    return seqlens
-
-
-def varlen_label(seqlens) -> str:
-    """'varlen 8 seqs, 16320 tokens' (or '..., 300/600 tokens' when query and key totals differ)."""
-    total_q = sum(int(q) for q, _ in seqlens)
-    total_k = sum(int(k) for _, k in seqlens)
-    tokens = f"{total_q}" if total_q == total_k else f"{total_q}/{total_k}"
-    return f"varlen {len(seqlens)} seq{'' if len(seqlens) == 1 else 's'}, {tokens} tokens"
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    batch: int
-    seq_q: int
-    seq_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    causal: bool
-    dtype: str  # the run's precision: "bf16" | "f16" | "fp8" (FP8 runs quantize bf16 inputs)
-    # --window: a (left, right) sliding window, combined with causal as jzyfa.flash_attention does
-    # (causal sets the right bound to 0); None: none (the mask is causal's or no mask).
-    window: _validation.Window | None = None
-    # --varlen: one packed batch, (len_q, len_k) per sequence (`Problem.packed`): q [total_q, Hq, D],
-    # k and v [total_k, Hkv, D] with cu_seqlens; batch is the number of sequences, seq_q and seq_k the
-    # longest ones (max_seqlen_q/k). None: a dense [B, S, H, D] problem.
-    seqlens: tuple[tuple[int, int], ...] | None = None
-    # --v_head_dim: v's (and the output's) head dim where it differs from q's and k's (MLA: 128 with
-    # head_dim 192); None: head_dim.
-    head_dim_v: int | None = None
-
-    @classmethod
-    def packed(
-        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None
-    ) -> Problem:
-        seqlens = tuple((int(q), int(k)) for q, k in seqlens)
-        return cls(
-            len(seqlens),
-            max(q for q, _ in seqlens),
-            max(k for _, k in seqlens),
-            heads_q,
-            heads_kv,
-            head_dim,
-            causal,
-            dtype,
-            window,
-            seqlens,
-            head_dim_v,
-        )
-
-    @property
-    def v_head_dim(self) -> int:
-        return self.head_dim if self.head_dim_v is None else self.head_dim_v
-
-    @property
-    def flops_head_dim(self) -> float:
-        """The head dim of the FLOP count: a visible pair costs 2 D (Q K^T) + 2 Dv (P V) FLOPs, the
-        4 D of attention_flops with D the mean of the two."""
-        return (self.head_dim + self.v_head_dim) / 2
-
-    @property
-    def varlen(self) -> bool:
-        return self.seqlens is not None
-
-    @property
-    def total_q(self) -> int:
-        return sum(q for q, _ in self.seqlens) if self.varlen else self.batch * self.seq_q
-
-    @property
-    def total_k(self) -> int:
-        return sum(k for _, k in self.seqlens) if self.varlen else self.batch * self.seq_k
-
-    @property
-    def cu_seqlens_q(self) -> np.ndarray:
-        """int32 [num_seqs + 1] offsets of the packed query tokens (varlen problems)."""
-        return np.concatenate([[0], np.cumsum([q for q, _ in self.seqlens])]).astype(np.int32)
-
-    @property
-    def cu_seqlens_k(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum([k for _, k in self.seqlens])]).astype(np.int32)
-
-    @property
-    def mask(self) -> _validation.Window:
-        """The (left, right) window the mask is, causal folded in: (-1, 0) causal, (-1, -1) none."""
-        return _validation.mask_window(self.causal, self.window)
-
-    @property
-    def sliding_window(self) -> _validation.Window | None:
-        """The mask when it is a sliding window for these lengths (neither causal nor no mask, bounds
-        that exclude no key as -1), else None; e.g. (8192, 0) over 4K keys is causal."""
-        if self.window is None:
-            return None
-        window = _validation.canonical_window(self.mask, self.seq_q, self.seq_k)
-        return None if window in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW) else window
-
-    @property
-    def mask_causal(self) -> bool:
-        """The causal flag of a call without a window that masks as this problem does (when
-        sliding_window is None): --causal, or with a window whether it is causal for these lengths."""
-        if self.window is None:
-            return self.causal
-        return _validation.canonical_window(self.mask, self.seq_q, self.seq_k) == _validation.CAUSAL_WINDOW
-
-    @property
-    def jnp_dtype(self):
-        """The dtype of the 16-bit inputs (FP8 runs start from bf16)."""
-        return jnp.float16 if self.dtype == "f16" else jnp.bfloat16
-
-    @property
-    def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
-
-    @property
-    def q_shape(self) -> tuple[int, ...]:
-        """[B, Sq, Hq, D], or packed [total_q, Hq, D] for varlen."""
-        if self.varlen:
-            return (self.total_q, self.heads_q, self.head_dim)
-        return (self.batch, self.seq_q, self.heads_q, self.head_dim)
-
-    @property
-    def kv_shape(self) -> tuple[int, ...]:
-        """k's shape (and v's, but for its head dim: v_shape)."""
-        if self.varlen:
-            return (self.total_k, self.heads_kv, self.head_dim)
-        return (self.batch, self.seq_k, self.heads_kv, self.head_dim)
-
-    @property
-    def v_shape(self) -> tuple[int, ...]:
-        return (*self.kv_shape[:-1], self.v_head_dim)
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return (*self.q_shape[:-1], self.v_head_dim)
-
-    @property
-    def set_bytes(self) -> int:
-        """Bytes a call reads and writes for one input set: q, k, v in the run's dtype, a 16-bit out."""
-        itemsize = 1 if self.dtype == "fp8" else 2
-        inputs = math.prod(self.q_shape) + math.prod(self.kv_shape) + math.prod(self.v_shape)
-        return itemsize * inputs + 2 * math.prod(self.out_shape)
-
-    @property
-    def flops(self) -> float:
-        """attention_flops (at flops_head_dim); for varlen the sum over sequences, each its own
-        (bottom-right) problem."""
-        if self.varlen:
-            return sum(
-                attention_flops(1, q, k, self.heads_q, self.flops_head_dim, self.causal, self.window)
-                for q, k in self.seqlens
-            )
-        return attention_flops(
-            self.batch, self.seq_q, self.seq_k, self.heads_q, self.flops_head_dim, self.causal, self.window
-        )
-
-    @property
-    def label(self) -> str:
-        if self.varlen:
-            return varlen_label(self.seqlens)
-        seq = f"{self.seq_q}" if self.seq_q == self.seq_k else f"{self.seq_q}x{self.seq_k}"
-        return f"{self.batch}x{seq}"
-
-    def abstract(self, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """Shape-only q, k, v of the given dtype (for tracing without data); varlen adds the int32
-        cu_seqlens_q and cu_seqlens_k."""
-        qkv = (
-            jax.ShapeDtypeStruct(self.q_shape, dtype),
-            jax.ShapeDtypeStruct(self.kv_shape, dtype),
-            jax.ShapeDtypeStruct(self.v_shape, dtype),
-        )
-        if not self.varlen:
-            return qkv
-        return qkv + (jax.ShapeDtypeStruct((self.batch + 1,), jnp.int32),) * 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,31 +115,12 @@ def _gpu_reason() -> str | None:
     return None if _on_gpu() else f"needs a CUDA GPU (the JAX backend is {jax.default_backend()!r})"
 
 
-def _rectangular_causal_reason(problem: Problem, who: str) -> str | None:
-    if problem.mask_causal and problem.seq_q != problem.seq_k:
-        return (
-            f"{who} aligns the causal mask top-left; jzyfa's is bottom-right, so Sq != Sk is not comparable"
-        )
-    return None
-
-
-def _no_window_reason(problem: Problem, who: str) -> str | None:
-    """Why a peer without sliding windows cannot run this problem's mask, or None (no window, or one
-    that is causal or no mask for these lengths: it then runs with problem.mask_causal)."""
-    if (window := problem.sliding_window) is not None:
-        return f"no sliding window: {who} has none, and this run's mask is the window {window} (left, right)"
-    return None
-
-
-def _no_varlen_reason(problem: Problem, why: str) -> str | None:
-    """'no varlen: ...' for a --varlen problem that this peer cannot take, else None."""
-    return f"no varlen: {why}" if problem.varlen else None
-
-
-def _one_head_dim_reason(problem: Problem, why: str) -> str | None:
-    """Why a peer with one head dim for q, k and v cannot run a --v_head_dim problem (MLA), else None."""
-    if problem.v_head_dim != problem.head_dim:
-        return f"v's head dim {problem.v_head_dim} != q's and k's {problem.head_dim}: {why}"
+def _import_reason(module: str, what: str) -> str | None:
+    """None when `module` imports, else why not ('<what> is not importable (...)')."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure means the peer cannot run
+        return f"{what} is not importable ({type(e).__name__}: {e})"
     return None
 
 
@@ -442,8 +137,33 @@ class Peer:
     precision = "16-bit"
     framework = "jax"
     notes = ""
+    # What the peer lacks, each the end of its refusal; None: it has it.
+    no_varlen: str | None = None  # packed (cu_seqlens) batches: "no varlen: <this>"
+    no_window: str | None = None  # sliding windows: "<this> has none"
+    one_head_dim: str | None = None  # v's own head dim (MLA): "v's head dim Dv != q's and k's D: <this>"
+    top_left: str | None = None  # bottom-right causal alignment: "<this> aligns the causal mask top-left"
 
     def supports(self, problem: Problem) -> str | None:
+        if self.no_varlen and problem.varlen:
+            return f"no varlen: {self.no_varlen}"
+        if self.no_window and (window := problem.sliding_window) is not None:
+            return (
+                f"no sliding window: {self.no_window} has none, and this run's mask is the window {window} "
+                "(left, right)"
+            )
+        if self.one_head_dim and problem.v_head_dim != problem.head_dim:
+            return f"v's head dim {problem.v_head_dim} != q's and k's {problem.head_dim}: {self.one_head_dim}"
+        if reason := self._supports(problem):
+            return reason
+        if self.top_left and problem.mask_causal and problem.seq_q != problem.seq_k:
+            return (
+                f"{self.top_left} aligns the causal mask top-left; jzyfa's is bottom-right, so Sq != Sk is "
+                "not comparable"
+            )
+        return None
+
+    def _supports(self, problem: Problem) -> str | None:
+        """The peer's own checks, after what it declares it lacks."""
         return None
 
     def build(self, problem: Problem, options: Options) -> Built:
@@ -466,11 +186,6 @@ class Peer:
 
 
 # ---- jzyfa
-
-
-# jzyfa.api's kill switch of the FP8 kernel: with FP8_KERNEL_VERIFIED set False, only this variable
-# lets implementation="kernel" run it (and jzyfa's refusal names the variable).
-UNVERIFIED_FP8_KERNEL_ENV = api.UNVERIFIED_FP8_KERNEL_ENV
 
 
 class Jzyfa(Peer):
@@ -514,7 +229,7 @@ class Jzyfa(Peer):
             if forced != "xla":
                 self.notes += "; lean P" if lean_p else "; exact P (lean_p=False)"
 
-    def supports(self, problem: Problem) -> str | None:
+    def _supports(self, problem: Problem) -> str | None:
         if self.fp8_only and problem.dtype != "fp8":
             return (
                 f"an FP8-kernel variant (lean_p={self.lean_p}) that runs only with --dtype fp8; this run is "
@@ -594,10 +309,6 @@ class Jzyfa(Peer):
                     f"{message}; --allow_xla_fallback times the pure-JAX FP8 path instead"
                 ) from e
             raise
-        # A gate lifted by its environment variable: the FP8 kernel's, or its MLA instantiation's.
-        mla = (problem.head_dim, problem.v_head_dim) == primitive.MLA_HEAD_DIMS
-        if fp8 and (not api.FP8_KERNEL_VERIFIED or (mla and not api.FP8_MLA_KERNEL_VERIFIED)):
-            return Built(kernel, "kernel (unverified)")
         return Built(kernel, "kernel")
 
 
@@ -636,29 +347,23 @@ def jax_nn_mask(problem: Problem, implementation: str) -> tuple[bool, tuple[int,
 
 
 class JaxNn(Peer):
+    top_left = "jax.nn.dot_product_attention"
+
     def __init__(self, name: str, implementation: str):
         self.name = name
         self.implementation = implementation
         self.description = f'jax.nn.dot_product_attention(implementation="{implementation}")'
-
-    def supports(self, problem: Problem) -> str | None:
-        if reason := _no_varlen_reason(
-            problem,
+        cudnn = implementation == "cudnn"
+        self.no_varlen = (
             "jax.nn.dot_product_attention has no packed (cu_seqlens) API in JAX, only padded batches "
             "(query_seq_lengths / key_value_seq_lengths; a padded baseline is not run)"
-            + ("; cuDNN's own varlen is not reachable through it" if self.implementation == "cudnn" else ""),
-        ):
-            return reason
-        if reason := _one_head_dim_reason(
-            problem,
-            "jax.nn.dot_product_attention checks that v has k's shape"
-            + (
-                "; cuDNN's own unequal head dims are not reachable through it"
-                if self.implementation == "cudnn"
-                else ""
-            ),
-        ):
-            return reason
+            + ("; cuDNN's own varlen is not reachable through it" if cudnn else "")
+        )
+        self.one_head_dim = "jax.nn.dot_product_attention checks that v has k's shape" + (
+            "; cuDNN's own unequal head dims are not reachable through it" if cudnn else ""
+        )
+
+    def _supports(self, problem: Problem) -> str | None:
         if isinstance(mask := jax_nn_mask(problem, self.implementation), str):
             return mask
         if self.implementation == "cudnn" and (reason := _gpu_reason()):
@@ -667,7 +372,7 @@ class JaxNn(Peer):
             score_bytes = 4 * problem.batch * problem.heads_q * problem.seq_q * problem.seq_k
             if score_bytes > XLA_SCORE_BYTES_LIMIT:
                 return f"would materialise {score_bytes / 2**30:.0f} GiB of float32 scores"
-        return _rectangular_causal_reason(problem, "jax.nn.dot_product_attention")
+        return None
 
     def build(self, problem: Problem, options: Options) -> Built:
         mask = jax_nn_mask(problem, self.implementation)
@@ -737,26 +442,19 @@ class CudnnFp8(Peer):
     description = "cuDNN FP8 attention (jax._src.cudnn.fused_attention_stablehlo, use_fp8=True)"
     notes = "e4m3 q/k/v, per-tensor descales; e4m3 output (scale_o = 1/descale_v), so its error includes the output rounding; no LSE"
 
-    def supports(self, problem: Problem) -> str | None:
-        if reason := _no_varlen_reason(
-            problem, "JAX's cuDNN FP8 attention takes dense [B, S, H, D] batches only"
-        ):
-            return reason
-        if reason := _no_window_reason(problem, "JAX's cuDNN FP8 attention"):
-            return reason
+    no_varlen = "JAX's cuDNN FP8 attention takes dense [B, S, H, D] batches only"
+    no_window = "JAX's cuDNN FP8 attention"
+    one_head_dim = "JAX's cuDNN FP8 attention is not wired for unequal head dims"
+    top_left = "cuDNN FP8 attention"
+
+    def _supports(self, problem: Problem) -> str | None:
         if reason := _gpu_reason():
             return reason
-        try:
-            importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
-        except Exception as e:  # noqa: BLE001 - a private module may move
-            return f"cannot import JAX's cuDNN attention module: {e}"
-        if reason := _one_head_dim_reason(
-            problem, "JAX's cuDNN FP8 attention is not wired for unequal head dims"
-        ):
-            return reason
+        if reason := _import_reason("jax._src.cudnn.fused_attention_stablehlo", "JAX's cuDNN attention module"):
+            return reason  # a private module may move
         if problem.head_dim > 256 or problem.head_dim % 16:
             return f"cuDNN FP8 inference needs head_dim <= 256 and a multiple of 16, got {problem.head_dim}"
-        return _rectangular_causal_reason(problem, "cuDNN FP8 attention")
+        return None
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
         f = inputs.fp8()
@@ -787,26 +485,19 @@ class Pallas(Peer):
     notes = "computes in f16 (its scratch is f16; bf16 fails): inputs converted and q pre-scaled outside the timed call"
     block_q, block_kv = 64, 128
 
-    def supports(self, problem: Problem) -> str | None:
-        if reason := _no_varlen_reason(
-            problem, "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
-        ):
-            return reason
-        if reason := _no_window_reason(problem, "Pallas attention_mgpu"):
-            return reason
-        if reason := _one_head_dim_reason(problem, "Pallas attention_mgpu takes one head dim for q, k and v"):
-            return reason
+    no_varlen = "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
+    no_window = "Pallas attention_mgpu"
+    one_head_dim = "Pallas attention_mgpu takes one head dim for q, k and v"
+    top_left = "Pallas attention"
+
+    def _supports(self, problem: Problem) -> str | None:
         if reason := _gpu_reason():
             return reason
         if problem.head_dim % 64:
             return f"needs head_dim a multiple of 64, got {problem.head_dim}"
         if problem.seq_q % (2 * self.block_q) or problem.seq_k % self.block_kv:
             return f"needs Sq a multiple of {2 * self.block_q} and Sk a multiple of {self.block_kv}"
-        try:
-            importlib.import_module("jax.experimental.pallas.ops.gpu.attention_mgpu")
-        except Exception as e:  # noqa: BLE001
-            return f"cannot import attention_mgpu: {e}"
-        return _rectangular_causal_reason(problem, "Pallas attention")
+        return _import_reason("jax.experimental.pallas.ops.gpu.attention_mgpu", "attention_mgpu")
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
         # It takes no softmax scale: fold it into q (in float32, then one rounding to f16).
@@ -829,12 +520,10 @@ class Pallas(Peer):
 
 
 def _torch_reason() -> str | None:
-    if reason := _gpu_reason():
+    if reason := _gpu_reason() or _import_reason("torch", "PyTorch"):
         return reason
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return f"PyTorch is not importable ({type(e).__name__}: {e})"
+    import torch
+
     if not torch.cuda.is_available():
         return "PyTorch sees no CUDA device"
     return None
@@ -861,21 +550,13 @@ class TorchSdpa(Peer):
         self.backend = backend  # a torch.nn.attention.SDPBackend member name
         self.description = f"torch.nn.functional.scaled_dot_product_attention, {backend} backend"
         self.notes = "layout [B, H, S, D] made contiguous outside the timed call"
+        self.no_varlen = "PyTorch SDPA takes dense [B, H, S, D] batches (nested tensors are not wired here)"
+        self.no_window = "PyTorch SDPA (without an explicit mask)"
+        self.one_head_dim = "this peer is not wired for unequal head dims (untested without PyTorch)"
+        self.top_left = "PyTorch SDPA"
 
-    def supports(self, problem: Problem) -> str | None:
-        if reason := _no_varlen_reason(
-            problem, "PyTorch SDPA takes dense [B, H, S, D] batches (nested tensors are not wired here)"
-        ):
-            return reason
-        if reason := _no_window_reason(problem, "PyTorch SDPA (without an explicit mask)"):
-            return reason
-        if reason := _one_head_dim_reason(
-            problem, "this peer is not wired for unequal head dims (untested without PyTorch)"
-        ):
-            return reason
-        if reason := _torch_reason():
-            return reason
-        return _rectangular_causal_reason(problem, "PyTorch SDPA")
+    def _supports(self, problem: Problem) -> str | None:
+        return _torch_reason()
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
         return tuple(to_torch(x).transpose(1, 2).contiguous() for x in (inputs.q, inputs.k, inputs.v))
@@ -911,35 +592,23 @@ class FlashAttn(Peer):
         self.description = f"{module}.flash_attn_func"
         if precision == "fp8":
             self.notes = "e4m3 q/k/v with [B, Hkv] descales (the per-tensor ones broadcast); bf16 output"
-
-    def supports(self, problem: Problem) -> str | None:
         # flash_attn_varlen_func exists (FA2 and FA3) but is not wired here: it could not be tested
         # (no PyTorch on the CPU machine), and an untested peer is not timed.
-        if reason := _no_varlen_reason(
-            problem,
-            f"{self.module}.flash_attn_varlen_func exists but this peer does not call it yet (not wired: "
-            "untested without PyTorch)",
-        ):
-            return reason
+        self.no_varlen = (
+            f"{module}.flash_attn_varlen_func exists but this peer does not call it yet (not wired: "
+            "untested without PyTorch)"
+        )
         # flash_attn_func has a window_size, not passed here yet (not measured): a sliding window is refused.
-        if reason := _no_window_reason(problem, f"the {self.name} peer"):
-            return reason
+        self.no_window = f"the {name} peer"
         # FlashAttention 3 takes v's own head dim ((192, 128) among them); FlashAttention 2 and FA3's FP8
         # path are not known to.
-        one_head_dim = self.module != "flash_attn_interface" or self.precision == "fp8"
-        if one_head_dim and (
-            reason := _one_head_dim_reason(
-                problem, f"{self.module}.flash_attn_func ({self.precision}) needs one head dim"
-            )
-        ):
-            return reason
+        if module != "flash_attn_interface" or precision == "fp8":
+            self.one_head_dim = f"{module}.flash_attn_func ({precision}) needs one head dim"
+
+    def _supports(self, problem: Problem) -> str | None:
         if reason := _torch_reason():
             return reason
-        try:
-            importlib.import_module(self.module)
-        except Exception as e:  # noqa: BLE001
-            return f"{self.module} is not importable ({type(e).__name__}: {e})"
-        return None  # bottom-right causal alignment, like jzyfa
+        return _import_reason(self.module, self.module)  # bottom-right causal alignment, like jzyfa
 
     def arguments(self, problem: Problem, inputs: InputSet) -> tuple:
         if self.precision == "fp8":
