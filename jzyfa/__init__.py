@@ -4,7 +4,7 @@ Importing jzyfa never needs a GPU or the compiled extension; without them every 
 pure-JAX path (see `kernel_available`).
 """
 
-from jzyfa._extension import extension_loaded
+from jzyfa._extension import extension_loaded, handler_calls
 from jzyfa._platform import hopper_unavailable_reason as kernel_unavailable_reason
 from jzyfa._platform import kernel_available
 from jzyfa.api import flash_attention, flash_attention_varlen
@@ -24,6 +24,7 @@ __all__ = [
     "flash_attention_varlen",
     "fp8_quantize",
     "from_balanced_layout",
+    "handler_calls",
     "hadamard_rotate",
     "kernel_available",
     "kernel_unavailable_reason",

@@ -40,7 +40,7 @@ def extension_loaded() -> bool:
 
 
 def handler_calls() -> int:
-    """How many times the FFI handler `jzyfa_flash_attention_fwd` has executed in this process.
+    """How many times the FFI handler `jzyfa_attention_fwd` has executed in this process.
 
     Counts every execution on every device and call site (failed ones too). Under XLA command buffers
     (CUDA graphs) the handler runs when a graph is recorded or updated, and not when it is replayed,
@@ -63,9 +63,8 @@ def fp8_key_block(
     *, v_transposed: bool, head_dim: int, causal: bool, window: tuple[int, int], seq_q: int, seq_k: int
 ) -> int:
     """Keys per block of the FP8 kernel that a call with these properties runs now: 128, or 192 for the
-    unwindowed head-dim-128 kernel with V^T from memory when its rows see many keys or
-    JZYFA_FP8_KEY_BLOCK=192 (docs/fp8.md 10.28; the launch reads the variable, as this does). The
-    kernel's emulation must use the same blocks (`block_n`). `window` as the FP8 primitive passes it ((-1, -1): none; see
+    unwindowed head-dim-128 kernel with V^T from memory when its rows see many keys (the launch's
+    rule; `jzyfa.plan.fp8_key_block` adds the JZYFA_FP8_KEY_BLOCK override). `window` as the FP8 primitive passes it ((-1, -1): none; see
     `jzyfa._validation.mask_window`). 128 without the extension, or with one built before the
     function existed."""
     if load_error() is not None:

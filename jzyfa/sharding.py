@@ -1,18 +1,19 @@
-"""How the flash-attention primitive is split over a device mesh under a sharded `jax.jit`.
+"""How the attention primitive is split over a device mesh under a sharded `jax.jit`.
 
-JAX's partitioner (Shardy, the default) reads a sharding rule: batch and heads are passthrough
-factors of q, k, v, out and lse, so sharding them needs no collective; the head dims (q/k's and
-v/out's, which may differ) and the key sequence need replication. For GQA, KV heads shard with
-their query groups: `partition` splits K/V heads over q's head axes when heads_kv allows, else each
-device keeps all KV heads and uses its own.
-The query sequence is a passthrough factor too: a sequence-sharded q stays where it is, K/V are
-gathered (the rule's replication of the key sequence), and each shard attends with its own causal
-offset. That is context parallelism without load
-balancing; `jzyfa.context_parallel` has the balanced and ring forms.
+One partitioner for every configuration; its Shardy rule is built from the operand list (`rule_for`):
+q, k, v, then cu_seqlens_q/k for packed batches, then the FP8 descales. Batch and heads are passthrough
+factors of every operand and result, so sharding them needs no collective; head dims, the key sequence,
+packed token axes and the offsets need replication. For GQA, KV heads shard with their query groups:
+`partition` splits K/V heads over q's head axes when heads_kv allows, else each device keeps all KV heads
+and uses its own. The query sequence of a dense 16-bit call is a passthrough factor too: a
+sequence-sharded q stays where it is, K/V are gathered (the rule's replication of the key sequence), and
+each shard attends with its own causal offset or window (context parallelism without load balancing;
+`jzyfa.context_parallel` has the balanced and ring forms). FP8 and packed calls gather a sharded q
+sequence instead.
 
 After propagation the partitioner calls `partition` with the chosen shardings, which returns the
-per-shard computation: the kernel on the local blocks. `infer_sharding_from_operands` serves the
-older GSPMD partitioner (`jax_use_shardy_partitioner=False`) with the same plan.
+per-shard computation: the kernel on the local blocks. `infer_sharding_from_operands` serves the older
+GSPMD partitioner (`jax_use_shardy_partitioner=False`) with the same plan.
 """
 
 from __future__ import annotations
@@ -28,29 +29,45 @@ from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, 
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jzyfa._validation import NO_WINDOW, Window, mask_window
+from jzyfa._validation import NO_WINDOW, mask_window
 from jzyfa.query_chunks import attend_query_chunk, attend_window_chunk
 
 Axes = tuple[str, ...]
-# shard_kernel(q, k, v, *, softmax_scale, causal, kernel_required, window) -> (out, lse) on local blocks.
+# shard_kernel(q, k, v, *extras, spec) -> (out, lse) on local blocks (jzyfa.primitives.attention_shard).
 ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-# Query heads (hq) and KV heads (h) are separate factors. The exact relation, hq = (h, group) with h
-# major, is a compound factor, but then Shardy may split h over a sub-axis (4 devices, 2 KV heads),
-# which custom_partitioning cannot hand to `partition` as a NamedSharding. So `partition` ties them
-# instead: K/V heads split like q's, or stay whole (see ShardPlan). v's and out's head dim (dv) is a
-# factor of its own, since it may differ from q's and k's (MLA: 192 for q/k, 128 for v). Special
-# factors are listed in order of first appearance (d in q, sk in k, dv in v).
-SHARDING_RULE = SdyShardingRule(
-    (
-        ArrayMapping("b", "sq", "hq", "d"),
-        ArrayMapping("b", "sk", "h", "d"),
-        ArrayMapping("b", "sk", "h", "dv"),
-    ),
-    (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")),
-    need_replication_factors=("d", "sk", "dv"),
-)
+def rule_for(spec) -> SdyShardingRule:
+    """The Shardy rule of a call with this FwdSpec's operands.
+
+    Query heads (hq) and KV heads (h) are separate factors. The exact relation, hq = (h, group) with h
+    major, is a compound factor, but then Shardy may split h over a sub-axis (4 devices, 2 KV heads),
+    which custom_partitioning cannot hand to `partition` as a NamedSharding; so `partition` ties them
+    instead. v's and out's head dim (dv) is a factor of its own (MLA: 192 for q/k, 128 for v).
+    """
+    if spec.varlen:
+        operands = [ArrayMapping("tq", "hq", "d"), ArrayMapping("tk", "h", "d"), ArrayMapping("tk", "h", "dv")]
+        operands += [ArrayMapping("n1"), ArrayMapping("n1")]
+        descale = ArrayMapping("n", "h")
+        results = (ArrayMapping("tq", "hq", "dv"), ArrayMapping("hq", "tq"))
+        replicated = ("d", "tk", "dv", "n1", "tq")
+    else:
+        operands = [
+            ArrayMapping("b", "sq", "hq", "d"),
+            ArrayMapping("b", "sk", "h", "d"),
+            ArrayMapping("b", "sk", "h", "dv"),
+        ]
+        descale = ArrayMapping("b", "h")
+        results = (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq"))
+        replicated = ("d", "sk", "dv")
+    if spec.fp8:
+        operands += [descale] * 3
+        if spec.varlen:
+            replicated += ("n",)
+    # Special factors are listed in order of first appearance.
+    order = [f for mapping in operands for f in mapping if f in replicated]
+    replicated = tuple(dict.fromkeys(order))
+    return SdyShardingRule(tuple(operands), results, need_replication_factors=replicated)
 
 
 def _axes(entry) -> Axes:
@@ -67,6 +84,7 @@ def _entry(axes: Axes):
 class ShardPlan:
     """The mesh axes that split q's batch, sequence and heads; how K/V heads follow."""
 
+    varlen: bool
     batch: Axes
     seq_q: Axes
     heads_q: Axes
@@ -74,28 +92,51 @@ class ShardPlan:
     # there are more query-head shards than KV heads; each shard holds all KV heads and slices one.
     kv_heads_split: bool
 
+    @property
+    def kv_heads(self):
+        return _entry(self.heads_q) if self.kv_heads_split else None
+
     def q_spec(self) -> P:
+        if self.varlen:
+            return P(None, _entry(self.heads_q), None)
         return P(_entry(self.batch), _entry(self.seq_q), _entry(self.heads_q), None)
 
     def kv_spec(self) -> P:
-        return P(_entry(self.batch), None, _entry(self.heads_q) if self.kv_heads_split else None, None)
+        if self.varlen:
+            return P(None, self.kv_heads, None)
+        return P(_entry(self.batch), None, self.kv_heads, None)
+
+    def descale_spec(self) -> P:
+        return P(None if self.varlen else _entry(self.batch), self.kv_heads)
 
     def lse_spec(self) -> P:
+        if self.varlen:
+            return P(_entry(self.heads_q), None)
         return P(_entry(self.batch), _entry(self.heads_q), _entry(self.seq_q))
 
+    def kv_head_axis(self) -> int:
+        return 1 if self.varlen else 2
 
-def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads_kv: int) -> ShardPlan:
+
+def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads_kv: int, spec) -> ShardPlan:
     """The plan for q sharded as q_spec; shardings the kernel cannot use are dropped (gathered)."""
-    entries = tuple(q_spec) + (None,) * (4 - len(q_spec))
-    batch, seq_q, heads_q = (_axes(e) for e in entries[:3])
+    rank = len(q_shape)
+    entries = tuple(q_spec) + (None,) * (rank - len(q_spec))
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    # Uneven splits are padded: harmless for batch rows, wrong for causal offsets and head groups.
-    if q_shape[1] % size(seq_q):
-        seq_q = ()
+    if spec.varlen:
+        batch, seq_q, heads_q = (), (), _axes(entries[1])
+        heads = q_shape[1]
+    else:
+        batch, seq_q, heads_q = (_axes(e) for e in entries[:3])
+        heads = q_shape[2]
+        # Uneven splits are padded: harmless for batch rows, wrong for causal offsets and head groups.
+        # FP8 calls gather a sharded q sequence (their chunks' no-key rows are not wired for e4m3).
+        if spec.fp8 or q_shape[1] % size(seq_q):
+            seq_q = ()
     head_shards = size(heads_q)
-    if q_shape[2] % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
+    if heads % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
         heads_q = ()
-    return ShardPlan(batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0)
+    return ShardPlan(spec.varlen is not None, batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0)
 
 
 def local_kv_head(plan: ShardPlan, mesh: jax.sharding.Mesh, heads_kv: int) -> jax.Array:
@@ -104,223 +145,112 @@ def local_kv_head(plan: ShardPlan, mesh: jax.sharding.Mesh, heads_kv: int) -> ja
     return lax.axis_index(plan.heads_q) // shards_per_kv_head
 
 
-def per_shard_attention(
-    shard_kernel: ShardKernel,
-    plan: ShardPlan,
-    mesh: jax.sharding.Mesh,
-    *,
-    seq_q: int,
-    heads_kv: int,
-    softmax_scale: float,
-    causal: bool,
-    kernel_required: bool,
-    window: Window = NO_WINDOW,
-) -> Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+def per_shard_attention(shard_kernel: ShardKernel, plan: ShardPlan, mesh, *, seq_q: int, heads_kv: int, spec):
     """The computation each device runs on its blocks (local q, the K/V heads it needs, all keys)."""
 
-    def attend(q, k, v, causal, window=NO_WINDOW):
-        return shard_kernel(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            kernel_required=kernel_required,
-            window=window,
-        )
-
-    def run(q, k, v):
+    def run(q, k, v, *extras):
         if not plan.kv_heads_split:
             kv_head = local_kv_head(plan, mesh, heads_kv)
-            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
-        if window != NO_WINDOW:
-            if not plan.seq_q:
-                return attend(q, k, v, causal, window)
-            # A sliding window on a sequence shard: the keys the shard's rows reach, and the window
-            # shifted to match them (jzyfa.query_chunks.window_key_range), one static branch per shard.
-            chunk = q.shape[1]
-            shards = math.prod(mesh.shape[a] for a in plan.seq_q)
+            axis = plan.kv_head_axis()
+            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis) for x in (k, v))
+            if spec.fp8:
+                n = len(extras) - 3
+                extras = (*extras[:n], *(lax.dynamic_slice_in_dim(d, kv_head, 1, axis=1) for d in extras[n:]))
 
-            def attend_window(q, k, v, local):
-                return attend(q, k, v, False, local)
+        def attend(q, k, v, causal, window=NO_WINDOW):
+            local = dataclasses.replace(spec, causal=causal, window=window)
+            return shard_kernel(q, k, v, *extras, spec=local)
 
+        if not plan.seq_q or not (spec.causal or spec.window != NO_WINDOW):
+            return attend(q, k, v, spec.causal, spec.window)
+        # A sequence shard's mask depends on which shard it is: one static branch each, reading only the
+        # keys the shard's rows reach (jzyfa.query_chunks).
+        chunk = q.shape[1]
+        shards = math.prod(mesh.shape[a] for a in plan.seq_q)
+        if spec.window != NO_WINDOW:
             branches = [
                 functools.partial(
                     attend_window_chunk,
-                    attend_window,
+                    lambda q, k, v, local: attend(q, k, v, False, local),
                     chunk_start=s * chunk,
                     seq_q=seq_q,
-                    window=mask_window(causal, window),
+                    window=mask_window(spec.causal, spec.window),
                 )
                 for s in range(shards)
             ]
-            return lax.switch(lax.axis_index(plan.seq_q), branches, q, k, v)
-        if not (causal and plan.seq_q):
-            return attend(q, k, v, causal)
-        # A sequence shard's causal offset depends on which shard it is: one static branch each.
-        chunk = q.shape[1]
-        shards = math.prod(mesh.shape[a] for a in plan.seq_q)
-        branches = [
-            functools.partial(attend_query_chunk, attend, chunk_start=s * chunk, seq_q=seq_q, causal=True)
-            for s in range(shards)
-        ]
+        else:
+            branches = [
+                functools.partial(attend_query_chunk, attend, chunk_start=s * chunk, seq_q=seq_q, causal=True)
+                for s in range(shards)
+            ]
         return lax.switch(lax.axis_index(plan.seq_q), branches, q, k, v)
 
     return run
 
 
-def _plan_from_shapes(mesh, arg_shapes) -> ShardPlan:
-    q, k, _ = arg_shapes
+def _plan_from_shapes(mesh, arg_shapes, spec) -> ShardPlan:
+    q, k = arg_shapes[:2]
     if not isinstance(q.sharding, NamedSharding):
         raise NotImplementedError(
-            "jzyfa.flash_attention under a sharded jit needs a mesh: shard its inputs with "
+            "jzyfa attention under a sharded jit needs a mesh: shard its inputs with "
             f"jax.sharding.NamedSharding (got {type(q.sharding).__name__})"
         )
-    return plan_for(mesh, q.sharding.spec, q.shape, k.shape[2])
+    heads_kv = k.shape[1] if spec.varlen else k.shape[2]
+    return plan_for(mesh, q.sharding.spec, q.shape, heads_kv, spec)
 
 
-def _result_shardings(mesh, plan: ShardPlan):
-    return NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.lse_spec())
+def _shardings(mesh, plan: ShardPlan, spec):
+    named = lambda p: NamedSharding(mesh, p)
+    results = (named(plan.q_spec()), named(plan.lse_spec()))
+    operands = [named(plan.q_spec()), named(plan.kv_spec()), named(plan.kv_spec())]
+    if spec.varlen:
+        operands += [named(P(None))] * 2
+    if spec.fp8:
+        operands += [named(plan.descale_spec())] * 3
+    return results, tuple(operands)
 
 
-def _infer_sharding_from_operands(
-    softmax_scale, causal, kernel_required, window, mesh, arg_shapes, result_shape
-):
-    del softmax_scale, causal, kernel_required, window, result_shape
-    return _result_shardings(mesh, _plan_from_shapes(mesh, arg_shapes))
+def _infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
+    del result_shape
+    return _shardings(mesh, _plan_from_shapes(mesh, arg_shapes, spec), spec)[0]
 
 
-def partition(
-    shard_kernel: ShardKernel, softmax_scale, causal, kernel_required, window, mesh, arg_shapes, result_shape
-):
+def partition(shard_kernel: ShardKernel, spec, mesh, arg_shapes, result_shape):
     """The partitioner's callback: the per-shard computation and the shardings it needs."""
     del result_shape  # Derived from q's sharding, which the rule ties it to.
-    plan = _plan_from_shapes(mesh, arg_shapes)
-    q, k, _ = arg_shapes
-    run = per_shard_attention(
-        shard_kernel,
-        plan,
-        mesh,
-        seq_q=q.shape[1],
-        heads_kv=k.shape[2],
-        softmax_scale=softmax_scale,
-        causal=causal,
-        kernel_required=kernel_required,
-        window=window,
-    )
-    q_sharding, kv_sharding = NamedSharding(mesh, plan.q_spec()), NamedSharding(mesh, plan.kv_spec())
-    return mesh, run, _result_shardings(mesh, plan), (q_sharding, kv_sharding, kv_sharding)
+    plan = _plan_from_shapes(mesh, arg_shapes, spec)
+    q, k = arg_shapes[:2]
+    heads_kv = k.shape[1] if spec.varlen else k.shape[2]
+    run = per_shard_attention(shard_kernel, plan, mesh, seq_q=q.shape[1], heads_kv=heads_kv, spec=spec)
+    results, operands = _shardings(mesh, plan, spec)
+    return mesh, run, results, operands
 
 
-def partitioned(shard_kernel: ShardKernel) -> custom_partitioning:
-    """shard_kernel wrapped for the partitioner; call it as
-    f(q, k, v, softmax_scale, causal, kernel_required, window)."""
+def partitioned(shard_kernel: ShardKernel):
+    """shard_kernel wrapped for the partitioner; call it as f(q, k, v, *extras, spec). One
+    custom_partitioning per operand list, since the rule depends on it."""
 
-    def call(q, k, v, softmax_scale, causal, kernel_required, window):
-        return shard_kernel(
-            q,
-            k,
-            v,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            kernel_required=kernel_required,
-            window=window,
+    @functools.cache
+    def wrapped(num_operands: int, varlen: bool, fp8: bool):
+        def call(*operands):
+            *arrays, spec = operands
+            return shard_kernel(*arrays, spec=spec)
+
+        fn = custom_partitioning(call, static_argnums=(num_operands,))
+
+        def rule(spec, mesh, operand_types, result_types):
+            del mesh, operand_types, result_types
+            return rule_for(spec)
+
+        fn.def_partition(
+            partition=functools.partial(partition, shard_kernel),
+            infer_sharding_from_operands=_infer_sharding_from_operands,
+            sharding_rule=rule,
         )
+        return fn
 
-    fn = custom_partitioning(call, static_argnums=(3, 4, 5, 6))
-    fn.def_partition(
-        partition=functools.partial(partition, shard_kernel),
-        infer_sharding_from_operands=_infer_sharding_from_operands,
-        sharding_rule=SHARDING_RULE,
-    )
-    return fn
+    def call(*operands):
+        *arrays, spec = operands
+        return wrapped(len(arrays), spec.varlen is not None, spec.fp8)(*arrays, spec)
 
-
-# ---- the FP8 kernel: q, k, v and three descales of shape [batch, heads_kv]
-
-# The FP8 call's operands: q, k, v as above, then descale_q, descale_k, descale_v, each [B, Hkv]
-# (scalar descales are broadcast to that before the call), sharded with K/V's batch and heads.
-FP8_SHARDING_RULE = SdyShardingRule(
-    (
-        ArrayMapping("b", "sq", "hq", "d"),
-        ArrayMapping("b", "sk", "h", "d"),
-        ArrayMapping("b", "sk", "h", "dv"),
-        ArrayMapping("b", "h"),
-        ArrayMapping("b", "h"),
-        ArrayMapping("b", "h"),
-    ),
-    (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")),
-    need_replication_factors=("d", "sk", "dv"),
-)
-
-
-def _fp8_plan(mesh, arg_shapes) -> ShardPlan:
-    # A sequence-sharded FP8 q is gathered: the chunked causal offsets of the 16-bit path are not
-    # wired for FP8 yet (their no-key rows would be e4m3, the kernel's output bf16).
-    return dataclasses.replace(_plan_from_shapes(mesh, arg_shapes[:3]), seq_q=())
-
-
-def _infer_fp8_sharding(
-    softmax_scale, causal, window, lean_p, kernel_required, mesh, arg_shapes, result_shape
-):
-    del softmax_scale, causal, window, lean_p, kernel_required, result_shape
-    return _result_shardings(mesh, _fp8_plan(mesh, arg_shapes))
-
-
-def _partition_fp8(
-    shard_kernel, softmax_scale, causal, window, lean_p, kernel_required, mesh, arg_shapes, result_shape
-):
-    del result_shape
-    plan = _fp8_plan(mesh, arg_shapes)
-    heads_kv = arg_shapes[1].shape[2]
-
-    def run(q, k, v, *descales):
-        if not plan.kv_heads_split:
-            kv_head = local_kv_head(plan, mesh, heads_kv)
-            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=2) for x in (k, v))
-            descales = tuple(lax.dynamic_slice_in_dim(d, kv_head, 1, axis=1) for d in descales)
-        return shard_kernel(
-            q,
-            k,
-            v,
-            *descales,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window=window,  # q is never sequence-sharded here: the window needs no shift
-            lean_p=lean_p,
-            kernel_required=kernel_required,
-        )
-
-    kv_heads = _entry(plan.heads_q) if plan.kv_heads_split else None
-    descale = NamedSharding(mesh, P(_entry(plan.batch), kv_heads))
-    kv = NamedSharding(mesh, plan.kv_spec())
-    in_shardings = (NamedSharding(mesh, plan.q_spec()), kv, kv, descale, descale, descale)
-    return mesh, run, _result_shardings(mesh, plan), in_shardings
-
-
-def partitioned_fp8(shard_kernel) -> custom_partitioning:
-    """The FP8 shard kernel for the partitioner; call it as
-    f(q8, k8, v8, descale_q, descale_k, descale_v, softmax_scale, causal, window, lean_p, kernel_required)."""
-
-    def call(q, k, v, dq, dk, dv, softmax_scale, causal, window, lean_p, kernel_required):
-        return shard_kernel(
-            q,
-            k,
-            v,
-            dq,
-            dk,
-            dv,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window=window,
-            lean_p=lean_p,
-            kernel_required=kernel_required,
-        )
-
-    fn = custom_partitioning(call, static_argnums=(6, 7, 8, 9, 10))
-    fn.def_partition(
-        partition=functools.partial(_partition_fp8, shard_kernel),
-        infer_sharding_from_operands=_infer_fp8_sharding,
-        sharding_rule=FP8_SHARDING_RULE,
-    )
-    return fn
+    return call

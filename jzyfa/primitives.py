@@ -1,0 +1,383 @@
+"""The attention primitives: one family for every forward configuration (dense or varlen, 16-bit or FP8).
+
+Operands are q, k, v and extras: cu_seqlens_q, cu_seqlens_k for packed (varlen) batches, then
+descale_q, descale_k, descale_v for FP8 inputs. One frozen `FwdSpec` carries the static parameters.
+Two primitives, as JAX's own cuDNN attention does it:
+- `attention_fwd_p`, what programs bind: one abstract eval, one vmap rule, an eager impl. It lowers
+  through `jax.experimental.custom_partitioning` (the rule in `jzyfa.sharding`, built from the operand
+  list), so a sharded jit splits it over the mesh; on one device that lowering is the per-shard call.
+- `attention_fwd_shard_p`, the call on one device's blocks. CUDA lowers it to the FFI target
+  `jzyfa_attention_fwd` (docs/architecture.md has the contract). Other platforms lower it to the best
+  pure-JAX model of the kernel: the FP8 kernel's emulation for dense FP8 calls (`jzyfa.fp8_emulation`),
+  the exact reference otherwise. A call that demanded the kernel (`kernel_required`) refuses to lower
+  anywhere but CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import dispatch  # No public hook yet; JAX's cuDNN attention registers the same way.
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec as P
+
+from jzyfa import fp8_layout, plan, sharding
+from jzyfa._validation import NO_WINDOW, Window, mask_window
+from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.reference import attention_reference
+from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
+
+FFI_TARGET = "jzyfa_attention_fwd"
+FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdSpec:
+    """The forward primitives' static parameters.
+
+    The mask is `causal` and `window` combined as in `attention_reference` (causal sets the window's
+    right bound to 0); the kernel resolves windows that come down to causal or none to its plain
+    instantiations. `varlen` holds (max_seqlen_q, max_seqlen_k) for packed batches. `v_transposed` and
+    `key_block` are per-shard choices of the FP8 kernel (`jzyfa.plan`), set by `attention_shard`.
+    """
+
+    softmax_scale: float
+    causal: bool
+    window: Window = NO_WINDOW
+    kernel_required: bool = False
+    varlen: tuple[int, int] | None = None
+    fp8: bool = False
+    lean_p: bool = True
+    v_transposed: bool = False
+    key_block: int = 0
+
+    @property
+    def num_extras(self) -> int:
+        return 2 * bool(self.varlen) + 3 * self.fp8
+
+
+def make_spec(
+    *,
+    softmax_scale: float,
+    causal: bool,
+    window: Window = NO_WINDOW,
+    kernel_required: bool = False,
+    varlen: tuple[int, int] | None = None,
+    fp8: bool = False,
+    lean_p: bool = True,
+) -> FwdSpec:
+    """A FwdSpec of plain hashable Python values."""
+    return FwdSpec(
+        softmax_scale=float(softmax_scale),
+        causal=bool(causal),
+        window=(int(window[0]), int(window[1])),
+        kernel_required=bool(kernel_required),
+        varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
+        fp8=bool(fp8),
+        lean_p=bool(lean_p),
+    )
+
+
+attention_fwd_p = Primitive("jzyfa_attention_fwd")
+attention_fwd_p.multiple_results = True
+attention_fwd_shard_p = Primitive("jzyfa_attention_fwd_shard")
+attention_fwd_shard_p.multiple_results = True
+
+
+def attention_fwd(q, k, v, *extras, spec: FwdSpec) -> tuple[jax.Array, jax.Array]:
+    """Binds the primitive: (out in q's dtype, bf16 for FP8; lse float32). Dense: out [B, Sq, Hq, Dv],
+    lse [B, Hq, Sq]; varlen: out [Tq, Hq, Dv], lse [Hq, Tq]. FP8 descales are broadcast to one value
+    per (batch or sequence, KV head)."""
+    if len(extras) != spec.num_extras:
+        raise TypeError(f"attention_fwd takes {spec.num_extras} extra operands for {spec}, got {len(extras)}")
+    extras = list(extras)
+    if spec.varlen:
+        extras[:2] = [jnp.asarray(cu, jnp.int32) for cu in extras[:2]]
+    if spec.fp8:
+        per_head = (extras[0].shape[0] - 1, k.shape[1]) if spec.varlen else (k.shape[0], k.shape[2])
+        extras[-3:] = [_per_head_descale(d, per_head) for d in extras[-3:]]
+    out, lse = attention_fwd_p.bind(*_vary_alike(q, k, v, *extras), spec=spec)
+    return out, lse
+
+
+def _per_head_descale(d, per_head: tuple[int, int]) -> jax.Array:
+    d = jnp.asarray(d, jnp.float32)
+    return jnp.broadcast_to(d.reshape(-1, 1) if d.size == 1 else d, per_head)
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.11; `vma` before
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
+def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
+    """Inside shard_map, marks every operand as varying over the mesh axes any of them varies over.
+
+    lax operations do this implicitly; a primitive of our own must, so its results' types are right.
+    """
+    varying = [_varying_axes(x) for x in xs]
+    union = frozenset().union(*varying)
+    return [
+        x if axes == union else lax.pcast(x, tuple(sorted(union - axes)), to="varying")
+        for x, axes in zip(xs, varying)
+    ]
+
+
+# ---- abstract eval (both primitives)
+
+
+def _head_dim_v(v, spec: FwdSpec) -> int:
+    """v's head dim: V^T's rows when v is the FP8 kernel's V^T (dense [B, Hkv, Dv, keys], varlen
+    [Hkv, Dv, keys])."""
+    if spec.v_transposed:
+        return v.shape[1] if spec.varlen else v.shape[2]
+    return v.shape[-1]
+
+
+def _padded_spec(x, rank: int) -> tuple:
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    spec = tuple(spec) if spec is not None else ()
+    return spec + (None,) * (rank - len(spec))
+
+
+def _abstract_eval(q, k, v, *extras, spec: FwdSpec):
+    del k, extras
+    dtype = jnp.bfloat16 if spec.fp8 else q.dtype
+    dv = _head_dim_v(v, spec)
+    q_spec, v_spec = _padded_spec(q, q.ndim), _padded_spec(v, v.ndim)
+    dv_spec = None if spec.v_transposed else v_spec[-1]
+    # Results keep q's mesh sharding and the shard_map axes it varies over (update() carries both); out's
+    # head dim is v's (MLA: it may differ from q's); lse takes q's heads and tokens.
+    if spec.varlen:
+        total_q, heads_q, _ = q.shape
+        out_shape, lse_shape = (total_q, heads_q, dv), (heads_q, total_q)
+        out_part, lse_part = P(*q_spec[:2], dv_spec), P(q_spec[1], q_spec[0])
+    else:
+        batch, seq_q, heads_q, _ = q.shape
+        out_shape, lse_shape = (batch, seq_q, heads_q, dv), (batch, heads_q, seq_q)
+        out_part, lse_part = P(*q_spec[:3], dv_spec), P(q_spec[0], q_spec[2], q_spec[1])
+    if not hasattr(q, "sharding"):
+        return jax.core.ShapedArray(out_shape, dtype), jax.core.ShapedArray(lse_shape, jnp.float32)
+    out = q.update(shape=out_shape, dtype=dtype, weak_type=False, sharding=q.sharding.update(spec=out_part))
+    lse = q.update(
+        shape=lse_shape, dtype=jnp.float32, weak_type=False, sharding=q.sharding.update(spec=lse_part)
+    )
+    return out, lse
+
+
+attention_fwd_p.def_abstract_eval(_abstract_eval)
+attention_fwd_shard_p.def_abstract_eval(_abstract_eval)
+
+
+# Eager calls compile the primitive alone, once per shape and spec.
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _impl(*operands, spec):
+    return attention_fwd_p.bind(*operands, spec=spec)
+
+
+attention_fwd_p.def_impl(_impl)
+
+
+# ---- the per-shard call and its lowerings
+
+
+def attention_shard(q, k, v, *extras, spec: FwdSpec) -> tuple[jax.Array, jax.Array]:
+    """The call on one device's blocks. FP8: V as it is or as V^T from the layout kernel, by
+    `jzyfa.plan`'s rule on the shard's shapes; descales flattened to [B * Hkv] (or [num_seqs * Hkv])."""
+    extras = list(extras)
+    if spec.fp8:
+        if spec.varlen:
+            v_transposed = plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1]) == "transposed"
+            if v_transposed:
+                v = fp8_layout.fp8_varlen_value_operand(v, extras[1], value_operand=fp8_value_operand_p.bind)
+        else:
+            window = mask_window(spec.causal, spec.window)
+            v_transposed = (
+                plan.fp8_value_layout(
+                    q.shape[1],
+                    q.shape[2],
+                    k.shape[2],
+                    seq_k=k.shape[1],
+                    head_dim=q.shape[3],
+                    causal=spec.causal,
+                    window=window,
+                )
+                == "transposed"
+            )
+            if v_transposed:
+                v = fp8_value_operand_p.bind(v)
+        windowed = mask_window(spec.causal, spec.window) not in (NO_WINDOW, (-1, 0))
+        key_block = plan.fp8_key_block_attribute(
+            v_transposed=v_transposed,
+            head_dims=(q.shape[-1], k.shape[-1]),
+            windowed=windowed,
+            layout="varlen" if spec.varlen else "dense",
+        )
+        extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
+        spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
+    out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)
+    return out, lse
+
+
+def refuse_required_kernel(kernel_required: bool) -> None:
+    """The non-CUDA lowerings' one refusal: implementation="kernel" cannot be served there."""
+    if kernel_required:
+        raise ValueError(
+            "implementation='kernel' needs a Hopper GPU with the jzyfa extension, but this program is "
+            "being lowered for a non-CUDA platform; use implementation=None or 'xla' for the pure-JAX path"
+        )
+
+
+def _pure_jax_fallback(q, k, v, *extras, spec: FwdSpec):
+    """Off CUDA: the FP8 kernel's emulation for dense FP8 calls, the exact reference otherwise."""
+    refuse_required_kernel(spec.kernel_required)
+    window = mask_window(spec.causal, spec.window)
+    if spec.varlen:
+        cu_q, cu_k = extras[:2]
+        max_q, max_k = spec.varlen
+        if not spec.fp8:
+            return varlen_attention_reference(
+                q, k, v, cu_q, cu_k, max_q, max_k, window=window, softmax_scale=spec.softmax_scale
+            )
+        if spec.v_transposed:
+            v = fp8_layout.varlen_value_from_operand(v, cu_k, k.shape[0])
+        descales = tuple(d.reshape(cu_q.shape[0] - 1, k.shape[1]) for d in extras[2:])
+        return fp8_varlen_attention_reference(
+            q, k, v, cu_q, cu_k, descales, max_q, max_k, window=window, softmax_scale=spec.softmax_scale
+        )
+    if not spec.fp8:
+        return attention_reference(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window)
+    if spec.v_transposed:
+        v = fp8_layout.value_from_operand(v, k.shape[1])
+    descales = (d.reshape(k.shape[0], k.shape[2]) for d in extras)
+    return attention_fp8_emulated(
+        q,
+        k,
+        v,
+        *descales,
+        causal=spec.causal,
+        window=spec.window,
+        softmax_scale=spec.softmax_scale,
+        lean_p=spec.lean_p,
+        integer_reference=True,
+    )
+
+
+_ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
+
+# The custom call's third result: one int32 the launch zeroes and the persistent kernel's CTAs claim
+# tiles from. A result (not a global) so that XLA owns it: concurrent calls never share one and command
+# buffers track it like any buffer. The primitive drops it.
+TILE_COUNTER = jax.core.ShapedArray((1,), np.int32)
+
+
+def ffi_attributes(spec: FwdSpec) -> dict:
+    """The custom call's attributes; their types are part of the FFI contract (docs/architecture.md)."""
+    max_q, max_k = spec.varlen or (0, 0)
+    return {
+        "softmax_scale": np.float32(spec.softmax_scale),
+        "causal": bool(spec.causal),
+        "window_left": np.int64(spec.window[0]),
+        "window_right": np.int64(spec.window[1]),
+        "varlen": spec.varlen is not None,
+        "max_seqlen_q": np.int64(max_q),
+        "max_seqlen_k": np.int64(max_k),
+        "lean_p": bool(spec.lean_p),
+        "v_transposed": bool(spec.v_transposed),
+        "key_block": np.int64(spec.key_block),
+    }
+
+
+def _cuda_lowering(ctx, *operands, spec: FwdSpec):
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
+    out, lse, _ = _ffi_lowering(ctx, *operands, **ffi_attributes(spec))
+    return [out, lse]
+
+
+mlir.register_lowering(attention_fwd_shard_p, mlir.lower_fun(_pure_jax_fallback, multiple_results=True))
+mlir.register_lowering(attention_fwd_shard_p, _cuda_lowering, platform="cuda")
+
+_partitioned_call = sharding.partitioned(attention_shard)
+
+
+def _partitioned(*operands, spec: FwdSpec):
+    return _partitioned_call(*operands, spec)
+
+
+mlir.register_lowering(attention_fwd_p, mlir.lower_fun(_partitioned, multiple_results=True))
+# Lowering a custom_partitioning call needs the device assignment, which jit provides only for programs
+# that hold a primitive in this set.
+dispatch.prim_requires_devices_during_lowering.add(attention_fwd_p)
+
+
+# ---- vmap
+
+
+def _batch_rule(args, dims, *, spec: FwdSpec):
+    """vmap. Dense: the mapped axis folds into the batch axis of every operand (one launch). Varlen:
+    packed batches do not fold (their offsets would need rebasing and gaps), so one call per element."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    leading = [jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    if spec.varlen:
+        out, lse = lax.map(lambda ops: attention_fwd_p.bind(*ops, spec=spec), leading)
+        return (out, lse), (0, 0)
+    folded = [x.reshape((size * x.shape[1],) + x.shape[2:]) for x in leading]
+    out, lse = attention_fwd_p.bind(*folded, spec=spec)
+    unfold = lambda y: y.reshape((size, -1) + y.shape[1:])
+    return (unfold(out), unfold(lse)), (0, 0)
+
+
+batching.primitive_batchers[attention_fwd_p] = _batch_rule
+
+
+# ---- V into the FP8 kernel's operand layout
+#
+# One pass over V's bytes. XLA's fusion of `fp8_value_operand` (pad, gather inside each 32-key group,
+# transpose) runs far below memory bandwidth, so on CUDA a kernel of ours builds the operand
+# (ffi/fp8_value_operand.cu, bitwise the same); everywhere else, and for shapes that kernel does not take,
+# the pure-JAX function is the lowering.
+fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
+FP8_VALUE_OPERAND_HEAD_DIM = 128
+
+
+def _value_operand_abstract_eval(v):
+    if v.ndim != 4:
+        raise ValueError(f"v must be [batch, seq_k, heads_kv, head_dim], got shape {v.shape}")
+    batch, seq_k, heads_kv, head_dim = v.shape
+    return jax.core.ShapedArray((batch, heads_kv, head_dim, fp8_layout.padded_keys(seq_k)), v.dtype)
+
+
+fp8_value_operand_p.def_abstract_eval(_value_operand_abstract_eval)
+fp8_value_operand_p.def_impl(jax.jit(fp8_value_operand_p.bind))
+
+
+def _value_operand_batch_rule(args, dims):
+    """vmap: the mapped axis folds into the batch axis."""
+    (v,), (d,) = args, dims
+    v = jnp.moveaxis(v, d, 0)
+    vt = fp8_value_operand_p.bind(v.reshape((-1,) + v.shape[2:]))
+    return vt.reshape(v.shape[:2] + vt.shape[1:]), 0
+
+
+batching.primitive_batchers[fp8_value_operand_p] = _value_operand_batch_rule
+
+_value_operand_fallback = mlir.lower_fun(fp8_layout.fp8_value_operand, multiple_results=False)
+_value_operand_ffi = jax.ffi.ffi_lowering(FFI_TARGET_VALUE_OPERAND)
+
+
+def _value_operand_cuda_lowering(ctx, v):
+    (aval,) = ctx.avals_in
+    if aval.dtype != jnp.float8_e4m3fn or aval.shape[3] != FP8_VALUE_OPERAND_HEAD_DIM:
+        return _value_operand_fallback(ctx, v)
+    return _value_operand_ffi(ctx, v)
+
+
+mlir.register_lowering(fp8_value_operand_p, _value_operand_fallback)
+mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platform="cuda")
