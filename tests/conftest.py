@@ -37,9 +37,8 @@ def cpu_backend(monkeypatch):
     monkeypatch.setattr(_platform, "default_backend", lambda: "cpu")
 
 
-# The FP8 path's V layout and key block overrides (jzyfa/fp8_primitive.py).
-FP8_V_LAYOUT_ENV = "JZYFA_FP8_V_LAYOUT"
-FP8_KEY_BLOCK_ENV = "JZYFA_FP8_KEY_BLOCK"
+# The FP8 path's V layout and key block overrides, read at trace time (jzyfa/plan.py).
+from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

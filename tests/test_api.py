@@ -11,7 +11,7 @@ from attention_oracle import random_qkv
 
 import jzyfa
 from jzyfa import _platform
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 reference = jax.jit(jzyfa.attention_reference, static_argnames=("causal", "softmax_scale"))
 
@@ -132,7 +132,10 @@ def test_kernel_demanded_on_cpu_fails_to_compile(rng, cpu_backend):
 
 @pytest.mark.parametrize(
     "head_dim,dtype,message",
-    [(96, jnp.bfloat16, "head_dim in \\(64, 128, 256\\), got 96"), (64, jnp.float32, "bf16 or f16")],
+    [
+        (96, jnp.bfloat16, r"16-bit \(bf16, f16\) kernels take head dims \(q and k / v\) 64/64, 128/128, .*got 96/96"),
+        (64, jnp.float32, "the kernels take bf16, f16 or float8_e4m3fn inputs, got float32"),
+    ],
 )
 def test_kernel_demanded_for_unsupported_config(rng, head_dim, dtype, message):
     q, k, v = random_qkv(rng, seq_q=4, head_dim=head_dim, dtype=dtype)
@@ -193,7 +196,12 @@ BAD_CALLS = [
         r"descale_v must have shape \(\), \(1,\) or",
     ),
     (FP8_QKV, dict(FP8_DESCALES, descale_q=spec((), BF16)), TypeError, "descale_q must be float32"),
-    (FP8_QKV, dict(FP8_DESCALES, implementation="kernel"), ValueError, "FP8 kernel needs head dim 128"),
+    (
+        FP8_QKV,
+        dict(FP8_DESCALES, implementation="kernel"),
+        ValueError,
+        r"cannot serve this call: the FP8 \(e4m3\) kernels take head dims \(q and k / v\) 128/128, 192/128, got 64/64",
+    ),
     (dict(q=spec((2, 8, 4, 64), FP8)), {}, TypeError, "q, k and v must share a dtype"),
 ]
 
