@@ -40,6 +40,7 @@
 #include "fp8_tile.cuh"
 #include "fp8_value_transpose.cuh"
 #include "kernel_timeline.cuh"
+#include "measure_variant.h"
 #include "sm90_mma.cuh"
 
 namespace jzyfa {
@@ -349,9 +350,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr int kRegChunks = Tile::kRegCopyChunks;
   static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
 
-  // No code without JZYFA_TIMELINE (kernel_timeline.cuh); the windowed, varlen, MLA and 192-key
+  // No code unless a measuring build records the timeline (tools/measure/timeline.h); the windowed, varlen, MLA and 192-key
   // kernels never record (their stamps' registers would spill).
-  std::conditional_t<kWindow || kVarlen || kMla || Tile::kBlockN != 128, NoTimeline, TimelineRecorder>
+  std::conditional_t<kWindow || kVarlen || kMla || Tile::kBlockN != 128, NoTimeline,
+                     typename MeasureVariant<>::Timeline>
       timeline(consumer);
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
@@ -640,72 +642,18 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
-// kStagedV: tmap_v maps V as it is (the kernel transposes its tiles) or, false, V^T
-// (fp8_value_operand.cu's output); likewise for the MLA and windowed kernels below.
-template <bool kLeanP, bool kStagedV>
-__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
-    FlashFwdFp8Kernel(const __grid_constant__ CUtensorMap tmap_q,
-                      const __grid_constant__ CUtensorMap tmap_k,
-                      const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
-                      const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, std::conditional_t<kStagedV, Fp8Tile, Fp8VtTile>>(tmap_q, tmap_k, tmap_v,
-                                                                           &tmap_o, args);
-}
-
-// The same with 192-key blocks (Fp8VtWideTile: V^T from global memory only). A kernel of its own so
-// that the 128-key kernels keep their symbols and SASS.
-template <bool kLeanP>
-__global__ void __launch_bounds__(Fp8VtWideTile::kThreads, 1)
-    FlashFwdFp8WideKernel(const __grid_constant__ CUtensorMap tmap_q,
-                          const __grid_constant__ CUtensorMap tmap_k,
-                          const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
-                          const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, Fp8VtWideTile>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
-}
-
-// MLA's head dims (q/k 192, v/out 128: Fp8MlaTile), dense batches, causal or no mask. A kernel of its
-// own, as the 16-bit FlashFwdMlaKernel, so that the head-dim-128 kernels keep their symbols and SASS.
-template <bool kLeanP, bool kStagedV>
-__global__ void __launch_bounds__(Fp8MlaTile::kThreads, 1)
-    FlashFwdFp8MlaKernel(const __grid_constant__ CUtensorMap tmap_q,
-                         const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v, const Fp8Args args,
-                         const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<192, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
-}
-
-// Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
-template <bool kLeanP, bool kStagedV>
-__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
-    FlashFwdFp8WindowKernel(const __grid_constant__ CUtensorMap tmap_q,
-                            const __grid_constant__ CUtensorMap tmap_k,
-                            const __grid_constant__ CUtensorMap tmap_v,
-                            const WindowedArgs<Fp8Args> args,
-                            const __grid_constant__ CUtensorMap tmap_o) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV>>(tmap_q, tmap_k, tmap_v, &tmap_o, args);
-}
-
-// Packed variable-length batches (ffi/flash_fwd_fp8_varlen.cu instantiates lean P only): the maps
-// cover [1, total, heads, 128] (V^T's, kStagedV false: [1, heads_kv, 128, vt_keys]). Templates like
-// the kernels above, so that only the translation unit that launches them defines them.
-template <bool kLeanP, bool kStagedV>
-__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
-    FlashFwdFp8VarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
-                            const __grid_constant__ CUtensorMap tmap_k,
-                            const __grid_constant__ CUtensorMap tmap_v, const Fp8VarlenArgs args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false, false>>(tmap_q, tmap_k, tmap_v, nullptr,
-                                                                   args);
-}
-
-// The same with a sliding window that is neither causal nor none, per sequence.
-template <bool kLeanP, bool kStagedV>
-__global__ void __launch_bounds__(Fp8Tile::kThreads, 1)
-    FlashFwdFp8VarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
-                                  const __grid_constant__ CUtensorMap tmap_k,
-                                  const __grid_constant__ CUtensorMap tmap_v,
-                                  const WindowedArgs<Fp8VarlenArgs> args) {
-  FlashFwdFp8Tiles<kLeanP, Fp8TileT<128, kStagedV, false, false>>(tmap_q, tmap_k, tmap_v, nullptr,
-                                                                   args);
-}
+// The FP8 mainloop as fwd_kernel.cuh's kernels run it: lean or exact P, over a tile (Fp8TileT: head
+// dims, V source, layout, keys per block); the arguments (dense or varlen, windowed or not) are the
+// kernel's.
+template <bool kLeanP, typename Tile>
+struct Fp8Mainloop {
+  static constexpr int kThreads = Tile::kThreads;
+  template <typename Args>
+  static __device__ __forceinline__ void Run(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
+                                             const CUtensorMap& tmap_v, const CUtensorMap* tmap_o,
+                                             const Args& args) {
+    FlashFwdFp8Tiles<kLeanP, Tile>(tmap_q, tmap_k, tmap_v, tmap_o, args);
+  }
+};
 
 }  // namespace jzyfa

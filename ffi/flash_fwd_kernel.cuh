@@ -25,49 +25,9 @@
 
 #include "flash_fwd_common.cuh"
 #include "kernel_timeline.cuh"
+#include "measure_variant.h"
 #include "sm90_mma.cuh"
-
-// K/V ring depth. 2 fits every head dim; 3 fits hd128 too (225 KB of shared memory). A
-// build can pick it (-DJZYFA_KV_STAGES=3) to measure the deeper ring; hd256 keeps 2 (FwdTile).
-#ifndef JZYFA_KV_STAGES
-#define JZYFA_KV_STAGES 2
-#endif
-
-// Epilogue through shared memory and a TMA store (1, the default since it measured +2-10% at
-// hd128, docs/benchmarks.md), or plain global stores from registers (0). With 1, the tiles whose
-// O tiles do not fit next to the K/V ring (head dim 256, MLA) and varlen batches still store from
-// registers (FwdTile::kEpilogueTma).
-#ifndef JZYFA_EPILOGUE_TMA
-#define JZYFA_EPILOGUE_TMA 1
-#endif
-
-// Keys per block of the dense head-dim-128 kernel for calls without a mask (no causal mask, no
-// window): 128, or 176 (FlashFwdWideKernel; docs/fp8.md 10.27, not yet measured on the GPU).
-#ifndef JZYFA_NOMASK_BLOCK_N
-#define JZYFA_NOMASK_BLOCK_N 128
-#endif
-
-// Keys per block of the dense head-dim-256 kernel, causal or no mask (not windowed): 64, or 80
-// (FlashFwdWideKernel; the most that fits 2 stages beside Q: 64 + 2 x (40 + 40) = 224 KB), which
-// reads Q from shared memory once per 80 keys instead of 64. Built for measuring; not yet measured.
-#ifndef JZYFA_HD256_BLOCK_N
-#define JZYFA_HD256_BLOCK_N 64
-#endif
-
-// A second Q buffer where it fits (1; hd64 and hd128 with 2 stages), so that the producer loads the
-// next tile's Q and first K a key block earlier (docs/fp8.md 10.24, the FP8 kernel's
-// JZYFA_FP8_Q_PREFETCH). Measured: no gain (BF16 -1% to +1%): off (0) by default.
-#ifndef JZYFA_Q_PREFETCH
-#define JZYFA_Q_PREFETCH 0
-#endif
-
-// Measuring only, results wrong: 1 takes the softmax out of the 16-bit kernels (P = the scaled
-// scores, masked keys 0, no maximum, exponential, row sum or rescale), so that a benchmark gives
-// what the tensor work, the loads and the schedule alone reach, clock and power included
-// (docs/benchmarks.md, seventeenth session). Never set in a build that serves calls.
-#ifndef JZYFA_SOFTMAX_ABLATION
-#define JZYFA_SOFTMAX_ABLATION 0
-#endif
+#include "tile_size.h"
 
 namespace jzyfa {
 
@@ -89,28 +49,27 @@ struct FwdArgs {
 
 // The tile geometry of head dims kHeadDimQK for q and k (Q's and K's tiles, the Q K^T k-loop) and
 // kHeadDimV for v and o (V's tile, P V's N, the O accumulator and its stores); equal except for MLA.
-// kKeyBlock: the keys per block (below); a multiple of 16 (P V's k-steps) up to 256 (wgmma's N).
-template <int kHeadDimQK, int kHeadDimV = kHeadDimQK, int kKeyBlock = (kHeadDimV > 128 ? 64 : 128)>
+// kKeyBlock: the keys per block; a multiple of 16 (P V's k-steps) up to 256 (wgmma's N). kLayout:
+// dense or varlen (varlen stores O from registers). The sizes are tile_size.h's (Fwd16TileSize); this
+// struct derives the shared-memory layout from them.
+template <int kHeadDimQK, int kHeadDimV = kHeadDimQK, int kKeyBlock = Fwd16DefaultBlockN(kHeadDimV),
+          Layout kLayout = Layout::kDense>
 struct FwdTile {
-  static constexpr int kConsumers = 2;
-  static constexpr int kRowsPerConsumer = 64;  // one wgmma M
+  static constexpr TileSize kSize = Fwd16TileSize(kHeadDimV, kLayout, kKeyBlock);
+  static constexpr int kConsumers = kFwdConsumers;
+  static constexpr int kRowsPerConsumer = kFwdRowsPerConsumer;  // one wgmma M
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
-  // Keys per block: the N of S = Q K^T. At hd256 the O accumulator alone takes 128 registers per
-  // consumer thread; 64-key blocks keep S at 32 and P at 16 (one buffer there: kOneP), inside
-  // the 232. Shared memory at hd256: Q 64 KB + 2 stages x (K + V) 32 KB each = 192 KB.
-  static constexpr int kBlockN = kKeyBlock;
+  // Keys per block: the N of S = Q K^T. Shared memory at hd256: Q 64 KB + 2 stages x (K + V) 32 KB
+  // each = 192 KB.
+  static constexpr int kBlockN = kSize.block_n;
   // S (kBlockN / 2), two P buffers (kBlockN / 4 each) and O (kHeadDimV / 2): 192 registers per
   // consumer thread in every default tile that has two P buffers (hd64: 128; hd128, MLA: 192). Wider
   // key blocks (hd128 with 176 keys: 240) would overflow the 232: one P buffer there (kOneP).
   static constexpr bool kOnePForRegisters = kBlockN + kHeadDimV / 2 > 192;
-  // hd256 with 3 stages would need 256 KB of shared memory; hd128 with 176 keys 296 KB.
-  static constexpr int kStages = kHeadDimV > 128 || kBlockN > 128 ? 2 : JZYFA_KV_STAGES;
+  static constexpr int kStages = kSize.stages;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  // Head dim 256 with 80-key blocks (JZYFA_HD256_BLOCK_N) needs 240 registers per consumer thread
-  // (at 232 ptxas spills 44 bytes); its producer then has 24, which its loop fits (no spill).
-  static constexpr bool kWideHd256 = kHeadDimV > 128 && kBlockN > 64;
-  static constexpr int kProducerRegs = kWideHd256 ? 24 : 40;
-  static constexpr int kConsumerRegs = kWideHd256 ? 240 : 232;
+  static constexpr int kProducerRegs = kSize.producer_regs;
+  static constexpr int kConsumerRegs = kSize.consumer_regs;
   // 128-byte swizzle atoms are 64 16-bit elements wide: the head dims come in slices.
   static constexpr int kQKSlices = kHeadDimQK / 64;  // of Q and K
   static constexpr int kVSlices = kHeadDimV / 64;    // of V and O
@@ -123,30 +82,24 @@ struct FwdTile {
   // With the TMA-store epilogue each consumer also has an O tile: Q itself is being refilled for
   // the next tile while the epilogue runs.
   static constexpr int kOConsumerBytes = kQSliceBytes * kVSlices;
-  static constexpr int kOneQRingSmemBytes = kQBytes + kStages * (kKBytes + kVBytes);
   static constexpr int kSmemAlign = 1024;  // 128-byte swizzle repeats every 1024 bytes
   static constexpr int kMaxDynamicSmemBytes = 227 * 1024;
-  // The TMA-store epilogue where the build asks for it and the O tiles fit (not hd256: Q 64 KB + 2 x
+  // One Q tile (a second, to prefetch the next tile's Q, measured no gain: BF16 -1% to +1%).
+  static constexpr int kQBuffers = 1;
+  // Q, then the K/V ring.
+  static constexpr int kRingSmemBytes = kQBytes + kStages * (kKBytes + kVBytes);
+  // The TMA-store epilogue where the table asks for it and the O tiles fit (not hd256: Q 64 KB + 2 x
   // (K + V) 64 KB + O 64 KB = 256 KB; not MLA: 208 + 32 KB).
   static constexpr bool kEpilogueTma =
-      JZYFA_EPILOGUE_TMA &&
-      kOneQRingSmemBytes + kOConsumerBytes * kConsumers + kSmemAlign <= kMaxDynamicSmemBytes;
+      kSize.epilogue_tma &&
+      kRingSmemBytes + kOConsumerBytes * kConsumers + kSmemAlign <= kMaxDynamicSmemBytes;
   static constexpr int kOBytes = kEpilogueTma ? kOConsumerBytes * kConsumers : 0;
-  // Q tiles (JZYFA_Q_PREFETCH): two where they fit beside the ring and the O tiles (hd128: 32 + 32 +
-  // 2 x 64 + 32 = 224 KB), round r of the tile loop in buffer r % 2.
-  static constexpr int kQBuffers =
-      JZYFA_Q_PREFETCH && kOneQRingSmemBytes + kQBytes + kOBytes + kSmemAlign <= kMaxDynamicSmemBytes
-          ? 2
-          : 1;
-  // Q (kQBuffers tiles), then the K/V ring.
-  static constexpr int kRingSmemBytes = kOneQRingSmemBytes + (kQBuffers - 1) * kQBytes;
   static constexpr int kSmemBytes = kRingSmemBytes + kOBytes;
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
-  // An sm_90 block opts in to at most 227 KB of dynamic shared memory. The default build fits every
-  // head dim; MLA (192, 128) fits only with 2 stages (Q 48 KB + 2 x (K 48 KB + V 32 KB) = 208 KB; 3
-  // stages take 288 KB). A tile that does not fit is never instantiated: flash_fwd.cu's launch
-  // refuses it instead.
+  // An sm_90 block opts in to at most 227 KB of dynamic shared memory: every tile fits (MLA: Q 48 KB
+  // + 2 x (K 48 KB + V 32 KB) = 208 KB).
   static constexpr bool kFitsSharedMemory = kDynamicSmemBytes <= kMaxDynamicSmemBytes;
+  static_assert(kFitsSharedMemory, "the tile must fit Hopper's shared memory");
   static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "head dims must be multiples of 64");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key blocks: multiples of 16, up to 256");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
@@ -180,7 +133,7 @@ struct OnlineSoftmax {
                                                float scale_log2) {
     const int quad_col = 2 * (lane % 4);
     // The ablation's masked keys get 0 (finite P, so the tensor cores see ordinary operands).
-    constexpr float kMasked = JZYFA_SOFTMAX_ABLATION ? 0.f : -INFINITY;
+    constexpr float kMasked = MeasureVariant<>::kSoftmaxAblation ? 0.f : -INFINITY;
     if (needs_mask) {
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c)
@@ -192,7 +145,7 @@ struct OnlineSoftmax {
           if (!visible) s[4 * c + e] = kMasked;
         }
     }
-    if constexpr (JZYFA_SOFTMAX_ABLATION) {
+    if constexpr (MeasureVariant<>::kSoftmaxAblation) {
 #pragma unroll
       for (int i = 0; i < kBlockN / 2; ++i) s[i] *= scale_log2;
       correction[0] = correction[1] = 1.f;
@@ -266,7 +219,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
                                               const CUtensorMap* tmap_o, const Args& args) {
   constexpr bool kVarlen = kIsVarlen<Args>;
   constexpr bool kWindow = kHasWindow<Args>;  // the tile's blocks start at work.first_block
-  using Tile = FwdTile<kHeadDimQK, kHeadDimV, kKeyBlock>;
+  using Tile = FwdTile<kHeadDimQK, kHeadDimV, kKeyBlock, kVarlen ? Layout::kVarlen : Layout::kDense>;
   // O through shared memory and a TMA store (tmap_o), or from registers (tmap_o unused).
   constexpr bool kTmaEpilogue = Tile::kEpilogueTma;
   static_assert(!(kVarlen && kTmaEpilogue), "varlen stores O from registers");
@@ -406,7 +359,7 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels and MLA's
   // never record (the stamps' registers would spill there: at hd128 windowed, and at MLA's head dims).
   constexpr bool kRecords = !kWindow && kHeadDimQK == kHeadDimV;
-  std::conditional_t<kRecords, TimelineRecorder, NoTimeline> timeline(consumer);
+  std::conditional_t<kRecords, typename MeasureVariant<>::Timeline, NoTimeline> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them
   for (int round = 0;; ++round) {
     const RingSlot<Tile::kQBuffers> q_slot(round);  // the round's Q buffer and index
@@ -639,92 +592,18 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   if (consumer == 0) begin_turn();  // consumer 1's last hand-over
 }
 
-// The dense kernels' O map comes last, after the arguments, in builds with the TMA-store epilogue: the
-// tiles that store from registers (hd256, MLA) then compile as in a build without it.
-#if JZYFA_EPILOGUE_TMA
-#define JZYFA_TMAP_O_PARAM , const __grid_constant__ CUtensorMap tmap_o
-#define JZYFA_TMAP_O_ARG &tmap_o
-#else
-#define JZYFA_TMAP_O_PARAM
-#define JZYFA_TMAP_O_ARG nullptr
-#endif
-
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
-    FlashFwdKernel(const __grid_constant__ CUtensorMap tmap_q,
-                   const __grid_constant__ CUtensorMap tmap_k,
-                   const __grid_constant__ CUtensorMap tmap_v,
-                   const FwdArgs args JZYFA_TMAP_O_PARAM) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
-}
-
-// Dense batches without a mask at head dim kHeadDim with kBlockN-key blocks other than FwdTile's
-// default (-DJZYFA_NOMASK_BLOCK_N=176 at head dim 128: docs/fp8.md 10.27). A kernel of its own, so
-// that FlashFwdKernel keeps its symbols and SASS.
-template <typename Element, int kHeadDim, int kBlockN>
-__global__ void __launch_bounds__(FwdTile<kHeadDim, kHeadDim, kBlockN>::kThreads, 1)
-    FlashFwdWideKernel(const __grid_constant__ CUtensorMap tmap_q,
-                       const __grid_constant__ CUtensorMap tmap_k,
-                       const __grid_constant__ CUtensorMap tmap_v,
-                       const FwdArgs args JZYFA_TMAP_O_PARAM) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim, kBlockN>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG,
-                                                      args);
-}
-
-// MLA's head dims (q/k 192, v 128: FwdTile), dense batches, causal or no mask. A kernel of its own
-// rather than a second head dim on FlashFwdKernel, so that the one-head-dim kernels keep their
-// symbols (and their SASS). Sliding windows and varlen batches: FlashFwdMlaVariantKernel.
-template <typename Element, int kHeadDimQK, int kHeadDimV>
-__global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
-    FlashFwdMlaKernel(const __grid_constant__ CUtensorMap tmap_q,
-                      const __grid_constant__ CUtensorMap tmap_k,
-                      const __grid_constant__ CUtensorMap tmap_v,
-                      const FwdArgs args JZYFA_TMAP_O_PARAM) {
-  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
-}
-
-// MLA's head dims under a sliding window (WindowedArgs<FwdArgs>) or over packed variable-length
-// batches (VarlenFwdArgs, WindowedArgs<VarlenFwdArgs>; the varlen launch builds these with the
-// register epilogue). One template over the arguments, and not a second head dim on the kernels
-// below, so that those keep their symbols (and their SASS).
-template <typename Element, int kHeadDimQK, int kHeadDimV, typename Args>
-__global__ void __launch_bounds__(FwdTile<kHeadDimQK, kHeadDimV>::kThreads, 1)
-    FlashFwdMlaVariantKernel(const __grid_constant__ CUtensorMap tmap_q,
-                             const __grid_constant__ CUtensorMap tmap_k,
-                             const __grid_constant__ CUtensorMap tmap_v,
-                             const Args args JZYFA_TMAP_O_PARAM) {
-  FlashFwdTiles<Element, kHeadDimQK, kHeadDimV>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
-}
-
-// Sliding windows that are neither causal nor none (the launch picks this kernel only for those).
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
-    FlashFwdWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
-                         const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v,
-                         const WindowedArgs<FwdArgs> args JZYFA_TMAP_O_PARAM) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, JZYFA_TMAP_O_ARG, args);
-}
-
-#if !JZYFA_EPILOGUE_TMA
-// Packed variable-length batches: the maps cover [1, total, heads, D] (ffi/flash_fwd_varlen.cu).
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
-    FlashFwdVarlenKernel(const __grid_constant__ CUtensorMap tmap_q,
-                         const __grid_constant__ CUtensorMap tmap_k,
-                         const __grid_constant__ CUtensorMap tmap_v, const VarlenFwdArgs args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, nullptr, args);
-}
-
-// Packed variable-length batches under a sliding window, per sequence.
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(FwdTile<kHeadDim>::kThreads, 1)
-    FlashFwdVarlenWindowKernel(const __grid_constant__ CUtensorMap tmap_q,
-                               const __grid_constant__ CUtensorMap tmap_k,
-                               const __grid_constant__ CUtensorMap tmap_v,
-                               const WindowedArgs<VarlenFwdArgs> args) {
-  FlashFwdTiles<Element, kHeadDim, kHeadDim>(tmap_q, tmap_k, tmap_v, nullptr, args);
-}
-#endif
+// The 16-bit mainloop as fwd_kernel.cuh's kernels run it: Element (bf16, f16), the head dims and the
+// keys per block; the arguments (dense or varlen, windowed or not) are the kernel's.
+template <typename Element, int kHeadDimQK, int kHeadDimV,
+          int kKeyBlock = FwdTile<kHeadDimQK, kHeadDimV>::kBlockN>
+struct Fwd16Mainloop {
+  static constexpr int kThreads = FwdTile<kHeadDimQK, kHeadDimV, kKeyBlock>::kThreads;
+  template <typename Args>
+  static __device__ __forceinline__ void Run(const CUtensorMap& tmap_q, const CUtensorMap& tmap_k,
+                                             const CUtensorMap& tmap_v, const CUtensorMap* tmap_o,
+                                             const Args& args) {
+    FlashFwdTiles<Element, kHeadDimQK, kHeadDimV, kKeyBlock>(tmap_q, tmap_k, tmap_v, tmap_o, args);
+  }
+};
 
 }  // namespace jzyfa

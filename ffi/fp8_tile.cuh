@@ -9,6 +9,8 @@
 
 #include "flash_fwd_common.cuh"
 #include "fp8_value_transpose.cuh"
+#include "measure_variant.h"
+#include "tile_size.h"
 
 namespace jzyfa {
 
@@ -20,42 +22,30 @@ namespace jzyfa {
 // memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
 // memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
 // next sequence).
-#ifndef JZYFA_FP8_EPILOGUE_TMA
-#define JZYFA_FP8_EPILOGUE_TMA 1  // 0: every FP8 kernel stores O from registers (to measure)
-#endif
-// kQPrefetch_: a second Q buffer where it fits (below). kBlockN_: keys per block, 128 or (V^T from
-// global memory only) 192 (Fp8VtWideTile, docs/fp8.md 10.26).
-template <int kHeadDimQK_, bool kStagedV_ = true, bool kEpilogueTma_ = JZYFA_FP8_EPILOGUE_TMA,
-          bool kQPrefetch_ = true, int kBlockN_ = 128>
+// kLayout: dense, or varlen (O from registers). kBlockN_: keys per block, 128 or (V^T from global
+// memory only) 192 (kFp8WideBlockN, docs/fp8.md 10.26). The sizes are tile_size.h's (Fp8TileSize).
+template <int kHeadDimQK_, bool kStagedV_ = true, Layout kLayout = Layout::kDense, int kBlockN_ = 128>
 struct Fp8TileT {
+  static constexpr TileSize kSize = Fp8TileSize(kHeadDimQK_, kStagedV_, kLayout, kBlockN_);
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
   static constexpr int kHeadDimV = 128;
   static constexpr int kHeadDim = kHeadDimV;
   static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
   static constexpr int kQkSlices = (kHeadDimQK + kQkSliceCols - 1) / kQkSliceCols;
-  static constexpr int kConsumers = 2;
-  static constexpr int kRowsPerConsumer = 64;
+  static constexpr int kConsumers = kFwdConsumers;
+  static constexpr int kRowsPerConsumer = kFwdRowsPerConsumer;
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
-  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockN = kSize.block_n;
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P V takes keys in k-steps of 32");
   static_assert(kBlockN == 128 || !kStagedV_, "the in-kernel V transpose handles 128-key blocks");
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kSize.stages;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = kSize.producer_regs;
+  static constexpr int kConsumerRegs = kSize.consumer_regs;
   static constexpr int kPvN = kHeadDim + 8;  // O's columns plus the row-sum columns
-#ifndef JZYFA_FP8_PROMOTE_BLOCKS
-#define JZYFA_FP8_PROMOTE_BLOCKS 8
-#endif
-  // Key blocks summed in the wgmma accumulator before it is added to O's float32 copy (32 wgmma
-  // k-steps). Measured at 32K keys (H200, docs/benchmarks.md): every 4 blocks costs 8.6% of the
-  // kernel time, every 8 blocks 4.6% (the copy's shared-memory traffic competes with wgmma's
-  // operand reads), every 16 1.6%; the error against float64 is the same for 4 and 8 at 32K.
-  // Wider blocks keep about as many keys per run (192: 5 blocks, 960 keys).
-  static constexpr int kPromoteBlocks = JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN > 0
-                                            ? JZYFA_FP8_PROMOTE_BLOCKS * 128 / kBlockN
-                                            : 1;
+  // Key blocks summed in the wgmma accumulator before it is added to O's float32 copy (tile_size.h).
+  static constexpr int kPromoteBlocks = kSize.promote_blocks;
   // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
   static constexpr int kQSliceBytes = kRowsPerConsumer * kQkSliceCols;
   static constexpr int kKSliceBytes = kBlockN * kQkSliceCols;
@@ -87,22 +77,12 @@ struct Fp8TileT {
   // memory: 41% less shared-memory traffic per promotion. 7 is the most that ptxas fits in the
   // consumers' 232 registers without spilling (8 spills); MLA's longer Q K^T leaves room for 6 (7
   // spills).
-#ifndef JZYFA_FP8_REG_COPY_CHUNKS
-#if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
-#define JZYFA_FP8_REG_COPY_CHUNKS 5  // the timeline's pointer and counter need the registers
-#else
-#define JZYFA_FP8_REG_COPY_CHUNKS 7
-#endif
-#endif
-#ifndef JZYFA_FP8_MLA_REG_COPY_CHUNKS
-#define JZYFA_FP8_MLA_REG_COPY_CHUNKS 6
-#endif
-  // 192-key blocks: S takes 32 more registers, so the whole copy lives in shared memory (1 chunk
-  // spilled 28 bytes with ptxas 13.0).
+  // (tile_size.h: 7 at head dim 128, MLA 6, none with 192-key blocks; a measuring variant may keep
+  // fewer where the table keeps 7, as the timeline's does for its pointer and counter.)
   static constexpr int kRegCopyChunks =
-      kBlockN > 128                ? 0
-      : kHeadDimQK == kHeadDimV ? JZYFA_FP8_REG_COPY_CHUNKS
-                                : JZYFA_FP8_MLA_REG_COPY_CHUNKS;
+      kSize.reg_copy_chunks == 7 && MeasureVariant<>::kFp8RegCopyChunks > 0
+          ? MeasureVariant<>::kFp8RegCopyChunks
+          : kSize.reg_copy_chunks;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
   // 64-column slices (128-byte swizzle rows).
@@ -117,20 +97,10 @@ struct Fp8TileT {
       kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
   // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
   static constexpr bool kEpilogueTma =
-      kEpilogueTma_ && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
-#ifndef JZYFA_FP8_Q_PREFETCH
-#define JZYFA_FP8_Q_PREFETCH 0  // measured 0.6-2.4% slower (docs/fp8.md 10.24): off by default
-#endif
-  // With JZYFA_FP8_Q_PREFETCH, a second Q tile where it fits (not MLA's: 32 KB each): the producer
-  // loads the next tile's Q and first K while this tile's last blocks run, not only once its last
-  // Q K^T has landed. The tile-start waits it was to shorten stayed (they were not loads in flight,
-  // docs/fp8.md 10.24).
-  static constexpr int kQBuffers =
-      JZYFA_FP8_Q_PREFETCH && kQPrefetch_ && 2 * kQBytes + kBetweenQAndOTilesBytes +
-                                      (kEpilogueTma ? kOTilesBytes : 0) + kSmemAlign <=
-                                  kSmemLimit
-          ? 2
-          : 1;
+      kSize.epilogue_tma && MeasureVariant<>::kFp8EpilogueTma && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
+  // One Q tile: a second (the producer loading the next tile's Q a key block earlier) measured
+  // 0.6-2.4% slower (docs/fp8.md 10.24).
+  static constexpr int kQBuffers = 1;
   static constexpr int kRingOffset = kQBuffers * kQBytes;
   static constexpr int kOCopyOffset = kRingOffset + kStages * kStageBytes;
   static constexpr int kVStagingOffset = kOCopyOffset + kConsumers * kOCopyBytes;
@@ -151,17 +121,15 @@ struct Fp8TileT {
 };
 
 using Fp8Tile = Fp8TileT<128>;
-using Fp8MlaTile = Fp8TileT<192>;  // MLA: q/k head dim 192, v/out 128
+using Fp8MlaTile = Fp8TileT<kMlaHeadDimQK>;  // MLA: q/k head dim 192, v/out 128
 // The same tiles reading V^T from global memory (kStagedV false).
 using Fp8VtTile = Fp8TileT<128, false>;
-using Fp8MlaVtTile = Fp8TileT<192, false>;
+using Fp8MlaVtTile = Fp8TileT<kMlaHeadDimQK, false>;
 // The dense (unwindowed, head dim 128) kernel's tile with V^T from global memory and 192 keys per
-// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; flash_fwd_fp8.cu picks it). One
-// Q buffer: with -DJZYFA_FP8_Q_PREFETCH=1's second one its consumers spill.
-using Fp8VtWideTile = Fp8TileT<128, false, JZYFA_FP8_EPILOGUE_TMA, false, 192>;
-// The varlen kernels' tiles: O stored from registers, one Q buffer (with two, ptxas 13.0 spilled
-// 4-8 bytes in their consumers).
-using Fp8VarlenTile = Fp8TileT<128, true, false, false>;
-using Fp8VarlenVtTile = Fp8TileT<128, false, false, false>;
+// block, for calls whose rows see many keys (docs/fp8.md 10.26, 10.28; Fp8KeyBlock picks it).
+using Fp8VtWideTile = Fp8TileT<128, false, Layout::kDense, kFp8WideBlockN>;
+// The varlen kernels' tiles: O stored from registers.
+using Fp8VarlenTile = Fp8TileT<128, true, Layout::kVarlen>;
+using Fp8VarlenVtTile = Fp8TileT<128, false, Layout::kVarlen>;
 
 }  // namespace jzyfa

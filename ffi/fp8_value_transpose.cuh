@@ -20,19 +20,20 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include "measure_variant.h"
 
 namespace jzyfa {
 
-// 1 (the default): the LDSM.T / STSM transpose below, 33 instead of 65 instructions per piece and
-// lane, measured +1-4% over the PRMT transpose on the H200 (docs/fp8.md 10.16); 0: the PRMT one.
-#ifndef JZYFA_FP8_V_TRANSPOSE_LDSM
-#define JZYFA_FP8_V_TRANSPOSE_LDSM 1
-#endif
+// The LDSM.T / STSM transpose below (Fp8MatrixTransposeLane), 33 instead of 65 instructions per piece
+// and lane, measured +1-4% over the PRMT transpose on the H200 (docs/fp8.md 10.16); the PRMT one
+// (Fp8TransposeLane) is a measuring build's (tools/measure/prmt_transpose.h).
 
 struct Fp8ValueTranspose {
   // Whether the staging tile is 128-byte swizzled (the matrix transpose's loads need it; the TMA
   // map of V then asks for CU_TENSOR_MAP_SWIZZLE_128B).
-  static constexpr bool kSwizzledStaging = JZYFA_FP8_V_TRANSPOSE_LDSM;
+  static constexpr bool kSwizzledStaging = !MeasureVariant<>::kFp8PrmtTranspose;
   static constexpr int kKeys = 128;      // key rows of the staging tile (one key block)
   static constexpr int kHeadDim = 128;   // bytes per key row = V^T rows
   static constexpr int kPieceKeys = 16;  // keys of one piece: one 16-byte chunk of each V^T row
@@ -116,7 +117,7 @@ __device__ __forceinline__ void TransposeValuePiece(uint32_t staging, uint32_t v
 }
 
 // ---------------------------------------------------------------------------------------------
-// The same piece with matrix instructions (JZYFA_FP8_V_TRANSPOSE_LDSM; ~31 instead of ~48
+// The same piece with matrix instructions (the default; ~31 instead of ~48
 // instructions per piece and lane). The staging tile is 128-byte swizzled here (TMA: chunk c of key
 // row n at chunk c ^ (n % 8)). A piece is done in 4 quarters q of the head dim (bytes 32 q .. 32 q +
 // 31), each one LDSM.x4.T, 4 PRMT and one STSM.x4:
@@ -191,10 +192,7 @@ __device__ __forceinline__ void TransposeValuePiece(uint32_t staging, uint32_t v
 }
 
 // The transposing lanes' type: its TransposeValuePiece overload is the one the kernel calls.
-#if JZYFA_FP8_V_TRANSPOSE_LDSM
-using Fp8ValueTransposeLane = Fp8MatrixTransposeLane;
-#else
-using Fp8ValueTransposeLane = Fp8TransposeLane;
-#endif
+using Fp8ValueTransposeLane = std::conditional_t<MeasureVariant<>::kFp8PrmtTranspose, Fp8TransposeLane,
+                                                  Fp8MatrixTransposeLane>;
 
 }  // namespace jzyfa

@@ -1,14 +1,13 @@
-// XLA FFI handlers: decode buffers and attributes, validate them, launch on XLA's stream.
-// Everything the handler checks here depends on shapes only, so it never reads device
-// memory and stays compatible with XLA's command buffers (CUDA graphs).
-#include "ffi_handlers.h"
+// XLA FFI handlers: decode buffers and attributes into one parameter type, validate it once
+// (ValidateFwd), launch on XLA's stream. Everything the handler checks depends on shapes only, so it
+// never reads device memory and stays compatible with XLA's command buffers (CUDA graphs).
+#include "handlers.h"
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 
 #include "flash_fwd.h"
@@ -29,8 +28,8 @@ std::string ShapeString(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// Every handler's end: the launch's own validation (InvalidArgument), the device check, the launch
-// (Internal), each error prefixed with `name`.
+// Every handler's end: the validation (InvalidArgument), the device check, the launch (Internal),
+// each error prefixed with `name`.
 template <typename Params>
 ffi::Error ValidateAndLaunch(const std::string& name, const Params& p,
                              std::string (*validate)(const Params&),
@@ -45,354 +44,179 @@ ffi::Error ValidateAndLaunch(const std::string& name, const Params& p,
   return ffi::Error::Success();
 }
 
-// The descale fields of the FP8 launches' parameters (dense and varlen).
-template <typename Params>
-void SetDescales(Params& p, const ffi::Buffer<ffi::F32>& dq, const ffi::Buffer<ffi::F32>& dk,
-                 const ffi::Buffer<ffi::F32>& dv) {
-  p.descale_q = dq.typed_data();
-  p.descale_k = dk.typed_data();
-  p.descale_v = dv.typed_data();
-  p.descale_count = static_cast<int64_t>(dq.element_count());
+constexpr const char* kFwdName = "jzyfa_attention_fwd: ";
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument(kFwdName + message);
 }
 
-// out must have q's shape with v's head dim (out_head_dim; MLA: 128 where q has 192), lse be
-// [batch, heads_q, seq_q], the tile counter one int32.
-ffi::Error CheckResults(const std::string& name, ffi::Span<const int64_t> qd,
-                        ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld,
-                        int64_t out_head_dim, int64_t tile_counter_size) {
+// The shapes of q, k, v, out and lse, dense ([B, S, H, D]) or packed varlen ([T, H, D]): the
+// buffers' dims into `p` (head dims, heads, lengths), or why they do not fit together.
+ffi::Error DecodeShapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld, FwdParams& p) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const bool vt = p.v_transposed;
+  const char* const v_name = vt ? "vt" : "v";
+  const size_t rank = p.varlen ? 3 : 4;
+  const std::string layout = p.varlen ? "packed [total_tokens, heads, head_dim]"
+                                      : "[batch, seq, heads, head_dim]";
+  const std::string vt_layout = p.varlen ? "[heads_kv, 128, roundup32(total_k) + 32 * (num_seqs + 1)]"
+                                         : "[batch, heads_kv, 128, seq_k rounded up to 32]";
+  if (qd.size() != rank || kd.size() != rank || vd.size() != rank) {
+    return Invalid(vt ? "q and k must be " + layout + ", vt " + vt_layout + " (v_transposed)"
+                      : "q, k and v must be " + layout);
+  }
+  // Token/batch and heads dims of k (dense: batch, seq, heads; varlen: tokens, heads).
+  const size_t h = rank - 2, d = rank - 1;  // heads' and head_dim's axes
+  if (kd[d] != qd[d] || (!p.varlen && kd[0] != qd[0])) {
+    return Invalid("q " + ShapeString(qd) + " and k " + ShapeString(kd) + " disagree on " +
+                   (p.varlen ? "head_dim" : "batch or head_dim"));
+  }
+  // v [..., seq_k or tokens, heads_kv, head_dim_v], or V^T [(batch,) heads_kv, head_dim_v, keys]: v's
+  // head dim may differ from k's (MLA: 128 where q and k have 192).
+  bool agree = true;
+  if (vt) {
+    agree = p.varlen ? vd[0] == kd[1] : (vd[0] == kd[0] && vd[1] == kd[2]);
+  } else {
+    for (size_t i = 0; i < d; ++i) agree = agree && vd[i] == kd[i];
+  }
+  if (!agree) {
+    return Invalid("q " + ShapeString(qd) + ", k " + ShapeString(kd) + " and " + v_name + " " +
+                   ShapeString(vd) + " disagree" + (vt ? " (vt: " + vt_layout + ")" : ""));
+  }
+  p.head_dim = qd[d];
+  p.head_dim_v = vt ? vd[rank - 2] : vd[d];
+  p.heads_q = qd[h];
+  p.heads_kv = kd[h];
+  if (vt) p.vt_keys = vd[rank - 1];
+  if (p.varlen) {
+    p.total_q = qd[0];
+    p.total_k = kd[0];
+  } else {
+    p.batch = qd[0];
+    p.seqlen_q = qd[1];
+    p.seqlen_k = kd[1];
+  }
   if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
-      od.back() != out_head_dim) {
-    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) + " must have the shape of q " +
-                                       ShapeString(qd) + " with head_dim " +
-                                       std::to_string(out_head_dim));
+      od.back() != p.head_dim_v) {
+    return Invalid("out " + ShapeString(od) + " must have the shape of q " + ShapeString(qd) +
+                   " with head_dim " + std::to_string(p.head_dim_v));
   }
-  if (ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1]) {
-    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
-                                       " must be [batch, heads_q, seq_q]");
-  }
-  if (tile_counter_size != 1) {
-    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
+  const bool lse_ok = p.varlen ? (ld.size() == 2 && ld[0] == qd[1] && ld[1] == qd[0])
+                               : (ld.size() == 3 && ld[0] == qd[0] && ld[1] == qd[2] && ld[2] == qd[1]);
+  if (!lse_ok) {
+    return Invalid("lse " + ShapeString(ld) + " must be " +
+                   (p.varlen ? "[heads_q, total_q]" : "[batch, heads_q, seq_q]"));
   }
   return ffi::Error::Success();
 }
 
-// The fields both kernels' parameters share, from the decoded buffers: q [B, Sq, Hq, D] and
-// k [B, Sk, Hkv, D], out, lse, the tile counter and the attributes.
-template <typename Params, typename Out>
-void SetCommonParams(Params& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, Out& out,
-                     ffi::Result<ffi::Buffer<ffi::F32>>& lse,
-                     ffi::Result<ffi::Buffer<ffi::S32>>& tile_counter, float softmax_scale,
-                     bool causal) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
-  p.tile_counter = tile_counter->typed_data();
-  p.batch = qd[0];
-  p.seqlen_q = qd[1];
-  p.heads_q = qd[2];
-  p.head_dim = qd[3];
-  p.seqlen_k = kd[1];
-  p.heads_kv = kd[2];
+// The one forward handler: q, k, v, then (varlen) cu_seqlens_q, cu_seqlens_k, then (float8_e4m3fn
+// q) descale_q, descale_k, descale_v -> out, lse, tile counter.
+ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::RemainingArgs extra,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, float softmax_scale,
+                            bool causal, int64_t window_left, int64_t window_right, bool varlen,
+                            int64_t max_seqlen_q, int64_t max_seqlen_k, bool lean_p,
+                            bool v_transposed, int64_t key_block) {
+  handler_calls.fetch_add(1, std::memory_order_relaxed);
+  FwdParams p;
+  // Dtypes: q's decides the family; k, v and out follow it.
+  const ffi::DataType dtype = q.element_type();
+  const bool fp8 = dtype == ffi::DataType::F8E4M3FN;
+  if (!fp8 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return Invalid("q must be bf16, f16 or float8_e4m3fn");
+  }
+  const char* const v_name = fp8 && v_transposed ? "vt" : "v";
+  if (k.element_type() != dtype || v.element_type() != dtype) {
+    return Invalid(std::string("k and ") + v_name + " must have the dtype of q");
+  }
+  const ffi::DataType out_dtype = fp8 ? ffi::DataType::BF16 : dtype;
+  if (out->element_type() != out_dtype) {
+    return Invalid(fp8 ? "out must be bf16 for float8_e4m3fn inputs" : "out must have the dtype of q");
+  }
+  p.element_type = fp8 ? ElementType::kE4M3
+                       : dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
+  p.varlen = varlen;
+  p.v_transposed = v_transposed;
+  p.lean_p = lean_p;
+  p.key_block = key_block;
   p.softmax_scale = softmax_scale;
   p.causal = causal;
-}
-
-ffi::Error FlashAttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                 ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                 ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-                                 float softmax_scale, bool causal, int64_t window_left,
-                                 int64_t window_right) {
-  handler_calls.fetch_add(1, std::memory_order_relaxed);
-  const ffi::DataType dtype = q.element_type();
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: q must be bf16 or f16");
-  }
-  if (k.element_type() != dtype || v.element_type() != dtype || out->element_type() != dtype) {
-    return ffi::Error::InvalidArgument(
-        "jzyfa_flash_attention_fwd: k, v and out must have the dtype of q");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             od = out->dimensions(), ld = lse->dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        "jzyfa_flash_attention_fwd: q, k and v must be [batch, seq, heads, head_dim]");
-  }
-  for (int i = 0; i < 3; ++i) {  // v's head dim may differ from k's (MLA; ValidateFlashFwd)
-    if (kd[i] != vd[i]) {
-      return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: k " + ShapeString(kd) +
-                                         " and v " + ShapeString(vd) +
-                                         " differ in batch, seq or heads");
-    }
-  }
-  if (kd[0] != qd[0] || kd[3] != qd[3]) {
-    return ffi::Error::InvalidArgument("jzyfa_flash_attention_fwd: q " + ShapeString(qd) +
-                                       " and k " + ShapeString(kd) +
-                                       " disagree on batch or head_dim");
-  }
-  ffi::Error results = CheckResults("jzyfa_flash_attention_fwd: ", qd, od, ld, vd[3],
-                                    tile_counter->element_count());
-  if (results.failure()) return results;
-
-  FlashFwdParams p;
-  SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
-  p.v = v.untyped_data();
-  p.head_dim_v = vd[3];
   p.window_left = window_left;
   p.window_right = window_right;
-  p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
-
-  return ValidateAndLaunch("jzyfa_flash_attention_fwd: ", p, ValidateFlashFwd, LaunchFlashFwd, stream);
-}
-
-// The varlen handlers' (16-bit and FP8) shared checks of shapes beyond q, k and v: cu_seqlens int32
-// [num_seqs + 1] (num_seqs >= 1) alike, out with q's shape, lse [heads_q, total_q], one counter.
-ffi::Error CheckVarlenOperands(const std::string& name, ffi::Span<const int64_t> qd,
-                               int64_t head_dim_v, const ffi::Buffer<ffi::S32>& cu_seqlens_q,
-                               const ffi::Buffer<ffi::S32>& cu_seqlens_k,
-                               ffi::Span<const int64_t> od, ffi::Span<const int64_t> ld,
-                               int64_t tile_counter_size) {
-  const auto cqd = cu_seqlens_q.dimensions(), ckd = cu_seqlens_k.dimensions();
-  if (cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
-    return ffi::Error::InvalidArgument(name + "cu_seqlens_q " + ShapeString(cqd) +
-                                       " and cu_seqlens_k " + ShapeString(ckd) +
-                                       " must both be int32 [num_seqs + 1], num_seqs >= 1");
-  }
-  if (od.size() != qd.size() || !std::equal(od.begin(), od.end() - 1, qd.begin()) ||
-      od.back() != head_dim_v) {
-    return ffi::Error::InvalidArgument(name + "out " + ShapeString(od) +
-                                       " must have the shape of q " + ShapeString(qd) +
-                                       " with head_dim " + std::to_string(head_dim_v));
-  }
-  if (ld.size() != 2 || ld[0] != qd[1] || ld[1] != qd[0]) {
-    return ffi::Error::InvalidArgument(name + "lse " + ShapeString(ld) +
-                                       " must be [heads_q, total_q]");
-  }
-  if (tile_counter_size != 1) {
-    return ffi::Error::InvalidArgument(name + "the tile counter scratch result must hold one int32");
-  }
-  return ffi::Error::Success();
-}
-
-// The fields of FlashFwdVarlenParams both varlen handlers set alike (all but v and element_type).
-template <typename Out>
-void SetVarlenParams(FlashFwdVarlenParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                     const ffi::Buffer<ffi::S32>& cu_seqlens_q,
-                     const ffi::Buffer<ffi::S32>& cu_seqlens_k, Out& out,
-                     ffi::Result<ffi::Buffer<ffi::F32>>& lse,
-                     ffi::Result<ffi::Buffer<ffi::S32>>& tile_counter, float softmax_scale,
-                     bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k, int64_t window_left,
-                     int64_t window_right) {
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.cu_seqlens_q = cu_seqlens_q.typed_data();
-  p.cu_seqlens_k = cu_seqlens_k.typed_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
-  p.tile_counter = tile_counter->typed_data();
-  p.num_seqs = cu_seqlens_q.dimensions()[0] - 1;
-  p.total_q = qd[0];
-  p.total_k = kd[0];
   p.max_seqlen_q = max_seqlen_q;
   p.max_seqlen_k = max_seqlen_k;
-  p.heads_q = qd[1];
-  p.heads_kv = kd[1];
-  p.head_dim = qd[2];
-  p.softmax_scale = softmax_scale;
-  p.causal = causal;
-  p.window_left = window_left;
-  p.window_right = window_right;
-}
+  if (!fp8 && v_transposed) return Invalid("v_transposed must be false for 16-bit inputs");
 
-ffi::Error FlashAttentionVarlenFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> cu_seqlens_q,
-                                       ffi::Buffer<ffi::S32> cu_seqlens_k,
-                                       ffi::Result<ffi::AnyBuffer> out,
-                                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                       ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-                                       float softmax_scale, bool causal, int64_t max_seqlen_q,
-                                       int64_t max_seqlen_k, int64_t window_left,
-                                       int64_t window_right) {
-  const std::string name = "jzyfa_flash_attention_varlen_fwd: ";
-  const ffi::DataType dtype = q.element_type();
-  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
-    return ffi::Error::InvalidArgument(name + "q must be bf16 or f16");
+  // The operands after q, k and v.
+  const size_t want = (varlen ? 2 : 0) + (fp8 ? 3 : 0);
+  if (extra.size() != want) {
+    return Invalid("expected " + std::to_string(3 + want) + " operands (q, k, v" +
+                   (varlen ? ", cu_seqlens_q, cu_seqlens_k" : "") +
+                   (fp8 ? ", descale_q, descale_k, descale_v" : "") + "), got " +
+                   std::to_string(3 + extra.size()));
   }
-  if (k.element_type() != dtype || v.element_type() != dtype || out->element_type() != dtype) {
-    return ffi::Error::InvalidArgument(name + "k, v and out must have the dtype of q");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             od = out->dimensions(), ld = lse->dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
-    return ffi::Error::InvalidArgument(
-        name + "q, k and v must be packed [total_tokens, heads, head_dim]");
-  }
-  // v may have a head dim of its own (MLA: 128 where q and k have 192).
-  if (vd[0] != kd[0] || vd[1] != kd[1]) {
-    return ffi::Error::InvalidArgument(name + "k " + ShapeString(kd) + " and v " +
-                                       ShapeString(vd) + " disagree on tokens or heads");
-  }
-  if (kd[2] != qd[2]) {
-    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " +
-                                       ShapeString(kd) + " disagree on head_dim");
-  }
-  ffi::Error checked = CheckVarlenOperands(name, qd, vd[2], cu_seqlens_q, cu_seqlens_k, od, ld,
-                                          tile_counter->element_count());
-  if (checked.failure()) return checked;
-
-  FlashFwdVarlenParams p;
-  SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
-                  max_seqlen_q, max_seqlen_k, window_left, window_right);
-  p.v = v.untyped_data();
-  p.head_dim_v = vd[2];
-  p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
-
-  return ValidateAndLaunch(name, p, ValidateFlashFwdVarlen, LaunchFlashFwdVarlen, stream);
-}
-
-// Descales: float32, one value or one per (batch or sequence, KV head); the same count for all
-// three. `batch` names what the first factor counts.
-ffi::Error CheckDescales(const std::string& name, ffi::Buffer<ffi::F32> dq,
-                         ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv, const char* batch_name,
-                         int64_t batch, int64_t heads_kv) {
-  const int64_t count = static_cast<int64_t>(dq.element_count());
-  if (static_cast<int64_t>(dk.element_count()) != count ||
-      static_cast<int64_t>(dv.element_count()) != count ||
-      (count != 1 && count != batch * heads_kv)) {
-    return ffi::Error::InvalidArgument(
-        name + "descale_q, descale_k and descale_v must each hold 1 or " + batch_name +
-        " * heads_kv (" + std::to_string(batch * heads_kv) + ") float32 values");
-  }
-  return ffi::Error::Success();
-}
-
-// Whether q, k and v are all e4m3.
-bool AllE4m3(std::initializer_list<const ffi::AnyBuffer*> buffers) {
-  return std::all_of(buffers.begin(), buffers.end(), [](const ffi::AnyBuffer* x) {
-    return x->element_type() == ffi::DataType::F8E4M3FN;
-  });
-}
-
-ffi::Error FlashAttentionFp8FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                                    ffi::AnyBuffer v, ffi::Buffer<ffi::F32> descale_q,
-                                    ffi::Buffer<ffi::F32> descale_k,
-                                    ffi::Buffer<ffi::F32> descale_v,
-                                    ffi::Result<ffi::Buffer<ffi::BF16>> out,
-                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                    ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-                                    float softmax_scale, bool causal, int64_t window_left,
-                                    int64_t window_right, bool lean_p, bool v_transposed) {
-  const std::string name = "jzyfa_flash_attention_fp8_fwd: ";
-  const char* const v_name = v_transposed ? "vt" : "v";
-  if (!AllE4m3({&q, &k, &v})) {
-    return ffi::Error::InvalidArgument(name + "q, k and " + v_name + " must be float8_e4m3fn");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             od = out->dimensions(), ld = lse->dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return ffi::Error::InvalidArgument(
-        name + (v_transposed ? "q and k must be [batch, seq, heads, head_dim], vt [batch, heads_kv, "
-                               "128, seq_k rounded up to 32] (v_transposed)"
-                             : "q, k and v must be [batch, seq, heads, head_dim]"));
-  }
-  // v's head dim may differ from q's and k's (MLA: 128 where they have 192): out's head dim.
-  if (kd[3] != qd[3]) {
-    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + " and k " + ShapeString(kd) +
-                                       " disagree on head_dim");
-  }
-  // v [batch, seq_k, heads_kv, head_dim_v], or vt [batch, heads_kv, head_dim_v, seq_k padded]
-  // (its key count: ValidateFlashFwdFp8).
-  const bool agree = v_transposed ? (vd[0] == kd[0] && vd[1] == kd[2])
-                                  : (vd[0] == kd[0] && vd[1] == kd[1] && vd[2] == kd[2]);
-  if (kd[0] != qd[0] || !agree) {
-    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and " + v_name + " " + ShapeString(vd) + " disagree" +
-                                       (v_transposed ? " (vt: [batch, heads_kv, 128, seq_k rounded "
-                                                       "up to 32])"
-                                                     : ""));
-  }
-  const int64_t head_dim_v = v_transposed ? vd[2] : vd[3];
-  ffi::Error results = CheckResults(name, qd, od, ld, head_dim_v, tile_counter->element_count());
-  if (results.failure()) return results;
-  ffi::Error descales = CheckDescales(name, descale_q, descale_k, descale_v, "batch", kd[0], kd[2]);
-  if (descales.failure()) return descales;
-
-  FlashFwdFp8Params p;
-  SetCommonParams(p, q, k, out, lse, tile_counter, softmax_scale, causal);
-  p.v = v.untyped_data();
-  p.head_dim_v = head_dim_v;
-  p.v_transposed = v_transposed;
-  if (v_transposed) p.seqlen_k_padded = vd[3];
-  SetDescales(p, descale_q, descale_k, descale_v);
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.lean_p = lean_p;
-
-  return ValidateAndLaunch(name, p, ValidateFlashFwdFp8, LaunchFlashFwdFp8, stream);
-}
-
-ffi::Error FlashAttentionFp8VarlenFwdImpl(
-    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-    ffi::Buffer<ffi::S32> cu_seqlens_q, ffi::Buffer<ffi::S32> cu_seqlens_k,
-    ffi::Buffer<ffi::F32> descale_q, ffi::Buffer<ffi::F32> descale_k,
-    ffi::Buffer<ffi::F32> descale_v, ffi::Result<ffi::Buffer<ffi::BF16>> out,
-    ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
-    float softmax_scale, bool causal, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    int64_t window_left, int64_t window_right, bool v_transposed) {
-  const std::string name = "jzyfa_flash_attention_fp8_varlen_fwd: ";
-  const char* const v_name = v_transposed ? "vt" : "v";
-  if (!AllE4m3({&q, &k, &v})) {
-    return ffi::Error::InvalidArgument(name + "q, k and " + v_name + " must be float8_e4m3fn");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             od = out->dimensions(), ld = lse->dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3) {
-    return ffi::Error::InvalidArgument(
-        name + (v_transposed ? "q and k must be packed [total_tokens, heads, head_dim], vt [heads_kv, "
-                               "128, roundup32(total_k) + 32 * (num_seqs + 1)] (v_transposed)"
-                             : "q, k and v must be packed [total_tokens, heads, head_dim]"));
-  }
-  // v [total_k, heads_kv, 128], or vt [heads_kv, 128, vt_keys] (its key count: below).
-  const bool agree = v_transposed ? (vd[0] == kd[1] && vd[1] == kd[2])
-                                  : (vd[0] == kd[0] && vd[1] == kd[1] && vd[2] == kd[2]);
-  if (kd[2] != qd[2] || !agree) {
-    return ffi::Error::InvalidArgument(name + "q " + ShapeString(qd) + ", k " + ShapeString(kd) +
-                                       " and " + v_name + " " + ShapeString(vd) + " disagree" +
-                                       (v_transposed ? " (vt: [heads_kv, 128, roundup32(total_k) + "
-                                                       "32 * (num_seqs + 1)])"
-                                                     : ""));
-  }
-  const int64_t head_dim_v = v_transposed ? vd[1] : vd[2];
-  ffi::Error checked = CheckVarlenOperands(name, qd, head_dim_v, cu_seqlens_q, cu_seqlens_k, od,
-                                          ld, tile_counter->element_count());
-  if (checked.failure()) return checked;
-  const int64_t num_seqs = cu_seqlens_q.dimensions()[0] - 1;
-  if (v_transposed) {
-    const int64_t want_keys = Fp8VarlenValueKeys(kd[0], num_seqs);
-    if (vd[2] != want_keys) {
-      return ffi::Error::InvalidArgument(
-          name + "vt must be [heads_kv, 128, roundup32(total_k) + 32 * (num_seqs + 1)] = [" +
-          std::to_string(kd[1]) + ", " + std::to_string(kd[2]) + ", " + std::to_string(want_keys) +
-          "], got " + ShapeString(vd));
+  ffi::Error shapes = DecodeShapes(q, k, v, out->dimensions(), lse->dimensions(), p);
+  if (shapes.failure()) return shapes;
+  size_t next = 0;
+  if (varlen) {
+    auto cu_q = extra.get<ffi::AnyBuffer>(next++), cu_k = extra.get<ffi::AnyBuffer>(next++);
+    if (cu_q.has_error()) return cu_q.error();
+    if (cu_k.has_error()) return cu_k.error();
+    const auto cqd = cu_q->dimensions(), ckd = cu_k->dimensions();
+    if (cu_q->element_type() != ffi::DataType::S32 || cu_k->element_type() != ffi::DataType::S32 ||
+        cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
+      return Invalid("cu_seqlens_q " + ShapeString(cqd) + " and cu_seqlens_k " + ShapeString(ckd) +
+                     " must both be int32 [num_seqs + 1], num_seqs >= 1");
     }
+    p.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
+    p.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
+    p.num_seqs = cqd[0] - 1;
+  }  // dense calls pass max_seqlen_q = max_seqlen_k = 0; the handler reads them for varlen only
+  if (fp8) {
+    const float* descales[3];
+    int64_t counts[3];
+    for (int i = 0; i < 3; ++i) {
+      auto d = extra.get<ffi::AnyBuffer>(next++);
+      if (d.has_error()) return d.error();
+      if (d->element_type() != ffi::DataType::F32) {
+        return Invalid("descale_q, descale_k and descale_v must be float32");
+      }
+      descales[i] = static_cast<const float*>(d->untyped_data());
+      counts[i] = static_cast<int64_t>(d->element_count());
+    }
+    const int64_t groups = varlen ? p.num_seqs : p.batch;
+    if (counts[1] != counts[0] || counts[2] != counts[0] ||
+        (counts[0] != 1 && counts[0] != groups * p.heads_kv)) {
+      return Invalid(std::string("descale_q, descale_k and descale_v must each hold 1 or ") +
+                     (varlen ? "num_seqs" : "batch") + " * heads_kv (" +
+                     std::to_string(groups * p.heads_kv) + ") float32 values");
+    }
+    p.descale_q = descales[0];
+    p.descale_k = descales[1];
+    p.descale_v = descales[2];
+    p.descale_count = counts[0];
   }
-  ffi::Error descales =
-      CheckDescales(name, descale_q, descale_k, descale_v, "num_seqs", num_seqs, kd[1]);
-  if (descales.failure()) return descales;
-
-  FlashFwdFp8VarlenParams p;
-  SetVarlenParams(p, q, k, cu_seqlens_q, cu_seqlens_k, out, lse, tile_counter, softmax_scale, causal,
-                  max_seqlen_q, max_seqlen_k, window_left, window_right);
+  if (tile_counter->element_count() != 1) {
+    return Invalid("the tile counter scratch result must hold one int32");
+  }
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.head_dim_v = head_dim_v;
-  p.v_transposed = v_transposed;
-  if (v_transposed) p.vt_keys = vd[2];
-  SetDescales(p, descale_q, descale_k, descale_v);
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.tile_counter = tile_counter->typed_data();
 
-  return ValidateAndLaunch(name, p, ValidateFlashFwdFp8Varlen, LaunchFlashFwdFp8Varlen, stream);
+  MaskPlan mask;
+  std::string error = ValidateFwd(&p, &mask);
+  if (!error.empty()) return Invalid(error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return Invalid(error);
+  error = LaunchFwd(p, mask, stream);
+  if (!error.empty()) return ffi::Error::Internal(kFwdName + error);
+  return ffi::Error::Success();
 }
 
 ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
@@ -436,83 +260,28 @@ ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
 
 uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFwd, FlashAttentionFwdImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, AttentionFwdImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("window_left")  // -1: unbounded
-                                  .Attr<int64_t>("window_right"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionVarlenFwd, FlashAttentionVarlenFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q [total_q, Hq, D]
-                                  .Arg<ffi::AnyBuffer>()  // k [total_k, Hkv, D]
-                                  .Arg<ffi::AnyBuffer>()  // v [total_k, Hkv, D]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
-                                  .Ret<ffi::AnyBuffer>()  // out [total_q, Hq, D]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [Hq, total_q]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_k")
-                                  .Attr<int64_t>("window_left")  // -1: unbounded
-                                  .Attr<int64_t>("window_right"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8Fwd, FlashAttentionFp8FwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q, e4m3
-                                  .Arg<ffi::AnyBuffer>()  // k, e4m3
-                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, Dv], or vt
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
+                                  .Arg<ffi::AnyBuffer>()  // v, or vt (FP8 v_transposed)
+                                  // [cu_seqlens_q, cu_seqlens_k] (varlen), [descale_q, descale_k,
+                                  // descale_v] (float8_e4m3fn q)
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>()         // out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("causal")
                                   .Attr<int64_t>("window_left")  // -1: unbounded
                                   .Attr<int64_t>("window_right")
-                                  .Attr<bool>("lean_p")
-                                  // v is vt [B, Hkv, 128, roundup32(Sk)] (jzyfa_fp8_value_operand)
-                                  .Attr<bool>("v_transposed"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashAttentionFp8VarlenFwd, FlashAttentionFp8VarlenFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // q, e4m3 [total_q, Hq, 128]
-                                  .Arg<ffi::AnyBuffer>()  // k, e4m3 [total_k, Hkv, 128]
-                                  .Arg<ffi::AnyBuffer>()  // v, e4m3 [total_k, Hkv, 128], or vt
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_q [num_seqs + 1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_seqlens_k [num_seqs + 1]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // descale_v
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out [total_q, Hq, 128]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse [Hq, total_q]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (scratch)
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<bool>("causal")
-                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<bool>("varlen")
+                                  .Attr<int64_t>("max_seqlen_q")  // 0 for dense calls
                                   .Attr<int64_t>("max_seqlen_k")
-                                  .Attr<int64_t>("window_left")  // -1: unbounded
-                                  .Attr<int64_t>("window_right")
-                                  // v is vt [Hkv, 128, Fp8VarlenValueKeys] (fp8_varlen_value_operand)
-                                  .Attr<bool>("v_transposed"),
+                                  .Attr<bool>("lean_p")        // FP8 only
+                                  .Attr<bool>("v_transposed")  // FP8 only
+                                  .Attr<int64_t>("key_block"),  // 0: the launch's rule
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,

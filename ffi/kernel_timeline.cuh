@@ -1,14 +1,14 @@
-// Optional timestamps of the attention kernels' consumer loops, for finding where a key block's
-// time goes (tools/kernel_timeline.py). Off by default: built without -DJZYFA_TIMELINE=1 every
-// call below compiles to nothing and the kernels' SASS is unchanged.
+// The interface of the consumer loops' optional timestamps, for finding where a key block's time
+// goes (tools/kernel_timeline.py): the layout of the recorded array, the events, and NoTimeline, the
+// recorder that records nothing (the product's: MeasureVariant<>::Timeline). The recorder itself is
+// a measuring build's (tools/measure/timeline.h, CMake -DJZYFA_MEASURE=timeline).
 //
-// With it, thread 0 of each consumer warpgroup of the first kCtas CTAs writes the SM clock
+// There, thread 0 of each consumer warpgroup of the first kCtas CTAs writes the SM clock
 // (clock64) at fixed points of each steady-state key-block iteration (TimelineEvent) into a
 // __device__ array, one row of kEvents per iteration, for its first kIterations iterations
 // across tiles; and at fixed points of each tile (TileEvent: what happens outside the key-block
 // loop, the per-tile cost that short sequences pay), one row of kTileEvents per tile, for its first
-// kTiles tiles, after the iterations' rows. Each translation unit that includes this header has its
-// own array (internal linkage) and reads it back with ReadTimeline (host code in the same .cu file).
+// kTiles tiles, after the iterations' rows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -57,8 +57,8 @@ enum TileEvent : int {
   kTileEnd = 7,        // O and LSE handed to their stores (the epilogue done)
 };
 
-// The recorder's interface, recording nothing: the sliding-window kernels use it in JZYFA_TIMELINE
-// builds too (their stamps' registers would spill).
+// The recorder's interface, recording nothing: the sliding-window kernels use it in timeline builds
+// too (their stamps' registers would spill).
 struct NoTimeline {
   __device__ explicit NoTimeline(int) {}
   __device__ void Mark(TimelineEvent) {}
@@ -66,66 +66,16 @@ struct NoTimeline {
   __device__ void MarkTile(int, TileEvent) {}
 };
 
-#if defined(JZYFA_TIMELINE) && JZYFA_TIMELINE
-static __device__ uint64_t g_timeline[TimelineLayout::kSlots];
-
-class TimelineRecorder {
- public:
-  __device__ explicit TimelineRecorder(int consumer) {
-    if (blockIdx.x < TimelineLayout::kCtas && threadIdx.x % 128 == 0) {
-      row_ = g_timeline + (static_cast<int64_t>(blockIdx.x) * TimelineLayout::kConsumers + consumer) *
-                              TimelineLayout::kIterations * TimelineLayout::kEvents;
-    }
+// The timestamps of the last runs, zeroed after reading; an error unless the build records them.
+template <typename Variant>
+std::string ReadTimelineOf(std::vector<uint64_t>* out) {
+  if constexpr (Variant::kTimeline) {
+    return Variant::ReadTimeline(out);
+  } else {
+    out->clear();
+    return "jzyfa was built without the timeline (configure with -DJZYFA_MEASURE=timeline, "
+           "tools/measure/timeline.h)";
   }
-  __device__ void Mark(TimelineEvent event) {
-    if (row_ != nullptr && iteration_ < TimelineLayout::kIterations) {
-      row_[iteration_ * TimelineLayout::kEvents + event] = clock64();
-    }
-  }
-  __device__ void Next() { ++iteration_; }
-  // Tile `round` of this consumer (its loop's counter: no register of the recorder's own). The
-  // row's address is formed again from the block and thread indices.
-  __device__ void MarkTile(int round, TileEvent event) {
-    if (row_ != nullptr && round < TimelineLayout::kTiles) {
-      const int consumer = threadIdx.x / 128 - 1;  // warpgroup 0 is the producer
-      g_timeline[TimelineLayout::kIterationSlots +
-                 ((static_cast<int64_t>(blockIdx.x) * TimelineLayout::kConsumers + consumer) *
-                      TimelineLayout::kTiles +
-                  round) *
-                     TimelineLayout::kTileEvents +
-                 event] = clock64();
-    }
-  }
-
- private:
-  uint64_t* row_ = nullptr;
-  int iteration_ = 0;
-};
-
-// Copies the array to `out` and zeroes it for the next run (host code; stream-ordered after the
-// kernels on the legacy default stream, so synchronize the work of interest first).
-static inline std::string ReadTimeline(std::vector<uint64_t>* out) {
-  out->assign(TimelineLayout::kSlots, 0);
-  cudaError_t err = cudaMemcpyFromSymbol(out->data(), g_timeline, sizeof(uint64_t) * out->size());
-  if (err == cudaSuccess) {
-    const std::vector<uint64_t> zeros(TimelineLayout::kSlots, 0);
-    err = cudaMemcpyToSymbol(g_timeline, zeros.data(), sizeof(uint64_t) * zeros.size());
-  }
-  return err == cudaSuccess ? std::string() : std::string(cudaGetErrorString(err));
 }
-#else
-class TimelineRecorder {
- public:
-  __device__ explicit TimelineRecorder(int) {}
-  __device__ void Mark(TimelineEvent) {}
-  __device__ void Next() {}
-  __device__ void MarkTile(int, TileEvent) {}
-};
-
-static inline std::string ReadTimeline(std::vector<uint64_t>* out) {
-  out->clear();
-  return "jzyfa was built without -DJZYFA_TIMELINE=1 (set CUDAFLAGS=-DJZYFA_TIMELINE=1 and rebuild)";
-}
-#endif
 
 }  // namespace jzyfa

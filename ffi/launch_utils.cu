@@ -5,6 +5,12 @@
 
 #include <algorithm>
 #include <mutex>
+#include <string>
+#include <vector>
+
+#include "flash_fwd.h"
+#include "kernel_timeline.cuh"
+#include "measure_variant.h"
 
 namespace jzyfa {
 namespace {
@@ -150,6 +156,10 @@ std::string StartTileQueue(int32_t* tile_counter, int num_tiles, int sm_count,
   if (err != cudaSuccess) return CudaError("zeroing the tile counter", err);
   *grid = std::min(num_tiles, sm_count);
   return "";
+}
+
+std::string ReadFwdTimeline(std::vector<uint64_t>* out) {
+  return ReadTimelineOf<MeasureVariant<>>(out);
 }
 
 }  // namespace jzyfa

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <string>
 
+#include "measure_variant.h"
+
 namespace jzyfa {
 
 std::string CudaError(const char* what, cudaError_t err);
@@ -102,11 +104,8 @@ void SetTileGeometry(Args& args, int64_t batch, int64_t seqlen_q, int64_t seqlen
 // per tile from the mask (causal, or the window's left/right bounds, -1 unbounded; bottom-right
 // aligned), block_m rows per tile. Measured: +2 to +4% at 16K-32K keys (docs/benchmarks.md,
 // seventeenth session).
-// JZYFA_TILE_GROUPS=0 (measuring only) makes each batch element a group: the order before
-// 2026-12-03 (heads fastest, then query tiles longest first, then batch).
-#ifndef JZYFA_TILE_GROUPS
-#define JZYFA_TILE_GROUPS 1
-#endif
+// A measuring build (tools/measure/no_tile_groups.h) makes each batch element a group: the previous
+// order (heads fastest, then query tiles longest first, then batch).
 constexpr int kTileGroupBalance = 2;
 int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causal, int window_left,
                    int window_right, int block_m, int sm_count);
@@ -114,20 +113,10 @@ int TileGroupPairs(int64_t pairs, int64_t seqlen_q, int64_t seqlen_k, bool causa
 template <typename Args>
 void SetTileGroups(Args& args, int sm_count, int window_left, int window_right, int block_m) {
   args.group_pairs =
-      JZYFA_TILE_GROUPS ? TileGroupPairs(args.num_tiles / args.m_tiles, args.seqlen_q, args.seqlen_k,
-                                         args.causal != 0, window_left, window_right, block_m, sm_count)
-                        : args.heads_q;
-}
-
-// Why a 16-bit tile (FwdTile) of head dims (qk, v) is not instantiated in this build: its shared
-// memory is more than a block can have (MLA with JZYFA_KV_STAGES=3 or the TMA-store epilogue).
-template <typename Tile>
-std::string TileTooLarge(int head_dim_qk, int head_dim_v, int epilogue_tma) {
-  return "head dims (" + std::to_string(head_dim_qk) + ", " + std::to_string(head_dim_v) +
-         ") need " + std::to_string(Tile::kDynamicSmemBytes) +
-         " bytes of shared memory in this build (JZYFA_KV_STAGES=" + std::to_string(Tile::kStages) +
-         ", JZYFA_EPILOGUE_TMA=" + std::to_string(epilogue_tma) + "), more than the " +
-         std::to_string(Tile::kMaxDynamicSmemBytes) + " a block can have";
+      MeasureVariant<>::kTileGroups
+          ? TileGroupPairs(args.num_tiles / args.m_tiles, args.seqlen_q, args.seqlen_k,
+                           args.causal != 0, window_left, window_right, block_m, sm_count)
+          : args.heads_q;
 }
 
 // The tile geometry and sequence fields of a varlen launch's arguments (VarlenFwdArgs's fields) from its

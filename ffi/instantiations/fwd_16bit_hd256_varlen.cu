@@ -1,0 +1,10 @@
+// The forward instantiations of kFwdKernels' rows (16bit, head dims (256, 256), varlen), every mask.
+#include "launch_fwd.cuh"
+
+namespace jzyfa {
+
+template std::string LaunchFwdInstance<Family::k16Bit, 256, 256, Layout::kVarlen>(const FwdParams&,
+                                                                      const MaskPlan&,
+                                                                      cudaStream_t);
+
+}  // namespace jzyfa

@@ -1,0 +1,136 @@
+// The forward kernels as data: which instantiations the library has (kFwdKernels: the rows the
+// Python plan mirrors, module.cc's kernels()) and the tile sizes each runs with (Fwd16TileSize,
+// Fp8TileSize: keys per block, ring stages, register split, epilogue, V source, ...). FwdTile and
+// Fp8TileT (flash_fwd_kernel.cuh, fp8_tile.cuh) read their sizes from here and derive only the
+// shared-memory layout; the launches (launch_fwd_16bit.cuh, launch_fwd_fp8.cuh) and the host's
+// key-block rule (flash_fwd.cc) read the same values. Plain C++: the host compiler includes it.
+// A new variant is one row of kFwdKernels, its sizes here, and one file of ffi/instantiations/.
+#pragma once
+
+#include <cstddef>
+
+namespace jzyfa {
+
+enum class Family { k16Bit, kFp8 };
+enum class MaskKind { kNone, kCausal, kWindow };
+enum class Layout { kDense, kVarlen };
+
+// MLA's head dims, the one unequal pair: q and k 192, v and out 128.
+constexpr int kMlaHeadDimQK = 192;
+constexpr int kMlaHeadDimV = 128;
+
+// One forward instantiation: (family, q/k head dim, v head dim, mask, layout). The mask is the
+// resolved one (ResolveMask): "window" only for windows that are neither causal nor none.
+struct FwdKernelRow {
+  Family family;
+  int head_dim_qk;
+  int head_dim_v;
+  MaskKind mask;
+  Layout layout;
+};
+
+inline constexpr FwdKernelRow kFwdKernels[] = {
+    // 16-bit (bf16 and f16): every head dim, every mask, dense and varlen.
+    {Family::k16Bit, 64, 64, MaskKind::kNone, Layout::kDense},
+    {Family::k16Bit, 64, 64, MaskKind::kCausal, Layout::kDense},
+    {Family::k16Bit, 64, 64, MaskKind::kWindow, Layout::kDense},
+    {Family::k16Bit, 64, 64, MaskKind::kNone, Layout::kVarlen},
+    {Family::k16Bit, 64, 64, MaskKind::kCausal, Layout::kVarlen},
+    {Family::k16Bit, 64, 64, MaskKind::kWindow, Layout::kVarlen},
+    {Family::k16Bit, 128, 128, MaskKind::kNone, Layout::kDense},
+    {Family::k16Bit, 128, 128, MaskKind::kCausal, Layout::kDense},
+    {Family::k16Bit, 128, 128, MaskKind::kWindow, Layout::kDense},
+    {Family::k16Bit, 128, 128, MaskKind::kNone, Layout::kVarlen},
+    {Family::k16Bit, 128, 128, MaskKind::kCausal, Layout::kVarlen},
+    {Family::k16Bit, 128, 128, MaskKind::kWindow, Layout::kVarlen},
+    {Family::k16Bit, 256, 256, MaskKind::kNone, Layout::kDense},
+    {Family::k16Bit, 256, 256, MaskKind::kCausal, Layout::kDense},
+    {Family::k16Bit, 256, 256, MaskKind::kWindow, Layout::kDense},
+    {Family::k16Bit, 256, 256, MaskKind::kNone, Layout::kVarlen},
+    {Family::k16Bit, 256, 256, MaskKind::kCausal, Layout::kVarlen},
+    {Family::k16Bit, 256, 256, MaskKind::kWindow, Layout::kVarlen},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kDense},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kDense},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kWindow, Layout::kDense},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kVarlen},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kVarlen},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kWindow, Layout::kVarlen},
+    // FP8 (e4m3): head dim 128 every mask, dense and varlen; MLA's dense, causal or no mask.
+    {Family::kFp8, 128, 128, MaskKind::kNone, Layout::kDense},
+    {Family::kFp8, 128, 128, MaskKind::kCausal, Layout::kDense},
+    {Family::kFp8, 128, 128, MaskKind::kWindow, Layout::kDense},
+    {Family::kFp8, 128, 128, MaskKind::kNone, Layout::kVarlen},
+    {Family::kFp8, 128, 128, MaskKind::kCausal, Layout::kVarlen},
+    {Family::kFp8, 128, 128, MaskKind::kWindow, Layout::kVarlen},
+    {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kDense},
+    {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kDense},
+};
+inline constexpr size_t kNumFwdKernels = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
+
+// Whether kFwdKernels has the row (with any mask when `any_mask`).
+constexpr bool HasFwdKernel(Family family, int head_dim_qk, int head_dim_v, MaskKind mask,
+                            Layout layout, bool any_mask = false) {
+  for (const FwdKernelRow& row : kFwdKernels) {
+    if (row.family == family && row.head_dim_qk == head_dim_qk && row.head_dim_v == head_dim_v &&
+        row.layout == layout && (any_mask || row.mask == mask)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// One tile's sizes. Both families: 2 consumer warpgroups of 64 query rows (block M 128) and one
+// producer warpgroup.
+struct TileSize {
+  int block_n;        // keys per block: the N of S = Q K^T
+  int stages;         // K/V ring depth
+  int producer_regs;  // setmaxnreg of the producer and the consumers
+  int consumer_regs;
+  bool epilogue_tma;  // O through shared memory and a TMA store where the O tiles fit; false:
+                      // from registers (varlen: a store box would reach into the next sequence)
+  bool staged_v;      // FP8: V staged and transposed in the kernel; false: V^T from memory
+  int promote_blocks;   // FP8: key blocks summed in the wgmma accumulator per promotion to O
+  int reg_copy_chunks;  // FP8: float4s of O's float32 copy kept in registers (the rest in smem)
+};
+
+constexpr int kFwdRowsPerConsumer = 64;
+constexpr int kFwdConsumers = 2;
+constexpr int kFwdBlockM = kFwdRowsPerConsumer * kFwdConsumers;
+
+// The 16-bit tiles (FwdTile). Keys per block: 128, 64 where v's head dim is 256 (the O accumulator
+// alone takes 128 registers per consumer thread; 64-key blocks keep S at 32 and P at 16). Two stages:
+// three measured the same at hd128 (docs/benchmarks.md: 528/581 against 2 stages' at 4K/16K). The
+// TMA-store epilogue (measured +2-10% at hd128) for dense calls where the O tiles fit. block_n other
+// than the default: the measuring variants' wide tiles (hd256 with 80 keys: consumers at 240,
+// producer 24, as 232 spills 44 bytes).
+constexpr int Fwd16DefaultBlockN(int head_dim_v) { return head_dim_v > 128 ? 64 : 128; }
+constexpr TileSize Fwd16TileSize(int head_dim_v, Layout layout, int block_n) {
+  const bool wide_hd256 = head_dim_v > 128 && block_n > 64;
+  return TileSize{block_n,
+                  2,
+                  wide_hd256 ? 24 : 40,
+                  wide_hd256 ? 240 : 232,
+                  layout == Layout::kDense,
+                  false,
+                  0,
+                  0};
+}
+
+// The FP8 tiles (Fp8TileT). 128 keys per block, or 192 (V^T from memory, dense, unwindowed head dim
+// 128: Fp8KeyBlock's rule). O is promoted every 8 blocks of 128 keys (every 4: 8.6% of the kernel
+// time at 32K keys, every 8: 4.6%; every 16 measured 1.4-3.2% faster but left the row sum 1.9% low:
+// docs/benchmarks.md), 5 for 192 keys. O's float32 copy keeps 7 float4s per thread in registers (8
+// spill), MLA 6 (its longer Q K^T), none with 192-key blocks (1 spilled 28 bytes).
+constexpr int kFp8WideBlockN = 192;
+constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, int block_n) {
+  return TileSize{block_n,
+                  2,
+                  40,
+                  232,
+                  layout == Layout::kDense,
+                  staged_v,
+                  8 * 128 / block_n > 0 ? 8 * 128 / block_n : 1,
+                  block_n > 128 ? 0 : head_dim_qk == 128 ? 7 : 6};
+}
+
+}  // namespace jzyfa
