@@ -1,8 +1,13 @@
-"""Helpers of the bench tests: the flags parsed as `python -m jzyfa.bench` parses them, and a recorder
-standing in for jzyfa's entry points."""
+"""Helpers of the bench tests: the flags parsed as `python -m jzyfa.bench` parses them, the command run
+as a user runs it, a recorder standing in for jzyfa's entry points, and a result row for the reports."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import jax
 import jax.numpy as jnp
 from absl import flags
 
@@ -46,3 +51,29 @@ def quick_options(allow_xla_fallback: bool = False) -> speed.Options:
         max_rel_err=None,
         peer_options=peers.Options(allow_xla_fallback=allow_xla_fallback),
     )
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def run_bench(*args: str, module: str = "jzyfa.bench", timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` from the repository, its output captured; on a GPU a smoke run
+    times 3 samples without a minimum duration."""
+    cmd = [sys.executable, "-m", module, *args]
+    if ON_GPU and "--smoke" in args:
+        cmd += ["--iters", "3", "--min_time_s", "0"]
+    return subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def fake_result(**overrides) -> dict:
+    """A measured result row as `speed.measure_peer` returns it (the keys the reports read)."""
+    result = {
+        "impl": "jzyfa", "inputs": "gaussian", "compute_dtype": "bf16", "notes": None, "batch": 2,
+        "seq_q": 8192, "seq_k": 8192, "heads_q": 32, "heads_kv": 8, "head_dim": 128, "causal": True,
+        "window": None, "varlen": None, "status": "ok", "message": None, "median_ms": 1.5, "tflops": 733.0,
+        "sm_clock_mhz": 1755.0, "board_power_w": None, "rel_err": 2.5e-3, "timing_source": "cupti",
+        "wall": {"median_ms": 1.6},
+    }  # fmt: skip
+    result.update(overrides)
+    return result

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
-from bench_helpers import quick_options, record_flash_attention, resolve_config
+from bench_helpers import fake_result, quick_options, record_flash_attention, resolve_config, run_bench
 
 import jzyfa
 from jzyfa import plan
@@ -485,30 +486,7 @@ def test_fp8_sets_quantize_once():
 
 
 def _fake_result(**overrides):
-    result = {
-        "impl": "jzyfa",
-        "inputs": "gaussian",
-        "compute_dtype": "bf16",
-        "notes": None,
-        "batch": 2,
-        "seq_q": 8192,
-        "seq_k": 8192,
-        "heads_q": 32,
-        "heads_kv": 8,
-        "head_dim": 128,
-        "causal": True,
-        "status": "ok",
-        "message": None,
-        "median_ms": 1.5,
-        "tflops": 733.0,
-        "sm_clock_mhz": 1755.0,
-        "board_power_w": None,
-        "rel_err": 2.5e-3,
-        "timing_source": "cupti",
-        "wall": {"median_ms": 1.6},
-    }
-    result.update(overrides)
-    return result
+    return fake_result(**overrides)
 
 
 ENV = {
@@ -592,7 +570,7 @@ def test_tables_with_board_power():
 
 def test_plot_png(tmp_path):
     pytest.importorskip("matplotlib")
-    path = tmp_path / "speed.png"
+    path = tmp_path / "bench.png"
     assert speed.write_plot(_results(), ENV, CONFIG, str(path)) == 3  # the error has no point
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
@@ -617,15 +595,12 @@ RESULT_KEYS = {
 
 def test_smoke_run_writes_sane_json(tmp_path):
     """The command as a user runs it, in smoke mode on this machine, on both input kinds."""
-    out = tmp_path / "speed.json"
-    png = tmp_path / "speed.png"
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
     impls = "jzyfa,cudnn,xla,pallas,torch_sdpa_cudnn,flash_attn3,cudnn_fp8,jzyfa_fp8,jzyfa_fp8_exact_p"
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--kv_heads", "2", "--shapes", "2x128,1x96x160",
+    proc = run_bench("--smoke", "--kv_heads", "2", "--shapes", "2x128,1x96x160",
            "--impls", impls, "--inputs", "gaussian,activations", "--markdown", f"--json_out={out}",
-           f"--plot={png}"]  # fmt: skip
-    if ON_GPU:
-        cmd += ["--iters", "3", "--min_time_s", "0"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+           f"--plot={png}")  # fmt: skip
     has_matplotlib = importlib_find("matplotlib")
     assert proc.returncode == (0 if has_matplotlib else 3), proc.stderr[-3000:]
     assert "| impl |" in proc.stdout and "TFLOP/s on activations inputs" in proc.stdout
@@ -681,9 +656,7 @@ def importlib_find(name):
 
 
 def test_model_inputs_are_reported_unavailable(tmp_path):
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--inputs", "model", "--shapes", "1x64",
-           "--impls", "jzyfa"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_bench("--smoke", "--inputs", "model", "--shapes", "1x64", "--impls", "jzyfa")
     assert proc.returncode != 0
     assert "no installable package ships a causal language model" in proc.stderr
 
@@ -767,7 +740,7 @@ def test_board_power_reaches_json_and_tables(monkeypatch, watts):
 def test_replot_draws_a_saved_report_without_measuring(tmp_path):
     """--replot: the tables and the PNG of an earlier run's JSON, with no GPU and no timing."""
     pytest.importorskip("matplotlib")
-    out, png = tmp_path / "speed.json", tmp_path / "again.png"
+    out, png = tmp_path / "bench.json", tmp_path / "again.png"
     run = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--shapes", "2x128,1x256", "--impls", "jzyfa,xla",
            f"--json_out={out}"]  # fmt: skip
     subprocess.run(run, check=True, capture_output=True, text=True)
@@ -805,3 +778,47 @@ def test_fp8_v_layout_flag_sets_the_variable_for_the_run_only(monkeypatch):
     assert os.environ[FP8_V_LAYOUT_ENV] == "staged"
     with speed.fp8_v_layout(None):
         assert os.environ[FP8_V_LAYOUT_ENV] == "staged"
+
+
+# ---- The package
+
+
+@pytest.mark.parametrize("module", ["jzyfa.bench", "jzyfa.bench.accuracy", "jzyfa.bench.overhead"])
+def test_help_exits_0(module):
+    proc = run_bench("--help", module=module, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--markdown" in proc.stdout and (module == "jzyfa.bench.overhead" or "--json_out" in proc.stdout)
+
+
+# What the bench may import of jzyfa: the package's top-level names and its public modules.
+PUBLIC_MODULES = {
+    "jzyfa", "jzyfa.plan", "jzyfa.reference", "jzyfa.varlen", "jzyfa.fp8_emulation", "jzyfa.fp8_layout",
+    "jzyfa.quantize", "jzyfa.merge", "jzyfa.sequence_layout", "jzyfa.e4m3_codes",
+}  # fmt: skip
+
+
+def test_the_bench_uses_the_public_api_only():
+    """jzyfa/bench/ imports jzyfa's public modules and top-level names only, reads no private
+    attribute of jzyfa, and names no kill switch."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(REPO, "jzyfa", "bench")
+    texts = {path.name: path.read_text() for path in sorted(package.glob("*.py"))}
+    for name, text in texts.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module == "jzyfa":
+                modules = [f"jzyfa.{a.name}" for a in node.names if a.name not in jzyfa.__all__]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jzyfa"):
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names if a.name.startswith("jzyfa")]
+            else:
+                continue
+            for module in modules:
+                assert module in PUBLIC_MODULES or module.startswith("jzyfa.bench"), (name, module)
+        for attribute in re.findall(r"\bjzyfa\.(\w+)", text):
+            assert attribute in jzyfa.__all__ or f"jzyfa.{attribute}" in PUBLIC_MODULES or attribute in (
+                "bench", "handler_calls"
+            ), (name, attribute)
+        assert not re.search(r"UNVERIFIED|_VERIFIED", text), name

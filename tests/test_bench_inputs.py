@@ -1,4 +1,4 @@
-"""jzyfa.realistic_inputs: determinism, RoPE, outlier channels, the attention sink, head scale spread."""
+"""jzyfa.bench.inputs (activation-like inputs): determinism, RoPE, outlier channels, the attention sink, head scale spread."""
 
 import dataclasses
 

@@ -4,15 +4,13 @@ have one head dim saying so (cuDNN through jax.nn included: no figure), the repo
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64
-from bench_helpers import resolve_config
+from bench_helpers import resolve_config, run_bench
 
 from jzyfa import plan
 from jzyfa.bench import peers, speed
@@ -84,15 +82,7 @@ def test_peers_with_one_head_dim_say_so(monkeypatch):
     """jax.nn (cuDNN and XLA), Pallas, PyTorch SDPA, FlashAttention 2 and cuDNN FP8 get no MLA figure; the
     jzyfa peers and FlashAttention 3 (16-bit) are not refused for it."""
     p = mla()
-    for name in (
-        "cudnn",
-        "xla",
-        "pallas",
-        "torch_sdpa_cudnn",
-        "torch_sdpa_flash",
-        "flash_attn",
-        "flash_attn3_fp8",
-    ):
+    for name in "cudnn xla pallas torch_sdpa_cudnn torch_sdpa_flash flash_attn flash_attn3_fp8".split():
         reason = peers.PEERS[name].supports(p)
         assert reason and reason.startswith("v's head dim 128 != q's and k's 192: "), (name, reason)
     assert "cuDNN's own unequal head dims are not reachable" in peers.PEERS["cudnn"].supports(p)
@@ -112,14 +102,11 @@ def test_reports_show_both_head_dims():
 
 
 def test_smoke_run_times_mla(tmp_path):
-    out = tmp_path / "speed.json"
+    out = tmp_path / "bench.json"
     impls = "jzyfa,jzyfa_xla,cudnn,xla,pallas"
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--head_dim", "192", "--v_head_dim", "128",
+    proc = run_bench("--smoke", "--head_dim", "192", "--v_head_dim", "128",
            "--shapes", "1x128", "--heads", "4", "--kv_heads", "2", "--impls", impls, "--inputs", "gaussian",
-           "--markdown", f"--json_out={out}"]  # fmt: skip
-    if ON_GPU:
-        cmd += ["--iters", "3", "--min_time_s", "0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+           "--markdown", f"--json_out={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "head dim 192/128" in proc.stdout.splitlines()[0]
     assert "| 192/128 |" in proc.stdout

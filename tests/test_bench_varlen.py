@@ -7,15 +7,13 @@ and a smoke run."""
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_varlen_f64
-from bench_helpers import quick_options, resolve_config
+from bench_helpers import fake_result, quick_options, resolve_config, run_bench
 
 import jzyfa
 from jzyfa.bench import inputs as bench_inputs
@@ -95,8 +93,7 @@ def test_varlen_and_shapes_together_are_refused():
     ],
 )
 def test_bad_varlen_fails_before_any_work(bad, message):
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", f"--varlen={bad}", "--impls", "jzyfa"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_bench("--smoke", f"--varlen={bad}", "--impls", "jzyfa")
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "[jzyfa.bench]" not in proc.stderr  # nothing was set up or measured
@@ -299,15 +296,8 @@ def test_jzyfa_varlen_on_a_gpu_traces_the_kernel(monkeypatch):
 
 
 def _fake_result(**overrides):
-    result = {
-        "impl": "jzyfa", "inputs": "gaussian", "compute_dtype": "bf16", "notes": None, "batch": 3,
-        "seq_q": 8192, "seq_k": 8192, "heads_q": 16, "heads_kv": 16, "head_dim": 128, "causal": True,
-        "window": None, "varlen": [[8192, 8192], [4096, 4096], [4032, 4032]], "status": "ok", "message": None,
-        "median_ms": 1.5, "tflops": 500.0, "sm_clock_mhz": 1755.0, "board_power_w": None, "rel_err": 2.5e-3,
-        "timing_source": "cupti", "wall": {"median_ms": 1.6},
-    }  # fmt: skip
-    result.update(overrides)
-    return result
+    packed = [[8192, 8192], [4096, 4096], [4032, 4032]]
+    return fake_result(**{"batch": 3, "heads_q": 16, "heads_kv": 16, "varlen": packed, "tflops": 500.0, **overrides})
 
 
 ENV = {"date": "2026-11-30T12:00:00+00:00", "device": "NVIDIA H200", "jax": "0.12.0", "jaxlib": "0.12.0"}
@@ -344,14 +334,11 @@ def test_tables_show_the_packed_batch(tmp_path, capsys):
 
 
 def test_smoke_run_with_varlen(tmp_path):
-    out = tmp_path / "speed.json"
-    png = tmp_path / "speed.png"
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
     impls = "jzyfa,jzyfa_xla,xla,cudnn,flash_attn,jzyfa_fp8"
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--varlen", "200,64,1", "--kv_heads", "2",
-           "--impls", impls, "--inputs", "gaussian", "--markdown", f"--json_out={out}", f"--plot={png}"]  # fmt: skip
-    if ON_GPU:
-        cmd += ["--iters", "3", "--min_time_s", "0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_bench("--smoke", "--varlen", "200,64,1", "--kv_heads", "2",
+           "--impls", impls, "--inputs", "gaussian", "--markdown", f"--json_out={out}", f"--plot={png}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "lengths 200,64,1." in proc.stdout.splitlines()[0]
     assert "| impl | varlen 3 seqs, 265 tokens |" in proc.stdout

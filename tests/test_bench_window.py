@@ -4,15 +4,13 @@ peers' windows and skip reasons, the reports, the flag's errors and a smoke run.
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv, visible_f64
-from bench_helpers import quick_options, record_flash_attention, resolve_config
+from bench_helpers import fake_result, quick_options, record_flash_attention, resolve_config, run_bench
 
 from jzyfa import plan
 from jzyfa.bench import float64, peers, speed
@@ -99,8 +97,7 @@ def test_config_holds_the_window():
 
 
 def test_bad_window_fails_before_any_work():
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--window", "64,-3", "--shapes", "1x64"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_bench("--smoke", "--window", "64,-3", "--shapes", "1x64")
     assert proc.returncode != 0
     assert "--window: '64,-3' is not L,R with two integers >= -1" in proc.stderr, proc.stderr[-2000:]
     assert "[jzyfa.bench]" not in proc.stderr  # nothing was set up or measured
@@ -280,15 +277,8 @@ def test_xla_and_jzyfa_windows_match_the_reference():
 
 
 def _fake_result(**overrides):
-    result = {
-        "impl": "jzyfa", "inputs": "gaussian", "compute_dtype": "bf16", "notes": None, "batch": 1,
-        "seq_q": 16384, "seq_k": 16384, "heads_q": 16, "heads_kv": 16, "head_dim": 128, "causal": True,
-        "window": [1024, 0], "status": "ok", "message": None, "median_ms": 1.5, "tflops": 500.0,
-        "sm_clock_mhz": 1755.0, "board_power_w": None, "rel_err": 2.5e-3, "timing_source": "cupti",
-        "wall": {"median_ms": 1.6},
-    }  # fmt: skip
-    result.update(overrides)
-    return result
+    sizes = {"batch": 1, "seq_q": 16384, "seq_k": 16384, "heads_q": 16, "heads_kv": 16}
+    return fake_result(**{**sizes, "window": [1024, 0], "tflops": 500.0, **overrides})
 
 
 ENV = {"date": "2026-11-30T12:00:00+00:00", "device": "NVIDIA H200", "jax": "0.12.0", "jaxlib": "0.12.0"}
@@ -321,13 +311,10 @@ def test_tables_show_the_window():
 
 
 def test_smoke_run_with_a_window(tmp_path):
-    out = tmp_path / "speed.json"
+    out = tmp_path / "bench.json"
     impls = "jzyfa,jzyfa_xla,xla,cudnn,pallas,torch_sdpa_cudnn,flash_attn3"
-    cmd = [sys.executable, "-m", "jzyfa.bench", "--smoke", "--window", "64,0", "--shapes", "2x128,1x96x160",
-           "--impls", impls, "--inputs", "gaussian", "--markdown", f"--json_out={out}"]  # fmt: skip
-    if ON_GPU:
-        cmd += ["--iters", "3", "--min_time_s", "0"]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_bench("--smoke", "--window", "64,0", "--shapes", "2x128,1x96x160",
+           "--impls", impls, "--inputs", "gaussian", "--markdown", f"--json_out={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "window (64, 0) (left, right)" in proc.stdout.splitlines()[0]
     assert "| win(64,0) |" in proc.stdout

@@ -48,7 +48,16 @@ from jzyfa.bench.float64 import (  # noqa: F401 - the report's reference, under 
     take_pairs,
 )
 from jzyfa.bench.problem import parse_shapes
-from jzyfa.bench.report import fmt, logger, markdown_table, plain_table, run_absl, short_error, split_list, write_json
+from jzyfa.bench.report import (
+    fmt,
+    logger,
+    markdown_table,
+    plain_table,
+    run_absl,
+    short_error,
+    split_list,
+    write_json,
+)
 from jzyfa.fp8_emulation import FIXED_OFFSET_OPTIONS
 
 # ----------------------------------------------------------------------------------------------
@@ -399,19 +408,19 @@ class ModelConfig:
     attention-sink-like first token.
     """
 
-    batch: int = 1
-    seq: int = 4096
-    layers: int = 4
-    d_model: int = 1024
-    heads_q: int = 8
+    batch: int = 1  # sequences
+    seq: int = 4096  # tokens per sequence, the first a BOS token
+    layers: int = 4  # blocks: RMSNorm, attention, RMSNorm, SiLU MLP
+    d_model: int = 1024  # the residual stream's width
+    mlp: int = 2048  # the MLP's hidden width
+    heads_q: int = 8  # query heads (GQA: heads_q / heads_kv share a KV head)
     heads_kv: int = 2
     head_dim: int = 128
-    mlp: int = 2048
-    vocab: int = 8192
-    rope_base: float = 500_000.0
-    qk_gain: float = 1.5
-    logit_gain: float = 3.0
-    bos_gain: float = 8.0
+    vocab: int = 8192  # tokens; 0 is BOS
+    rope_base: float = 500_000.0  # RoPE's base (Llama 3)
+    qk_gain: float = 1.5  # scale of q's and k's projections: score std ~qk_gain^2
+    logit_gain: float = 3.0  # scale of the unembedding: logit std ~logit_gain
+    bos_gain: float = 8.0  # the BOS embedding's scale over the others: an attention sink
 
 
 SMOKE_MODEL = ModelConfig(

@@ -36,7 +36,7 @@ def attention_float64(
     """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
 
     window: None (the mask is causal or none), or a (left, right) mask with causal already folded in
-    (`jzyfa._validation.mask_window`; `causal` is then not read): query i, at position
+    (`jzyfa.bench.problem.mask_window`; `causal` is then not read): query i, at position
     p = i + Sk - Sq, sees key j iff p - left <= j <= p + right (-1: unbounded on that side). Causal
     is (-1, 0), bottom-right aligned. Runs over blocks of query rows so long sequences fit in
     memory, each block multiplying only the key range its rows can see. Rows that see no key give

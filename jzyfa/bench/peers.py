@@ -142,6 +142,7 @@ class Peer:
     no_window: str | None = None  # sliding windows: "<this> has none"
     one_head_dim: str | None = None  # v's own head dim (MLA): "v's head dim Dv != q's and k's D: <this>"
     top_left: str | None = None  # bottom-right causal alignment: "<this> aligns the causal mask top-left"
+    needs_gpu = False  # "needs a CUDA GPU (...)" on other backends
 
     def supports(self, problem: Problem) -> str | None:
         if self.no_varlen and problem.varlen:
@@ -153,7 +154,7 @@ class Peer:
             )
         if self.one_head_dim and problem.v_head_dim != problem.head_dim:
             return f"v's head dim {problem.v_head_dim} != q's and k's {problem.head_dim}: {self.one_head_dim}"
-        if reason := self._supports(problem):
+        if reason := (self.needs_gpu and _gpu_reason()) or self._supports(problem):
             return reason
         if self.top_left and problem.mask_causal and problem.seq_q != problem.seq_k:
             return (
@@ -443,15 +444,14 @@ class CudnnFp8(Peer):
     notes = "e4m3 q/k/v, per-tensor descales; e4m3 output (scale_o = 1/descale_v), so its error includes the output rounding; no LSE"
 
     no_varlen = "JAX's cuDNN FP8 attention takes dense [B, S, H, D] batches only"
-    no_window = "JAX's cuDNN FP8 attention"
+    no_window, top_left = "JAX's cuDNN FP8 attention", "cuDNN FP8 attention"
     one_head_dim = "JAX's cuDNN FP8 attention is not wired for unequal head dims"
-    top_left = "cuDNN FP8 attention"
+    needs_gpu = True
 
     def _supports(self, problem: Problem) -> str | None:
-        if reason := _gpu_reason():
+        module = "jax._src.cudnn.fused_attention_stablehlo"  # a private module: it may move
+        if reason := _import_reason(module, "JAX's cuDNN attention module"):
             return reason
-        if reason := _import_reason("jax._src.cudnn.fused_attention_stablehlo", "JAX's cuDNN attention module"):
-            return reason  # a private module may move
         if problem.head_dim > 256 or problem.head_dim % 16:
             return f"cuDNN FP8 inference needs head_dim <= 256 and a multiple of 16, got {problem.head_dim}"
         return None
@@ -484,15 +484,12 @@ class Pallas(Peer):
     description = "jax.experimental.pallas.ops.gpu.attention_mgpu (block 64x128, 2 stages)"
     notes = "computes in f16 (its scratch is f16; bf16 fails): inputs converted and q pre-scaled outside the timed call"
     block_q, block_kv = 64, 128
-
     no_varlen = "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
-    no_window = "Pallas attention_mgpu"
+    no_window, top_left = "Pallas attention_mgpu", "Pallas attention"
     one_head_dim = "Pallas attention_mgpu takes one head dim for q, k and v"
-    top_left = "Pallas attention"
+    needs_gpu = True
 
     def _supports(self, problem: Problem) -> str | None:
-        if reason := _gpu_reason():
-            return reason
         if problem.head_dim % 64:
             return f"needs head_dim a multiple of 64, got {problem.head_dim}"
         if problem.seq_q % (2 * self.block_q) or problem.seq_k % self.block_kv:

@@ -29,7 +29,9 @@ def split_list(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None) -> list[str]:
+def markdown_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], align: Sequence[str] | None = None
+) -> list[str]:
     """A markdown table's lines; `|` inside a cell is escaped. align: one '---' or '---:' per column."""
 
     def line(cells: Sequence[str]) -> str:

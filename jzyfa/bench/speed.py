@@ -79,6 +79,7 @@ from jzyfa.bench.problem import (
     parse_shapes,
     parse_varlen,
     parse_window,
+    varlen_label,
     visible_pairs,
     window_text,
 )
@@ -472,14 +473,10 @@ def header_line(env: dict[str, Any]) -> str:
     if env.get("driver"):
         parts.append(f"driver {env['driver']}")
     cuda = env.get("cuda") or {}
-    if "cuda_runtime" in cuda:
-        parts.append(f"CUDA runtime {cuda['cuda_runtime']}")
-    if "cudnn" in cuda:
-        parts.append(f"cuDNN {cuda['cudnn']}")
-    if env.get("sm_clock_max_mhz"):
-        parts.append(f"max SM clock {env['sm_clock_max_mhz']:.0f} MHz")
-    if env.get("power_limit_w"):
-        parts.append(f"power limit {env['power_limit_w']:.0f} W")
+    libraries = (("cuda_runtime", "CUDA runtime"), ("cudnn", "cuDNN"))
+    parts += [f"{name} {cuda[key]}" for key, name in libraries if key in cuda]
+    limits = (("sm_clock_max_mhz", "max SM clock {:.0f} MHz"), ("power_limit_w", "power limit {:.0f} W"))
+    parts += [text.format(env[key]) for key, text in limits if env.get(key)]
     parts.append(f"jax {env['jax']} / jaxlib {env['jaxlib']}")
     jz = env.get("jzyfa") or {}
     if jz.get("git_commit"):
@@ -784,7 +781,7 @@ def _clock_text(r: dict[str, Any]) -> str:
 
 def _label(r: dict[str, Any]) -> str:
     if r.get("varlen"):
-        return peers.varlen_label(r["varlen"])
+        return varlen_label(r["varlen"])
     seq = str(r["seq_q"]) if r["seq_q"] == r["seq_k"] else f"{r['seq_q']}x{r['seq_k']}"
     return f"{r['batch']}x{seq}"
 
@@ -839,7 +836,7 @@ def _heads_text(config: dict[str, Any]) -> str:
 def progress_line(r: dict[str, Any]) -> str:
     shape = f"B={r['batch']} Sq={r['seq_q']} Sk={r['seq_k']}"
     if r.get("varlen"):
-        shape = f"{peers.varlen_label(r['varlen'])} (max Sq={r['seq_q']} Sk={r['seq_k']})"
+        shape = f"{varlen_label(r['varlen'])} (max Sq={r['seq_q']} Sk={r['seq_k']})"
     head = (
         f"{r['impl']:>17} {r.get('inputs') or 'gaussian'} {shape} "
         f"H={r['heads_q']}/{r['heads_kv']} D={_head_dims_text(r)}"
