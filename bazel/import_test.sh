@@ -16,7 +16,7 @@ module = importlib.util.module_from_spec(spec)
 loader.exec_module(module)
 targets = module.registrations()
 assert isinstance(targets, dict), type(targets)
-capsule = targets.get("jzyfa_flash_attention_fwd")
+capsule = targets.get("jzyfa_attention_fwd")
 assert type(capsule).__name__ == "PyCapsule", targets
 print("ok:", path, sorted(targets))
 PY

@@ -1,7 +1,7 @@
 // The FP8 kernel's tile: its shapes (rows per consumer, keys per block, head dims), the compile-time
 // choices that go with them (V staged or V^T from memory, the TMA-store epilogue, Q buffers, how often
 // O is promoted and how much of its copy stays in registers), and the shared-memory layout they give.
-// flash_fwd_fp8_kernel.cuh runs on it; flash_fwd_fp8.cu and flash_fwd_fp8_varlen.cu size their launches
+// flash_fwd_fp8_kernel.cuh runs on it; launch_fwd_fp8.cuh sizes its launches
 // and tensor maps by it.
 #pragma once
 

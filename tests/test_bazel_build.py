@@ -37,7 +37,7 @@ except ImportError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 1800
-TARGET = "jzyfa_flash_attention_fwd"
+TARGET = "jzyfa_attention_fwd"
 
 
 def _bazel() -> str:
@@ -210,7 +210,7 @@ def test_wheel_installs_and_extension_imports(bazel_wheel: Path, tmp_path: Path)
     info = json.loads(result.stdout.strip().splitlines()[-1])
     assert info["file"].startswith(str(target)), info
     assert info["package"].startswith(str(target)), info
-    for target_name in (TARGET, "jzyfa_flash_attention_fp8_varlen_fwd"):
+    for target_name in (TARGET, "jzyfa_fp8_value_operand"):
         assert info["targets"].get(target_name) == "PyCapsule", info
 
 

@@ -12,17 +12,9 @@ import pytest
 
 import jzyfa
 from jzyfa import _extension
-from jzyfa.fp8_primitive import (
-    FFI_TARGET_FP8,
-    FFI_TARGET_VALUE_OPERAND,
-    FP8_KEY_BLOCK_ENV,
-    FP8_V_LAYOUT_ENV,
-    fp8_kernel_key_block,
-    fp8_value_layout,
-)
-from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
-from jzyfa.primitive import FFI_TARGET
-from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
+from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV, fp8_value_layout
+from jzyfa.plan import fp8_key_block as fp8_kernel_key_block
+from jzyfa.primitives import FFI_TARGET, FFI_TARGET_VALUE_OPERAND
 
 EXPECT_EXTENSION = os.environ.get("JZYFA_EXPECT_EXTENSION") == "1"
 
@@ -42,19 +34,40 @@ def test_extension_registers_its_targets():
     from jzyfa import _jzyfa_ffi
 
     targets = _jzyfa_ffi.registrations()
-    assert set(targets) == {
-        FFI_TARGET,
-        FFI_TARGET_VARLEN,
-        FFI_TARGET_FP8,
-        FFI_TARGET_VALUE_OPERAND,
-        FFI_TARGET_FP8_VARLEN,
-    }
+    assert set(targets) == {FFI_TARGET, FFI_TARGET_VALUE_OPERAND} == {"jzyfa_attention_fwd", "jzyfa_fp8_value_operand"}
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"
     calls = _extension.handler_calls()
     assert type(calls) is int and calls >= 0
     if jax.default_backend() == "cpu":
         assert calls == 0  # nothing can run the CUDA handler here
+
+
+# The forward instantiations the library is built with (ffi/tile_size.h's kFwdKernels), as the Python
+# plan mirrors them.
+BUILT_KERNELS = {
+    *(
+        ("16bit", qk, v, mask, layout, "fwd")
+        for qk, v in ((64, 64), (128, 128), (256, 256), (192, 128))
+        for mask in ("none", "causal", "window")
+        for layout in ("dense", "varlen")
+    ),
+    *(("fp8", 128, 128, mask, layout, "fwd") for mask in ("none", "causal", "window") for layout in ("dense", "varlen")),
+    ("fp8", 192, 128, "none", "dense", "fwd"),
+    ("fp8", 192, 128, "causal", "dense", "fwd"),
+}
+
+
+@pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
+def test_extension_lists_its_forward_instantiations():
+    """kernels(): one tuple (family, head_dim_qk, head_dim_v, mask, layout, direction) per instantiation,
+    from the table the dispatch switches on; the plan's kernel rows are the same set."""
+    from jzyfa import _jzyfa_ffi
+
+    built = _jzyfa_ffi.kernels()
+    assert all(type(row) is tuple and len(row) == 6 for row in built), built
+    assert len(built) == len(set(built)) == len(BUILT_KERNELS)
+    assert set(built) == BUILT_KERNELS
 
 
 def test_handler_counter_says_why_it_is_unavailable(monkeypatch):
@@ -75,27 +88,30 @@ def test_handler_counter_reads_the_extension(monkeypatch):
         _extension.handler_calls()
 
 
-# The dense V^T kernel's rule (ffi/flash_fwd_fp8.cu, UseWideKeyBlocks): 192-key blocks from this many keys.
+# The dense V^T kernel's rule (ffi/flash_fwd.cc, Fp8KeyBlock): 192-key blocks from this many keys.
 WIDE_MIN_KEYS = {True: 3072, False: 1536}  # by causal
 
 
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
-@pytest.mark.parametrize("override", [None, "auto", "128", "192"])
-def test_fp8_key_block_rule(monkeypatch, override):
-    """The FP8 kernel's key block, which the kernel tests' emulation follows: 192 only for the dense kernel
-    with V^T from memory (head dim 128, no window), from WIDE_MIN_KEYS keys or when JZYFA_FP8_KEY_BLOCK=192
-    forces it; 128 for every other kernel whatever the variable says."""
-    if override is not None:
-        monkeypatch.setenv("JZYFA_FP8_KEY_BLOCK", override)
+@pytest.mark.parametrize("env", [None, "128", "192"])
+def test_fp8_key_block_rule(monkeypatch, env):
+    """The extension's FP8 key-block rule (key_block 0), which the kernel tests' emulation follows: 192 only
+    for the dense kernel with V^T from memory (head dim 128, no window) from WIDE_MIN_KEYS keys, 128 for
+    every other kernel. No environment variable changes it (the launch reads none): forcing a block is the
+    key_block attribute's job."""
+    from jzyfa import _jzyfa_ffi
+
+    if env is not None:
+        monkeypatch.setenv("JZYFA_FP8_KEY_BLOCK", env)
     for v_transposed in (False, True):
         for head_dim in (128, 192):
             for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 64))):
                 for seq_k in (1000, 1535, 1536, 3071, 3072, 8192, 40000):
                     dense_vt = v_transposed and head_dim == 128 and window[0] == -1
-                    wide = seq_k >= WIDE_MIN_KEYS[causal] if override in (None, "auto") else override == "192"
-                    got = _extension.fp8_key_block(
-                        v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_q=1000,
-                        seq_k=seq_k,
+                    wide = seq_k >= WIDE_MIN_KEYS[causal]
+                    got = _jzyfa_ffi.fp8_key_block(
+                        v_transposed=v_transposed, head_dim=head_dim, causal=causal, window_left=window[0],
+                        window_right=window[1], seqlen_q=1000, seqlen_k=seq_k,
                     )  # fmt: skip
                     assert got == (192 if dense_vt and wide else 128), (v_transposed, head_dim, causal, window, seq_k)
 
