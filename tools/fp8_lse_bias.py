@@ -41,7 +41,7 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
 
     import jzyfa
     from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
-    from jzyfa.fp8_primitive import fp8_kernel_key_block
+    from jzyfa.plan import fp8_key_block
 
     if implementation == "kernel" and not jzyfa.kernel_available():
         raise SystemExit(f"the FP8 kernel cannot run here: {jzyfa.kernel_unavailable_reason()}")
@@ -59,7 +59,7 @@ def run(seq: int, heads: int, seed: int, implementation: str = "kernel") -> tupl
         )
     )(q8, k8, v8, dq, dk, dv)
     # The emulation in the kernel's key blocks (192 for long rows): block scaling follows the blocks.
-    block_n = fp8_kernel_key_block(q8.shape, k8.shape, causal=False) if implementation == "kernel" else 128
+    block_n = fp8_key_block(q8.shape, k8.shape, causal=False) if implementation == "kernel" else 128
     trace = trace_attention_fp8_emulated_on_cpu(
         q8, k8, v8, dq, dk, dv, causal=False, integer_reference=True, block_n=block_n
     )
