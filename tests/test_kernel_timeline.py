@@ -117,7 +117,7 @@ def test_extension_reader_needs_the_timeline_build():
     try:
         raw = ffi.kernel_timeline("fp8")
     except RuntimeError as e:
-        assert "JZYFA_TIMELINE" in str(e)
+        assert "JZYFA_MEASURE=timeline" in str(e)
     else:  # a timeline build: the whole array (iterations, then tiles), zeroed after reading
         assert len(raw) == 8 * (timeline_module().ITERATION_SLOTS + timeline_module().TILE_SLOTS)
 

@@ -25,8 +25,13 @@ step "machine"
 step "build + install (pip, no network)"
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 rm -rf "$SITE"
-# One build directory per CUDAFLAGS: with pyproject's fixed build/ a flag change finds "no work to do".
-BUILD_DIR=/tmp/jzyfa-build-$(printf '%s' "${CUDAFLAGS:-}" | md5sum | cut -c1-8)
+# JZYFA_MEASURE=<name> builds A as a measuring variant (tools/measure/<name>.h: timeline,
+# softmax_ablation, no_tile_groups, fp8_register_epilogue, hd256_80_keys, nomask_176_keys,
+# prmt_transpose; CMakeLists.txt reads it at configure time). Unset: the product build.
+[ -n "${JZYFA_MEASURE:-}" ] && echo "MEASURING build: tools/measure/${JZYFA_MEASURE}.h"
+export JZYFA_MEASURE=${JZYFA_MEASURE:-}
+# One build directory per CUDAFLAGS and variant: with pyproject's fixed build/ a change finds "no work to do".
+BUILD_DIR=/tmp/jzyfa-build-$(printf '%s' "${CUDAFLAGS:-} ${JZYFA_MEASURE}" | md5sum | cut -c1-8)
 python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DIR" --target "$SITE" "$REPO" \
   > "$OUT_DIR/build.log" 2>&1 \
   || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
@@ -97,7 +102,7 @@ if [ -n "${JZYFA_OVERHEAD:-}" ]; then
 fi
 
 if [ -n "${JZYFA_TIMELINE_RUNS:-}" ]; then
-  # Where a key block's time goes (needs CUDAFLAGS=-DJZYFA_TIMELINE=1 for the build above), e.g.
+  # Where a key block's time goes (needs JZYFA_MEASURE=timeline for the build above), e.g.
   # JZYFA_TIMELINE_RUNS="--dtype fp8 --seq 32768;--dtype bf16 --seq 16384".
   IFS=';' read -ra timeline_runs <<< "${JZYFA_TIMELINE_RUNS}"
   for run in "${timeline_runs[@]}"; do
@@ -130,25 +135,28 @@ if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
   tar czf "$OUT_DIR/ncu.tar.gz" -C /tmp ncu
 fi
 
-if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}" ]; then
-  # A second build with other CUDAFLAGS (B; the build above is A), e.g.
-  # JZYFA_AB_CUDAFLAGS=-DJZYFA_FP8_V_TRANSPOSE_LDSM=1 JZYFA_AB_GPU_TESTS=tests/test_fp8_kernel_gpu.py
+if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}${JZYFA_AB_MEASURE:-}" ]; then
+  # A second build (B; the build above is A): a measuring variant (JZYFA_AB_MEASURE=<name>,
+  # tools/measure/<name>.h) and/or other CUDAFLAGS, e.g.
+  # JZYFA_AB_MEASURE=prmt_transpose JZYFA_AB_GPU_TESTS=tests/test_fp8_kernel_gpu.py
   # JZYFA_AB_BENCH="--dtype fp8 --impls jzyfa_fp8 --shapes 16x1024,4x4096": B's GPU tests, then each
   # ";"-separated bench run on A and B in turn (A, B, A, B: clocks drift within a call).
   # JZYFA_AB_TREE: B built from another source tree (a path relative to the repository, e.g. an
   # untracked `git archive` of the commit to compare with) instead of, or as well as, other flags.
-  # JZYFA_AB_ENV: environment settings for B's runs (e.g. "JZYFA_FP8_KEY_BLOCK=192"); alone, B is A's
+  # JZYFA_AB_ENV: environment settings for B's runs (e.g. "JZYFA_FP8_KEY_BLOCK=192", which the Python
+  # side passes as the kernel's key_block attribute); alone, B is A's
   # build run under them (no second build).
   read -ra env_b <<< "${JZYFA_AB_ENV:-}"
   SITE_B=$SITE
-  if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}" ]; then
+  if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_MEASURE:-}" ]; then
     TREE_B=$REPO${JZYFA_AB_TREE:+/$JZYFA_AB_TREE}
     FLAGS_B=${JZYFA_AB_CUDAFLAGS-${CUDAFLAGS:-}}
-    step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B}"
+    MEASURE_B=${JZYFA_AB_MEASURE-${JZYFA_MEASURE}}
+    step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B} JZYFA_MEASURE=${MEASURE_B}"
     SITE_B=/tmp/jzyfa-site-b
     rm -rf "$SITE_B"
-    CUDAFLAGS="$FLAGS_B" python3 -m pip install -v --no-build-isolation --no-deps \
-      -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B" | md5sum | cut -c1-8)" \
+    CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B" python3 -m pip install -v --no-build-isolation --no-deps \
+      -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B $MEASURE_B" | md5sum | cut -c1-8)" \
       --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
       || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
     grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
@@ -165,7 +173,8 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}" ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
   # JZYFA_AB_TOOLS: ";"-separated tool runs (a script under the repository and its flags) on A and B in
-  # turn, e.g. JZYFA_AB_TOOLS="tools/fp8_lse_bias.py --seq 4096" with -DJZYFA_FP8_PROMOTE_BLOCKS=4 as B.
+  # turn, e.g. JZYFA_AB_TOOLS="tools/fp8_lse_bias.py --seq 4096" with B from a tree whose
+  # ffi/tile_size.h promotes every 4 blocks (JZYFA_AB_TREE).
   IFS=';' read -ra ab_tools <<< "${JZYFA_AB_TOOLS:-}"
   for tool in "${ab_tools[@]}"; do
     for build in A B; do

@@ -1,8 +1,9 @@
 """Where a key block's time goes in the Hopper kernels' consumer loops.
 
-Needs a build with the timeline compiled in (ffi/kernel_timeline.cuh), on a Hopper GPU:
+Needs a measuring build with the timeline compiled in (tools/measure/timeline.h, the interface in
+ffi/kernel_timeline.cuh), on a Hopper GPU:
 
-    CUDAFLAGS=-DJZYFA_TIMELINE=1 pip install --no-build-isolation --no-deps .
+    JZYFA_MEASURE=timeline pip install --no-build-isolation --no-deps .
     python tools/kernel_timeline.py --dtype fp8 --batch 1 --seq 32768
 
 Runs one causal call (after a warm-up), reads the SM-clock timestamps that thread 0 of each
