@@ -15,7 +15,7 @@ from mesh_utils import cpu_mesh
 
 import jzyfa
 from jzyfa import sequence_layout
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 from jzyfa.query_chunks import visible_key_prefix
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")

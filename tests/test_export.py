@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
 
 import jzyfa
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 

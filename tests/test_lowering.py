@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jzyfa
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 # Dispatch as on a CPU host (the kernel path is taken), even when these tests run on a GPU host.
 pytestmark = pytest.mark.usefixtures("cpu_backend")

@@ -125,7 +125,7 @@ def test_fp8_attention_matches_reference_on_dequantized_inputs(rng, implementati
             descale_q=dq, descale_k=dk, descale_v=dv,
         )
 
-    assert jzyfa.primitive.FFI_TARGET not in str(jax.make_jaxpr(fp8_attention)(q8, k8, v8, dq, dk, dv))
+    assert jzyfa.primitives.FFI_TARGET not in str(jax.make_jaxpr(fp8_attention)(q8, k8, v8, dq, dk, dv))
     out, lse = fp8_attention(q8, k8, v8, dq, dk, dv)
     assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32
     dequantized = [jzyfa.dequantize(x, d) for x, d in ((q8, dq), (k8, dk), (v8, dv))]

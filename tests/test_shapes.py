@@ -19,8 +19,8 @@ from mesh_utils import cpu_mesh
 
 import jzyfa
 import jzyfa.fp8_emulation
-from jzyfa import api
-from jzyfa.primitive import FFI_TARGET
+from jzyfa import api, primitives
+from jzyfa.primitives import FFI_TARGET
 
 merge = jax.jit(jzyfa.merge_attention_states)
 
@@ -132,29 +132,6 @@ def test_windows_the_kernel_serves(
     assert f"causal = {str(kernel_causal).lower()}" in call
     assert f"window_left = {kernel_window[0]} : i64" in call
     assert f"window_right = {kernel_window[1]} : i64" in call
-    # With the windowed kernels switched off (tests/test_window_kernel_path.py), the plain kernels still
-    # serve what comes down to them, and other windows take the pure-JAX path.
-    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
-    fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window)  # a new function: a new trace
-    calls = cuda_custom_calls(fn, q, kv, kv)
-    if kernel_window != (-1, -1):
-        assert calls == []
-        with pytest.raises(
-            ValueError, match=r"cannot serve this call: the kernel's sliding windows are switched"
-        ):
-            jax.eval_shape(functools.partial(fn, implementation="kernel"), q, kv, kv)
-    else:
-        assert calls == [call]
-
-
-def test_kernel_refusal_names_the_window(rng, monkeypatch):
-    # Only with the windowed kernels switched off: by default they serve every window.
-    monkeypatch.delenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(api, "WINDOW_KERNEL_VERIFIED", False)
-    q, k, v = random_qkv(rng, seq_q=16)
-    with pytest.raises(ValueError, match=r"implementation='kernel' cannot serve .* window \(4, 0\)"):
-        jzyfa.flash_attention(q, k, v, causal=True, window=(4, 9), implementation="kernel")
 
 
 def test_window_on_fp8_inputs(rng):
@@ -188,25 +165,21 @@ def test_mla_matches_float64(rng, dtype, atol, causal):
     assert_matches_f64((out, lse), want, atol=atol)
 
 
-def test_mla_runs_on_the_pure_jax_path_and_the_kernel_refuses_it(rng, cpu_backend, monkeypatch):
-    """With MLA's kill switch off (tests/test_mla_kernel_path.py has the rest)."""
-    monkeypatch.delenv(api.UNVERIFIED_MLA_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(api, "MLA_KERNEL_VERIFIED", False)  # the kill switch
-    q, k, v = random_qkv(rng, seq_q=8, head_dim=192, head_dim_v=128)
-    assert FFI_TARGET not in str(jax.make_jaxpr(lambda *a: jzyfa.flash_attention(*a))(q, k, v))
-    with pytest.raises(ValueError, match="cannot serve this call: .*MLA_KERNEL_VERIFIED is False"):
-        jzyfa.flash_attention(q, k, v, implementation="kernel")
-    # A head dim the kernel has for q/k, another for v.
+def test_kernel_refuses_v_head_dim_it_lacks(rng):
+    # A head dim the kernels have for q/k, another for v: not a row of jzyfa.plan.KERNELS.
     q, k, v = random_qkv(rng, seq_q=8, head_dim=128, head_dim_v=64)
-    with pytest.raises(ValueError, match="v's head_dim equal to q's and k's \\(128\\), got 64"):
+    with pytest.raises(
+        ValueError, match=r"cannot serve this call: the 16-bit \(bf16, f16\) kernels take head dims .*got 128/64"
+    ):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
 
 
 def mla_primitive(causal=True, softmax_scale=0.1):
     """The primitive itself (custom_vjp around the kernel's call), with MLA-like shapes: the dispatch
-    binds it for MLA's (192, 128) only with the MLA kernel's gate on (jzyfa.api.MLA_KERNEL_VERIFIED), but
-    its abstract eval, vmap, vjp and sharding rule serve any pair of head dims."""
-    return lambda q, k, v: api._differentiable_kernel(q, k, v, softmax_scale, causal, False)
+    binds it only for head dims in jzyfa.plan.KERNELS (MLA's (192, 128)), but its abstract eval, vmap,
+    vjp and sharding rule serve any pair of head dims."""
+    spec = primitives.make_spec(softmax_scale=softmax_scale, causal=causal)
+    return lambda q, k, v: api._differentiable(spec, q, k, v, ())
 
 
 def test_mla_through_the_primitive_abstract_eval_and_numerics(rng):

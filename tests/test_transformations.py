@@ -13,7 +13,7 @@ import pytest
 from attention_oracle import random_qkv
 
 import jzyfa
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 # The primitive path, lowered for a CPU device (the reference), on any host.
 pytestmark = pytest.mark.usefixtures("cpu_backend")

@@ -10,7 +10,6 @@ import pytest
 from attention_oracle import naive_varlen_f64
 
 import jzyfa
-from jzyfa import api
 
 
 def offsets(lengths) -> np.ndarray:
@@ -139,20 +138,20 @@ def test_gradients_equal_per_sequence_gradients(rng):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_kernel_is_refused_when_switched_off(rng, monkeypatch):
-    # The varlen kernel's kill switch (on by default: the kernel passed its GPU tests):
-    # tests/test_varlen_kernel_path.py.
-    monkeypatch.delenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(api, "VARLEN_KERNEL_VERIFIED", False)
-    q, k, v = packed_qkv(rng, [4], [4], dtype=jnp.bfloat16)
+def test_kernel_refuses_a_varlen_configuration_the_plan_lacks(rng):
+    # A 16-bit head dim pair that no kernel has (jzyfa.plan.KERNELS); the default and "xla" paths serve it.
+    q, k, v = packed_qkv(rng, [4], [4], head_dim=96, dtype=jnp.bfloat16)
     cu = offsets([4])
     with pytest.raises(
-        ValueError, match="implementation='kernel' cannot serve flash_attention_varlen: the varlen"
+        ValueError,
+        match=r"implementation='kernel' cannot serve this call: the 16-bit \(bf16, f16\) kernels take head dims .*got 96/96",
     ):
         jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation="kernel")
+    want = jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation="xla")
     for implementation in (None, "xla"):
         out = jzyfa.flash_attention_varlen(q, k, v, cu, cu, 4, 4, implementation=implementation)
         assert out.shape == q.shape
+        np.testing.assert_array_equal(out, want)
 
 
 # --- argument errors, raised while tracing -----------------------------------------------------
