@@ -3,8 +3,7 @@ float64 attention of the dequantized inputs (loosely), outputs NaN-poisoned befo
 no key; bitwise-identical reruns.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through
-`implementation="kernel"`, with JZYFA_UNVERIFIED_FP8_KERNEL=1 so that the tests also run while
-jzyfa.api.FP8_KERNEL_VERIFIED is switched off.
+`implementation="kernel"` (the plan's dense FP8 rows, jzyfa.plan.KERNELS).
 """
 
 import functools
@@ -16,18 +15,19 @@ import pytest
 from attention_oracle import random_fp8_qkv
 from content_cache import cached_by_content
 from fp8_lse_slack import lse_rounding_slack
-from gpu_utils import assert_bitwise_reruns, assert_equals_per_head_calls, requires_hopper, tile_groups
+from gpu_utils import (
+    assert_bitwise_reruns,
+    assert_equals_per_head_calls,
+    kernel_call,
+    requires_hopper,
+    tile_groups,
+)
 from test_kernel_gpu import attention_float64, relative_l2
 
 import jzyfa
-from jzyfa import api
+from jzyfa import plan
 from jzyfa.fp8_emulation import trace_attention_fp8_emulated_on_cpu
-from jzyfa.fp8_primitive import (
-    FFI_TARGET_FP8,
-    FP8_KEY_BLOCK_ENV,
-    FP8_V_LAYOUT_ENV,
-    fp8_kernel_key_block,
-)
+from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -37,11 +37,6 @@ FLOAT64_TOLERANCE = 8e-2  # relative L2 of O against float64 attention of the de
 # has beyond its rounding-tie slack (fp8_lse_slack). Some long rows differ by ~0.007 at LSE ~7, more than
 # float32 sums or the ties explain (measured 2026-12-01, docs/fp8.md 10.13): hence 1e-3, not noise.
 LSE_TOLERANCE = 1e-3
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_kernel(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
 
 
 @pytest.fixture(params=["staged", "transposed", "wide"])
@@ -60,7 +55,7 @@ def fp8_v_layout(request, monkeypatch):
 def kernel_key_block(q8, k8, *, causal, window=None):
     """Keys per block of the kernel that a call on these inputs runs now (128, or 192 for the dense V^T
     kernel)."""
-    return fp8_kernel_key_block(q8.shape, k8.shape, causal=causal, window=window)
+    return plan.fp8_key_block(q8.shape, k8.shape, causal=causal, window=window)
 
 
 def emulated_on_cpu(q8, k8, v8, descales, *, causal, lean_p, window=None, softmax_scale=None):
@@ -166,7 +161,8 @@ def run_poisoned_call(q8, k8, v8, descales, *, causal, lean_p, window=None):
     fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
     hlo = fn.lower(q8, k8, v8, *descales, *poison).compile().as_text()
     assert "input_output_alias" in hlo
-    (custom_call,) = [line for line in hlo.splitlines() if FFI_TARGET_FP8 in line and "custom-call(" in line]
+    custom_call = kernel_call(hlo)  # the one jzyfa_attention_fwd custom call
+    assert "varlen = false" in custom_call and f"lean_p = {str(lean_p).lower()}" in custom_call, custom_call
     out, lse = fn(q8, k8, v8, *descales, *poison)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse), custom_call
 

@@ -5,9 +5,7 @@ and LSE = -inf, causal and not, Sq != Sk both ways, lengths off the 128-row and 
 lean and exact P, bitwise-identical reruns, and the FFI handler's refusals.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
-with JZYFA_UNVERIFIED_FP8_MLA_KERNEL=1 (and JZYFA_UNVERIFIED_FP8_KERNEL=1), so that it runs whatever
-jzyfa.api.FP8_MLA_KERNEL_VERIFIED says (on since this file passed on an H200 on 2026-12-01; a kill switch). Tolerances are
-tests/test_fp8_kernel_gpu.py's.
+(the plan's FP8 MLA rows: dense, no mask or causal). Tolerances are tests/test_fp8_kernel_gpu.py's.
 """
 
 import jax
@@ -15,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64
-from gpu_utils import requires_hopper
+from gpu_utils import ffi_attention, requires_hopper
 from test_fp8_kernel_gpu import (
     EMULATION_TOLERANCE,
     FLOAT64_TOLERANCE,
@@ -26,20 +24,12 @@ from test_fp8_kernel_gpu import (
 )
 from test_kernel_gpu import relative_l2
 
-from jzyfa import api
-from jzyfa.fp8_primitive import FFI_TARGET_FP8, fp8_value_operand_p
-from jzyfa.primitive import TILE_COUNTER
+from jzyfa.primitives import fp8_value_operand_p
 from jzyfa.quantize import fp8_quantize
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
 HEAD_DIM, HEAD_DIM_V = 192, 128
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_kernels(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_FP8_MLA_KERNEL_ENV, "1")
-    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
 
 
 def fp8_mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, granularity):
@@ -122,24 +112,17 @@ def test_fp8_mla_kernel_is_bitwise_deterministic():
 
 
 def handler_call(q8, k8, v8, descales, *, window=(-1, -1), out_head_dim=None, v_transposed=False):
-    """The FFI handler itself (no dispatch in between), out taking v's head dim (or out_head_dim); with
-    v_transposed, v8 is V^T [B, Hkv, 128, keys]."""
-    b, sq, hq, _ = q8.shape
-    results = (
-        jax.ShapeDtypeStruct((b, sq, hq, out_head_dim or v8.shape[2 if v_transposed else 3]), jnp.bfloat16),
-        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
-    )
-    call = jax.ffi.ffi_call(FFI_TARGET_FP8, results)
-    return call(
+    """The FFI handler itself (no dispatch in between; gpu_utils.ffi_attention), out taking v's head dim
+    (or out_head_dim); with v_transposed, v8 is V^T [B, Hkv, 128, keys]."""
+    return ffi_attention(
         q8,
         k8,
         v8,
-        *(jnp.asarray(d, jnp.float32).reshape(-1) for d in descales),
-        softmax_scale=np.float32(0.1),
+        descales=descales,
+        out_head_dim=out_head_dim,
+        softmax_scale=0.1,
         causal=False,
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
+        window=window,
         lean_p=True,
         v_transposed=v_transposed,
     )
@@ -159,7 +142,7 @@ def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():
         jax.block_until_ready(handler_call(q8, k8, v8[..., :64], descales))
     with pytest.raises(Exception, match="got 128 for q and k, 64 for v"):
         jax.block_until_ready(handler_call(q8[..., :128], k8[..., :128], v8[..., :64], descales))
-    with pytest.raises(Exception, match="disagree on head_dim"):
+    with pytest.raises(Exception, match="disagree on batch or head_dim"):
         jax.block_until_ready(handler_call(q8, k8[..., :128], v8, descales))
     with pytest.raises(Exception, match="out .* must have the shape of q .* with head_dim 128"):
         jax.block_until_ready(handler_call(q8, k8, v8, descales, out_head_dim=192))

@@ -10,12 +10,39 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gpu_utils import requires_hopper
-from test_fp8_value_operand import E4M3_NAN_BYTE, as_bytes, random_e4m3, value_operand_bytes
 
-from jzyfa.fp8_layout import fp8_value_operand, padded_keys
-from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, fp8_value_operand_p
+from jzyfa.fp8_layout import KEY_GROUP, KEY_PERMUTATION, fp8_value_operand, padded_keys
+from jzyfa.primitives import FFI_TARGET_VALUE_OPERAND, fp8_value_operand_p
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
+
+# NaN in float8_e4m3fn (0xFF is the other one): what a poisoned output is filled with.
+E4M3_NAN_BYTE = 0x7F
+
+
+def random_e4m3(rng: np.random.Generator, shape, *, avoid: int | None = None) -> jax.Array:
+    """e4m3 values from uniformly random bytes: every code (NaNs, -0, subnormals), `avoid` excepted."""
+    codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+    if avoid is not None:
+        codes[codes == avoid] = avoid ^ 0x01
+    return jnp.asarray(codes.view(jnp.float8_e4m3fn))
+
+
+def value_operand_bytes(v: np.ndarray) -> np.ndarray:
+    """The operand's definition on bytes: vt[b, h, d, 32 g + k] = v[b, 32 g + physical_key(k), h, d]
+    (zero past seq_k)."""
+    v = np.asarray(v).view(np.uint8)
+    batch, seq_k, heads_kv, head_dim = v.shape
+    padded = np.zeros((batch, padded_keys(seq_k), heads_kv, head_dim), np.uint8)
+    padded[:, :seq_k] = v
+    keys = (np.arange(padded.shape[1]) // KEY_GROUP) * KEY_GROUP + np.tile(
+        KEY_PERMUTATION, padded.shape[1] // KEY_GROUP
+    )
+    return padded[:, keys].transpose(0, 2, 3, 1)
+
+
+def as_bytes(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint8)
 
 
 def run_poisoned(v: jax.Array) -> np.ndarray:

@@ -7,35 +7,26 @@ bitwise-identical reruns. Every case runs under both V layouts (the `fp8_v_layou
 V^T from the layout kernel, the default, and V staged in the kernel), the dense oracle under the same one.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
-with JZYFA_UNVERIFIED_FP8_VARLEN_KERNEL=1, whatever jzyfa.api.FP8_VARLEN_KERNEL_VERIFIED says (True
-since this file passed on an H200 on 2026-12-01). Few, small cases: about a minute on an H200.
+(the plan's FP8 varlen rows). Few, small cases: about a minute on an H200.
 """
-
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import dequantized_f64, naive_varlen_f64, random_fp8_packed
-from gpu_utils import requires_hopper
+from gpu_utils import has_custom_call, kernel_call, requires_hopper
 from test_fp8_kernel_gpu import FLOAT64_TOLERANCE
 from test_fp8_window_kernel_gpu import ONE_CODE_LSE
 from test_kernel_gpu import relative_l2
 
 import jzyfa
-from jzyfa import api
-from jzyfa.fp8_primitive import FFI_TARGET_VALUE_OPERAND, FP8_KEY_BLOCK_ENV, fp8_varlen_value_layout
-from jzyfa.fp8_varlen_primitive import FFI_TARGET_FP8_VARLEN
+from jzyfa.plan import FP8_KEY_BLOCK_ENV, fp8_varlen_value_layout
+from jzyfa.primitives import FFI_TARGET_VALUE_OPERAND
 
 pytestmark = [pytest.mark.gpu, requires_hopper, pytest.mark.usefixtures("fp8_v_layout")]
 
 LENGTHS = [1, 63, 64, 65, 0, 127, 129, 300, 1000]  # around block edges; an empty sequence
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_kernels(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_FP8_VARLEN_KERNEL_ENV, "1")
-    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")  # the dense kernel, the per-sequence oracle
 
 
 def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
@@ -53,10 +44,12 @@ def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
     args = (q8, k8, v8, jnp.asarray(cu_q), jnp.asarray(cu_k), *descales, *poison)
     fn = jax.jit(call, donate_argnums=(8, 9), keep_unused=True)
     hlo = fn.lower(*args).compile().as_text()
-    assert FFI_TARGET_FP8_VARLEN in hlo
+    custom_call = kernel_call(hlo)  # the one jzyfa_attention_fwd custom call
     # The varlen V^T's layout kernel runs first exactly when the layout is "transposed".
     transposed = fp8_varlen_value_layout(max_q, q8.shape[1], k8.shape[1]) == "transposed"
-    assert (FFI_TARGET_VALUE_OPERAND in hlo) == transposed, hlo
+    assert "varlen = true" in custom_call and f"v_transposed = {str(transposed).lower()}" in custom_call
+    assert f"max_seqlen_q = {max_q} : i64" in custom_call and f"max_seqlen_k = {max_k} : i64" in custom_call
+    assert has_custom_call(hlo, FFI_TARGET_VALUE_OPERAND) == transposed, hlo
     assert "input_output_alias" in hlo
     out, lse = fn(*args)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse)

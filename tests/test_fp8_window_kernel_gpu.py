@@ -4,9 +4,7 @@ dequantized inputs (loosely), outputs NaN-poisoned beforehand; rows that see no 
 LSE = -inf; lean and exact P; bitwise-identical reruns.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
-with JZYFA_UNVERIFIED_FP8_WINDOW_KERNEL=1 (and JZYFA_UNVERIFIED_FP8_KERNEL=1), so that it runs whatever
-the kill switches say (jzyfa.api.FP8_WINDOW_KERNEL_VERIFIED is True since this file passed on an H200 on
-2026-11-30). Tolerances are tests/test_fp8_kernel_gpu.py's.
+(the plan's dense FP8 "window" row). Tolerances are tests/test_fp8_kernel_gpu.py's.
 """
 
 import math
@@ -27,17 +25,11 @@ from test_fp8_kernel_gpu import (
 )
 from test_kernel_gpu import relative_l2
 
-from jzyfa import _validation, api
+from jzyfa import _validation
 
 ONE_CODE_LSE = math.log(1 + 2**-3) + 1e-3  # one e4m3 code of a row's largest probability
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_kernels(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_FP8_KERNEL_ENV, "1")
-    monkeypatch.setenv(api.UNVERIFIED_FP8_WINDOW_KERNEL_ENV, "1")
 
 
 def dequantized(x8, d, heads):
@@ -57,12 +49,15 @@ def check_window(rng, *, batch, seq_q, seq_k, heads_q, heads_kv, window, causal=
         heads_kv=heads_kv,
         granularity=granularity,
     )
-    out, lse, custom_call = run_poisoned_call(q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p)
+    out, lse, custom_call = run_poisoned_call(
+        q8, k8, v8, descales, causal=causal, window=window, lean_p=lean_p
+    )
     attributes = window_attributes(custom_call)
     # The window reached the windowed kernel (not folded into causal or none by the launch).
     mask = _validation.canonical_window(_validation.mask_window(causal, window), seq_q, seq_k)
     assert mask not in (_validation.NO_WINDOW, _validation.CAUSAL_WINDOW), "pick a real sliding window"
     assert attributes == mask
+    assert "causal = false" in custom_call, custom_call  # a window the kernel holds whole
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
 

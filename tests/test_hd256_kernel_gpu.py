@@ -4,8 +4,7 @@ see no key give O = 0 and LSE = -inf; GQA; bitwise-identical reruns. (Its slidin
 batches: tests/test_wide_kernels_gpu.py.)
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
-with JZYFA_UNVERIFIED_HD256_KERNEL=1, so that it runs while jzyfa.api.HD256_KERNEL_VERIFIED is False;
-once this file passes on an H200, that gate can be set True. Tolerances are tests/test_kernel_gpu.py's.
+(the plan's 16-bit (256, 256) dense rows). Tolerances are tests/test_kernel_gpu.py's.
 """
 
 import itertools
@@ -19,17 +18,11 @@ from gpu_utils import assert_bitwise_reruns, requires_hopper
 from test_kernel_gpu import LSE_TOLERANCE, O_TOLERANCE, relative_l2, run_kernel_poisoned
 
 import jzyfa
-from jzyfa import api
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
 HEAD_DIM = 256
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_hd256(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_HD256_KERNEL_ENV, "1")
 
 
 def pure_jax(q, k, v, *, causal):

@@ -18,9 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jzyfa
-from jzyfa import _extension
 from jzyfa.bench.overhead import wall_us_per_call
-from jzyfa.primitive import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -48,9 +47,9 @@ def runs_and_handler_calls(compiled, *args, calls: int = CALLS) -> tuple[list[np
     call gets the same addresses and a graph can be replayed as recorded. (Keeping every output alive
     gives each call new addresses, and XLA then re-traces the custom call, running the handler.)
     """
-    before = _extension.handler_calls()
+    before = jzyfa.handler_calls()
     outs = [np.asarray(compiled(*args)) for _ in range(calls)]
-    return outs, _extension.handler_calls() - before
+    return outs, jzyfa.handler_calls() - before
 
 
 def test_command_buffers_capture_the_kernel_and_match_bitwise(rng, capsys):

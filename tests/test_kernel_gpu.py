@@ -13,17 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gpu_utils import assert_bitwise_reruns, assert_equals_per_head_calls, tile_groups
+from gpu_utils import (
+    assert_bitwise_reruns,
+    assert_equals_per_head_calls,
+    ffi_attention,
+    kernel_call,
+    requires_hopper,
+    tile_groups,
+)
 
 import jzyfa
-from jzyfa.primitive import TILE_COUNTER
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not jzyfa.kernel_available(), reason=f"needs the Hopper kernel: {jzyfa.kernel_unavailable_reason()}"
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_hopper]
 
 O_TOLERANCE = 1e-2  # relative L2 error of O for 16-bit inputs
 LSE_TOLERANCE = 1e-4  # relative L2 error of the LSE (over rows that see a key)
@@ -32,7 +33,7 @@ LSE_TOLERANCE = 1e-4  # relative L2 error of the LSE (over rows that see a key)
 def attention_float64(q, k, v, *, causal: bool, scale: float):
     """Naive float64 attention with bottom-right causal alignment; O = 0, LSE = -inf on empty rows."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    b, sq, hq, d = q.shape
+    _, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     k = np.repeat(k, group, axis=2)
@@ -65,7 +66,8 @@ def run_kernel_poisoned_on_device(q, k, v, *, causal: bool, scale: float | None 
     lse_poison = jnp.full((b, hq, sq), jnp.nan, jnp.float32)
     fn = jax.jit(call, donate_argnums=(3, 4), keep_unused=True)
     hlo = fn.lower(q, k, v, out_poison, lse_poison).compile().as_text()
-    assert "jzyfa_flash_attention_fwd" in hlo
+    call_line = kernel_call(hlo)  # the one jzyfa_attention_fwd custom call
+    assert "varlen = false" in call_line, call_line
     # The poison only proves something if the kernel writes straight into the donated buffers.
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
     return fn(q, k, v, out_poison, lse_poison)
@@ -121,7 +123,7 @@ SEQ_PAIRS = [
     (100, 300),
     (300, 100),
     (1, 777),
-    (177, 353),  # around 176-key blocks (-DJZYFA_NOMASK_BLOCK_N=176, no mask)
+    (177, 353),  # lengths off every key-block size (176 included)
     (64, 1),
 ]
 
@@ -192,24 +194,8 @@ def test_kernel_and_reference_path_agree_under_jit():
 
 
 def test_handler_rejects_unsupported_head_dim():
-    """The FFI handler itself answers InvalidArgument, not a crash, for what it cannot run."""
+    """The FFI handler itself answers InvalidArgument, not a crash, for what it cannot run (the
+    jzyfa_attention_fwd contract: every attribute present, gpu_utils.ffi_attention)."""
     q = jnp.ones((1, 8, 1, 96), jnp.bfloat16)
-    # The handler's results: out, lse, and the persistent grid's tile counter (primitive.TILE_COUNTER).
-    results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((1, 1, 8), jnp.float32),
-        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
-    )
-    call = jax.ffi.ffi_call("jzyfa_flash_attention_fwd", results)
-    with pytest.raises(Exception, match="head_dim must be 64, 128 or 256"):
-        jax.block_until_ready(
-            call(
-                q,
-                q,
-                q,
-                softmax_scale=np.float32(0.1),
-                causal=True,
-                window_left=np.int64(-1),
-                window_right=np.int64(-1),
-            )
-        )
+    with pytest.raises(Exception, match="jzyfa_attention_fwd: head_dim must be 64, 128 or 256 .* got 96"):
+        jax.block_until_ready(ffi_attention(q, q, q, causal=True))

@@ -4,8 +4,7 @@ no key (seq_q > seq_k, causal) give O = 0 and LSE = -inf, bf16 and f16, causal a
 bitwise-identical reruns, and the FFI handler's refusal of other head-dim pairs.
 
 Skipped without a Hopper GPU and the built extension. Runs the kernel through implementation="kernel"
-with JZYFA_UNVERIFIED_MLA_KERNEL=1, so that it runs whatever jzyfa.api.MLA_KERNEL_VERIFIED says (True
-since this file passed on an H200 on 2026-11-30). Tolerances are tests/test_kernel_gpu.py's.
+(the plan's 16-bit (192, 128) dense rows). Tolerances are tests/test_kernel_gpu.py's.
 """
 
 import jax
@@ -13,21 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64
-from gpu_utils import assert_bitwise_reruns, requires_hopper
+from gpu_utils import assert_bitwise_reruns, ffi_attention, kernel_call, requires_hopper
 from test_kernel_gpu import LSE_TOLERANCE, O_TOLERANCE, relative_l2
 
 import jzyfa
-from jzyfa import api
-from jzyfa.primitive import FFI_TARGET, TILE_COUNTER
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
 HEAD_DIM, HEAD_DIM_V = 192, 128
-
-
-@pytest.fixture(autouse=True)
-def allow_unverified_mla_kernel(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_MLA_KERNEL_ENV, "1")
 
 
 def mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, dtype):
@@ -52,7 +44,7 @@ def run_poisoned(q, k, v, *, causal):
     lse_poison = jnp.full((b, hq, sq), jnp.nan, jnp.float32)
     fn = jax.jit(call, donate_argnums=(3, 4), keep_unused=True)
     hlo = fn.lower(q, k, v, out_poison, lse_poison).compile().as_text()
-    assert FFI_TARGET in hlo
+    kernel_call(hlo)  # one jzyfa_attention_fwd custom call
     # The poison only proves something if the kernel writes straight into the donated buffers.
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
     out, lse = fn(q, k, v, out_poison, lse_poison)
@@ -126,23 +118,8 @@ def test_bitwise_identical_reruns():
 
 
 def handler_call(q, k, v, *, window=(-1, -1)):
-    """The FFI handler itself (no dispatch in between), with out taking v's head dim."""
-    b, sq, hq, _ = q.shape
-    results = (
-        jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
-        jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
-    )
-    call = jax.ffi.ffi_call(FFI_TARGET, results)
-    return call(
-        q,
-        k,
-        v,
-        softmax_scale=np.float32(0.1),
-        causal=False,
-        window_left=np.int64(window[0]),
-        window_right=np.int64(window[1]),
-    )
+    """The FFI handler itself (no dispatch in between; gpu_utils.ffi_attention), out taking v's head dim."""
+    return ffi_attention(q, k, v, softmax_scale=0.1, causal=False, window=window)
 
 
 def test_handler_runs_mla_and_refuses_what_it_has_no_kernel_for():

@@ -1,11 +1,9 @@
 """The 16-bit kernel over packed variable-length batches, on the GPU, against float64 attention per
 sequence and the pure-JAX varlen path. Skips without a Hopper GPU and the extension.
 
-The varlen kernel is the default path for `flash_attention_varlen` (implementation=None) since these
-tests passed on an H200 on 2026-11-30 (64 passed; `jzyfa.api.VARLEN_KERNEL_VERIFIED` is True). The
-checks call implementation="kernel", so that a call the kernel cannot serve fails instead of falling
-back, and set JZYFA_UNVERIFIED_VARLEN_KERNEL=1 so that they also run while the constant, the kill
-switch, is set False. Every check runs the kernel into output buffers filled with NaN beforehand
+The varlen kernel (the plan's 16-bit "varlen" rows) is the default path for `flash_attention_varlen`
+(implementation=None). The checks call implementation="kernel", so that a call the kernel cannot serve
+fails instead of falling back. Every check runs the kernel into output buffers filled with NaN beforehand
 (donated buffers XLA aliases to the custom call's results), so a token the kernel fails to write,
 inside a sequence or past the last one, shows up as NaN.
 """
@@ -17,27 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_varlen_f64
-from gpu_utils import assert_bitwise_reruns
+from gpu_utils import assert_bitwise_reruns, ffi_attention, kernel_call, requires_hopper
 
 import jzyfa
-from jzyfa import api
-from jzyfa.primitive import TILE_COUNTER
-from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not jzyfa.kernel_available(), reason=f"needs the Hopper kernel: {jzyfa.kernel_unavailable_reason()}"
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_hopper]
 
 O_TOLERANCE = 1e-2  # relative L2 error of O for 16-bit inputs, as tests/test_kernel_gpu.py
 LSE_TOLERANCE = 1e-4
-
-
-@pytest.fixture(autouse=True)
-def kernel_even_if_switched_off(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
 
 
 def offsets(lengths) -> np.ndarray:
@@ -79,7 +64,8 @@ def run_kernel_poisoned(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, scale=None
     args = (q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), out_poison, lse_poison)
     fn = jax.jit(call, donate_argnums=(5, 6), keep_unused=True)
     hlo = fn.lower(*args).compile().as_text()
-    assert FFI_TARGET_VARLEN in hlo
+    call_line = kernel_call(hlo)  # the one jzyfa_attention_fwd custom call
+    assert "varlen = true" in call_line and f"max_seqlen_q = {max_q} : i64" in call_line, call_line
     # The poison only proves something if the kernel writes straight into the donated buffers.
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
     out, lse = fn(*args)
@@ -240,30 +226,11 @@ def test_offsets_are_traced_one_program_serves_every_packing(rng):
 
 
 def test_handler_rejects_unsupported_head_dim():
-    """The FFI handler itself answers InvalidArgument, not a crash, for what it cannot run."""
+    """The FFI handler itself answers InvalidArgument, not a crash, for what it cannot run (the
+    jzyfa_attention_fwd contract with the varlen operands: gpu_utils.ffi_attention)."""
     q = jnp.ones((8, 1, 96), jnp.bfloat16)
     cu = jnp.asarray([0, 8], jnp.int32)
-    results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((1, 8), jnp.float32),
-        jax.ShapeDtypeStruct(TILE_COUNTER.shape, TILE_COUNTER.dtype),
-    )
-    call = jax.ffi.ffi_call(FFI_TARGET_VARLEN, results)
     with pytest.raises(
         Exception, match="head_dim must be 64, 128 or 256 for the jzyfa varlen kernel .* got 96"
     ):
-        jax.block_until_ready(
-            call(
-                q,
-                q,
-                q,
-                cu,
-                cu,
-                softmax_scale=np.float32(0.1),
-                causal=True,
-                max_seqlen_q=np.int64(8),
-                max_seqlen_k=np.int64(8),
-                window_left=np.int64(-1),
-                window_right=np.int64(-1),
-            )
-        )
+        jax.block_until_ready(ffi_attention(q, q, q, cu_seqlens=(cu, cu), max_seqlens=(8, 8), causal=True))

@@ -2,10 +2,9 @@
 (plain and windowed): head dim 256 (64-key blocks) and MLA's (q/k 192, v 128), against float64 attention
 and the pure-JAX path. Skips without a Hopper GPU and the extension.
 
-These instantiations sit behind jzyfa.api.WIDE_WINDOW_KERNEL_VERIFIED and WIDE_VARLEN_KERNEL_VERIFIED (and,
-at head dim 256, HD256_KERNEL_VERIFIED), set True once this file passed on an H200 (38 passed, 2026-12-01). The checks call
-implementation="kernel", so that a call the kernel cannot serve fails instead of falling back, with every
-gate's variable set by a fixture. Every check runs the kernel into output buffers filled with NaN
+These are the plan's 16-bit rows at head dims (256, 256) and (192, 128) with a "window" mask or a
+"varlen" layout (jzyfa.plan.KERNELS). The checks call implementation="kernel", so that a call the kernel
+cannot serve fails instead of falling back. Every check runs the kernel into output buffers filled with NaN
 beforehand (donated buffers XLA aliases to the custom call's results), so a row the kernel fails to write
 shows up as NaN; rows that see no key must give O = 0 and LSE = -inf. Tolerances are
 tests/test_kernel_gpu.py's.
@@ -18,13 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, naive_varlen_f64
-from gpu_utils import requires_hopper
+from gpu_utils import kernel_call, requires_hopper
 from test_kernel_gpu import LSE_TOLERANCE, O_TOLERANCE, relative_l2
 
 import jzyfa
-from jzyfa import api
-from jzyfa.primitive import FFI_TARGET
-from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -42,27 +38,15 @@ PACKINGS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def every_gate_lifted(monkeypatch):
-    for env in (
-        api.UNVERIFIED_HD256_KERNEL_ENV,
-        api.UNVERIFIED_MLA_KERNEL_ENV,
-        api.UNVERIFIED_WINDOW_KERNEL_ENV,
-        api.UNVERIFIED_VARLEN_KERNEL_ENV,
-        api.UNVERIFIED_WIDE_WINDOW_KERNEL_ENV,
-        api.UNVERIFIED_WIDE_VARLEN_KERNEL_ENV,
-    ):
-        monkeypatch.setenv(env, "1")
-
-
 @pytest.fixture(params=list(HEAD_DIMS))
 def head_dims(request) -> tuple[int, int]:
     return HEAD_DIMS[request.param]
 
 
-def run_poisoned(attention, target: str, inputs: tuple, out_shape, lse_shape):
+def run_poisoned(attention, varlen: bool, inputs: tuple, out_shape, lse_shape):
     """attention(*inputs) -> (out, lse) under jit, writing into NaN-filled donated buffers: (out, lse) as
-    float32 NumPy arrays, after checking that the custom call ran in place and left no NaN."""
+    float32 NumPy arrays, after checking that the custom call (dense or varlen) ran in place and left
+    no NaN."""
 
     def call(*args):
         return attention(*args[:-2])  # the poisoned buffers are donated: they become the results
@@ -70,7 +54,8 @@ def run_poisoned(attention, target: str, inputs: tuple, out_shape, lse_shape):
     poison = (jnp.full(out_shape, jnp.nan, inputs[0].dtype), jnp.full(lse_shape, jnp.nan, jnp.float32))
     fn = jax.jit(call, donate_argnums=(len(inputs), len(inputs) + 1), keep_unused=True)
     hlo = fn.lower(*inputs, *poison).compile().as_text()
-    assert target in hlo and "input_output_alias" in hlo and " copy(" not in hlo
+    assert f"varlen = {str(varlen).lower()}" in kernel_call(hlo)
+    assert "input_output_alias" in hlo and " copy(" not in hlo
     out, lse = fn(*inputs, *poison)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
@@ -100,7 +85,7 @@ def check_dense(rng, head_dims, sq, sk, window, *, causal=False, batch=2, hq=4, 
     def attention(q, k, v):
         return jzyfa.flash_attention(q, k, v, implementation="kernel", **kwargs)
 
-    out, lse = run_poisoned(attention, FFI_TARGET, (q, k, v), (batch, sq, hq, dv), (batch, hq, sq))
+    out, lse = run_poisoned(attention, False, (q, k, v), (batch, sq, hq, dv), (batch, hq, sq))
     want_out, want_lse = naive_attention_f64(
         *(np.asarray(x, np.float32) for x in (q, k, v)), causal=causal, window=window
     )
@@ -129,7 +114,7 @@ def check_varlen(rng, head_dims, lengths_q, lengths_k, pad_q, *, causal=False, w
         )
 
     inputs = (q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k))
-    out, lse = run_poisoned(attention, FFI_TARGET_VARLEN, inputs, (total_q, hq, dv), (hq, total_q))
+    out, lse = run_poisoned(attention, True, inputs, (total_q, hq, dv), (hq, total_q))
     f32 = [np.asarray(x, np.float32) for x in (q, k, v)]
     want_out, want_lse = naive_varlen_f64(*f32, cu_q, cu_k, causal=causal, window=window)
     ref_out, ref_lse = jzyfa.flash_attention_varlen(

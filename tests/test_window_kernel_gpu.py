@@ -1,36 +1,26 @@
 """The 16-bit kernel's sliding windows on the GPU (dense and varlen), against float64 attention and the
 pure-JAX path. Skips without a Hopper GPU and the extension.
 
-The windowed kernels are the default path for sliding windows (implementation=None) since these tests
-passed on an H200 on 2026-11-30 (127 passed; `jzyfa.api.WINDOW_KERNEL_VERIFIED` is True). The checks
-call implementation="kernel", so that a call the kernel cannot serve fails instead of falling back, and
-set JZYFA_UNVERIFIED_WINDOW_KERNEL=1 and JZYFA_UNVERIFIED_VARLEN_KERNEL=1 so that they also run while
-the constants, the kill switches, are set False. Every check runs the kernel into output buffers filled
-with NaN beforehand (donated buffers XLA aliases to the custom call's results), so a row the kernel
-fails to write shows up as NaN.
+The windowed kernels (the plan's 16-bit "window" rows at head dims 64 and 128) are the default path for
+sliding windows (implementation=None). The checks call implementation="kernel", so that a call the
+kernel cannot serve fails instead of falling back. Every check runs the kernel into output buffers
+filled with NaN beforehand (donated buffers XLA aliases to the custom call's results), so a row the
+kernel fails to write shows up as NaN.
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, naive_varlen_f64
+from gpu_utils import kernel_call, requires_hopper
+from hlo_utils import window_attributes
 
 import jzyfa
-from jzyfa import api
-from jzyfa.primitive import FFI_TARGET
-from jzyfa.varlen_primitive import FFI_TARGET_VARLEN
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not jzyfa.kernel_available(), reason=f"needs the Hopper kernel: {jzyfa.kernel_unavailable_reason()}"
-    ),
-]
+pytestmark = [pytest.mark.gpu, requires_hopper]
 
 O_TOLERANCE = 1e-2  # relative L2 error of O for 16-bit inputs, as tests/test_kernel_gpu.py
 LSE_TOLERANCE = 1e-4
@@ -42,20 +32,8 @@ WINDOWS = [(0, 0), (1, 0), (127, 0), (128, 0), (255, 0), (64, 64), (-1, 5), (300
 LENGTHS = [(1000, 1000), (129, 1000), (1000, 129), (63, 63), (1, 4097), (4097, 4097), (257, 1)]
 
 
-@pytest.fixture(autouse=True)
-def kernels_even_if_switched_off(monkeypatch):
-    monkeypatch.setenv(api.UNVERIFIED_WINDOW_KERNEL_ENV, "1")
-    monkeypatch.setenv(api.UNVERIFIED_VARLEN_KERNEL_ENV, "1")
-
-
 def relative_l2(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
-def window_of(call_hlo: str) -> tuple[int, int]:
-    left = re.search(r"window_left = (-?\d+) : i64", call_hlo)
-    right = re.search(r"window_right = (-?\d+) : i64", call_hlo)
-    return int(left.group(1)), int(right.group(1))
 
 
 def run_dense_poisoned(q, k, v, *, causal=False, window=None, scale=None):
@@ -79,7 +57,7 @@ def run_dense_poisoned(q, k, v, *, causal=False, window=None, scale=None):
     lse_poison = jnp.full((b, hq, sq), jnp.nan, jnp.float32)
     fn = jax.jit(call, donate_argnums=(3, 4), keep_unused=True)
     hlo = fn.lower(q, k, v, out_poison, lse_poison).compile().as_text()
-    assert FFI_TARGET in hlo
+    assert "varlen = false" in kernel_call(hlo)
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
     out, lse = fn(q, k, v, out_poison, lse_poison)
     return np.asarray(out.astype(jnp.float32)), np.asarray(lse), hlo
@@ -138,8 +116,8 @@ def test_causal_with_window_and_windows_that_are_causal(rng):
     """causal=True sets the right bound to 0; (huge, 0) is plain causal and runs the plain kernel."""
     q, k, v = check_dense(rng, 500, 700, (200, 9), causal=True)
     _, _, hlo = run_dense_poisoned(q, k, v, window=(100000, 0))
-    (call,) = [line for line in hlo.splitlines() if FFI_TARGET in line and "custom-call(" in line]
-    assert "causal=true" in call.replace(" ", "") and window_of(call) == (-1, -1)
+    call = kernel_call(hlo)
+    assert "causal=true" in call.replace(" ", "") and window_attributes(call) == (-1, -1)
 
 
 def test_bitwise_reruns(rng):
@@ -182,7 +160,8 @@ def check_varlen(rng, lengths_q, lengths_k, window, *, pad_q=0, hq=4, hkv=2, d=6
     )
     fn = jax.jit(call, donate_argnums=(5, 6), keep_unused=True)
     hlo = fn.lower(*args).compile().as_text()
-    assert FFI_TARGET_VARLEN in hlo and "input_output_alias" in hlo and " copy(" not in hlo
+    assert "varlen = true" in kernel_call(hlo)
+    assert "input_output_alias" in hlo and " copy(" not in hlo
     out, lse = fn(*args)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "NaN poison left: rows unwritten"
