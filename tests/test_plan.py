@@ -400,3 +400,87 @@ def test_configurations_outside_the_table_raise_naming_the_problem(cpu_backend, 
     # The default path serves them, with no custom call (the pure-JAX path).
     fn, args = kernel_call(config, implementation=None)
     assert FFI_TARGET not in cuda_hlo(fn, args)
+
+
+# --- the FP8 per-call choices and their overrides (read at trace time) -----------------------------
+
+
+def fp8_custom_call(config: Config) -> tuple[dict[str, str], str]:
+    """(attributes of the jzyfa_attention_fwd call, the whole HLO) of this FP8 row lowered for CUDA."""
+    jax.clear_caches()  # the overrides are read when a call is traced
+    fn, args = kernel_call(config)
+    hlo = cuda_hlo(fn, args)
+    (call,) = custom_call_lines(hlo, FFI_TARGET)
+    return attributes(call), hlo
+
+
+@pytest.mark.parametrize("name", [plan.FP8_V_LAYOUT_ENV, plan.FP8_KEY_BLOCK_ENV])
+def test_bad_override_values_raise_naming_the_variable(cpu_backend, monkeypatch, name):
+    assert name in ("JZYFA_FP8_V_LAYOUT", "JZYFA_FP8_KEY_BLOCK")
+    monkeypatch.setenv(name, "wide")
+    with pytest.raises(ValueError, match=f"^{name} must be one of .* \\(or unset\\), got 'wide'"):
+        plan.fp8_key_block((1, 64, 2, 128), (1, 64, 2, 128), causal=True)
+    jax.clear_caches()
+    fn, args = kernel_call(Config("fp8", (128, 128), "causal", "dense"))
+    with pytest.raises(ValueError, match=name):
+        cuda_hlo(fn, args)
+    monkeypatch.setenv(name, "")  # empty is unset
+    assert plan.fp8_key_block((1, 64, 2, 128), (1, 64, 2, 128), causal=True) in (128, 192)
+
+
+@pytest.mark.parametrize("layout", plan.FP8_V_LAYOUTS)
+@pytest.mark.parametrize("row", sorted(r for r in plan.KERNELS if r.family == "fp8"), ids=str)
+def test_v_layout_override_sets_v_transposed(cpu_backend, monkeypatch, row, layout):
+    monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, layout)
+    attrs, hlo = fp8_custom_call(row)
+    transposed = layout == "transposed"
+    assert attrs["v_transposed"] == str(transposed).lower()
+    # V^T from the layout kernel for head dim 128 (v's head dim is 128 in every FP8 row; varlen: after
+    # gathering each sequence's keys).
+    assert len(custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)) == transposed
+    assert attrs["key_block"] == "0 : i64"  # no key block override
+
+
+@pytest.mark.parametrize("key_block", ["128", "192"])
+@pytest.mark.parametrize("row", sorted(r for r in plan.KERNELS if r.family == "fp8"), ids=str)
+@pytest.mark.parametrize("layout", plan.FP8_V_LAYOUTS)
+def test_key_block_attribute_only_on_dense_hd128_unwindowed_v_transposed_calls(
+    cpu_backend, monkeypatch, row, layout, key_block
+):
+    monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, layout)
+    monkeypatch.setenv(plan.FP8_KEY_BLOCK_ENV, key_block)
+    attrs, _ = fp8_custom_call(row)
+    applies = (
+        row.layout == "dense" and row.head_dims == (128, 128) and row.mask != "window" and layout == "transposed"
+    )
+    assert attrs["key_block"] == f"{key_block if applies else 0} : i64"
+
+
+def test_key_block_auto_is_the_launchs_rule(cpu_backend, monkeypatch):
+    monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, "transposed")
+    monkeypatch.setenv(plan.FP8_KEY_BLOCK_ENV, "auto")
+    attrs, _ = fp8_custom_call(Config("fp8", (128, 128), "none", "dense"))
+    assert attrs["key_block"] == "0 : i64"
+    assert plan.fp8_key_block_override() == 0
+
+
+def test_fp8_key_block_follows_the_override_where_it_applies(monkeypatch):
+    shapes = (1, 64, 2, 128), (1, 64, 2, 128)
+    monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, "transposed")
+    monkeypatch.setenv(plan.FP8_KEY_BLOCK_ENV, "192")
+    assert plan.fp8_key_block(*shapes, causal=True) == 192
+    assert plan.fp8_key_block(*shapes, causal=False, window=(8, 0)) != 192 or jzyfa.extension_loaded()
+    monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, "staged")
+    if not jzyfa.extension_loaded():  # without the extension the launch's rule is 128
+        assert plan.fp8_key_block(*shapes, causal=True) == 128
+
+
+def test_fp8_value_layout_rule():
+    # Up to FP8_STAGED_V_MAX_ROWS query rows per KV head staged (short rows see few keys), else V^T.
+    rows = plan.FP8_STAGED_V_MAX_ROWS
+    common = dict(seq_k=64, head_dim=128, causal=True, window=(-1, 0))
+    if not jzyfa.extension_loaded():
+        assert plan.fp8_value_layout(rows // 4, 8, 2, **common) == "staged"
+    assert plan.fp8_value_layout(rows // 4 + 1, 8, 2, **common) == "transposed"
+    assert plan.fp8_varlen_value_layout(plan.FP8_VARLEN_STAGED_V_MAX_ROWS, 1, 1) == "staged"
+    assert plan.fp8_varlen_value_layout(plan.FP8_VARLEN_STAGED_V_MAX_ROWS + 1, 1, 1) == "transposed"
