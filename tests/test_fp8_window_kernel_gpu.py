@@ -107,7 +107,7 @@ CASES = [
     # other, fully masked for them, must leave their state as it was, also as their first block).
     (1, 300, 364, 2, 2, (0, 0), "tensor"),
     # The diagonal only, 512 tiles of one key block: every CTA runs several in a row (a one-block tile
-    # frees its Q buffer with its first Q K^T; docs/fp8.md 10.22).
+    # frees its Q buffer with its first Q K^T).
     (8, 1024, 1024, 8, 8, (0, 0), "head"),
 ]
 

@@ -199,3 +199,19 @@ def test_handler_rejects_unsupported_head_dim():
     q = jnp.ones((1, 8, 1, 96), jnp.bfloat16)
     with pytest.raises(Exception, match="jzyfa_attention_fwd: head_dim must be 64, 128 or 256 .* got 96"):
         jax.block_until_ready(ffi_attention(q, q, q, causal=True))
+
+
+def test_handler_checks_the_operand_list():
+    """The handler takes descales exactly for float8_e4m3fn q, and V^T only for FP8 (its error names the
+    operands it expected)."""
+    q = jnp.ones((1, 8, 1, 128), jnp.bfloat16)
+    ones = (jnp.ones((1,), jnp.float32),) * 3
+    with pytest.raises(Exception, match=r"expected 3 operands \(q, k, v\), got 6"):
+        jax.block_until_ready(ffi_attention(q, q, q, descales=ones))
+    q8 = q.astype(jnp.float8_e4m3fn)
+    with pytest.raises(
+        Exception, match=r"expected 6 operands \(q, k, v, descale_q, descale_k, descale_v\), got 3"
+    ):
+        jax.block_until_ready(ffi_attention(q8, q8, q8))
+    with pytest.raises(Exception, match="v_transposed must be false for 16-bit inputs"):
+        jax.block_until_ready(ffi_attention(q, q, q, v_transposed=True, out_head_dim=128))
