@@ -42,9 +42,24 @@ def test_cuda_lowering_is_the_typed_ffi_custom_call(implementation):
     # row-major layouts.
     assert "(bf16[2,40,8,128]{3,2,1,0}, f32[2,8,40]{2,1,0}, s32[1]{0}) custom-call(" in call
     assert "bf16[2,72,2,128]{3,2,1,0}" in call
-    # Attribute types are part of the contract: causal a bool, softmax_scale an f32.
+    # Attribute types are part of the contract: causal a bool, softmax_scale an f32; every attribute is
+    # always present (a dense 16-bit call: no window, no varlen maxima, no FP8 choices).
     assert "causal = true" in call
     assert softmax_scale_attribute(call) == np.float32(0.25)
+    (config,) = re.findall(r"backend_config=\{(.*)\}", call)
+    attributes = dict(item.split(" = ", 1) for item in config.split(", "))
+    del attributes["softmax_scale"]
+    assert attributes == {
+        "causal": "true",
+        "window_left": "-1 : i64",
+        "window_right": "-1 : i64",
+        "varlen": "false",
+        "max_seqlen_q": "0 : i64",
+        "max_seqlen_k": "0 : i64",
+        "lean_p": "true",
+        "v_transposed": "false",
+        "key_block": "0 : i64",
+    }
 
 
 def test_non_causal_attribute():
