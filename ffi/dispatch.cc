@@ -1,5 +1,5 @@
-// The forward launch of a validated call: its kFwdKernels row, then that row's instantiation group
-// (dispatch.h; the groups are compiled in ffi/instantiations/).
+// The forward launch of a validated call: its group of kFwdKernels, then that group's instantiation
+// (dispatch.h; each group is compiled by one file of ffi/instantiations/).
 #include "dispatch.h"
 
 #include <string>
@@ -14,9 +14,9 @@ std::string LaunchFwd(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
       p.family(), static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), mask.kind(),
       p.layout(),
       [&](auto index) {
-        constexpr FwdKernelRow row = kFwdKernels[decltype(index)::value];
-        return LaunchFwdInstance<row.family, row.head_dim_qk, row.head_dim_v, row.layout>(p, mask,
-                                                                                       stream);
+        constexpr FwdKernelGroup group = kFwdKernels[decltype(index)::value];
+        return LaunchFwdInstance<group.family, group.head_dim_qk, group.head_dim_v, group.layout>(
+            p, mask, stream);
       },
       [] { return std::string("no kernel instantiation serves this call (ValidateFwd admits none)"); });
 }

@@ -1,5 +1,5 @@
 // Dispatch of a validated forward call into its instantiation: switch helpers from runtime values to
-// template arguments, and the launch of one (family, head dims, layout) group of kFwdKernels' rows,
+// template arguments, and the launch of one (family, head dims, layout) group of kFwdKernels,
 // which launch_fwd.cuh defines and one file of ffi/instantiations/ instantiates per group (so the
 // build compiles them in parallel). Inside a group the mask (plain or windowed), P (lean or exact),
 // V's layout and the key block are switched at run time (launch_fwd_16bit.cuh, launch_fwd_fp8.cuh).
@@ -44,17 +44,18 @@ decltype(auto) IntSwitch(int value, F&& f, Otherwise&& otherwise) {
   return found ? result : otherwise();
 }
 
-// f(std::integral_constant<size_t, I>{}) for the row I of kFwdKernels that serves (family, head dims,
-// mask, layout); `otherwise()` when none does.
+// f(std::integral_constant<size_t, I>{}) for the group I of kFwdKernels that serves (family, head
+// dims, mask, layout); `otherwise()` when none does.
 template <size_t I = 0, typename F, typename Otherwise>
 decltype(auto) FwdKernelSwitch(Family family, int head_dim_qk, int head_dim_v, MaskKind mask,
                                Layout layout, F&& f, Otherwise&& otherwise) {
-  if constexpr (I == kNumFwdKernels) {
+  if constexpr (I == kNumFwdKernelGroups) {
     return otherwise();
   } else {
-    constexpr FwdKernelRow row = kFwdKernels[I];
-    if (row.family == family && row.head_dim_qk == head_dim_qk && row.head_dim_v == head_dim_v &&
-        row.mask == mask && row.layout == layout) {
+    constexpr FwdKernelGroup group = kFwdKernels[I];
+    if (group.family == family && group.head_dim_qk == head_dim_qk &&
+        group.head_dim_v == head_dim_v && group.layout == layout &&
+        (group.masks & MaskBit(mask)) != 0) {
       return f(std::integral_constant<size_t, I>{});
     }
     return FwdKernelSwitch<I + 1>(family, head_dim_qk, head_dim_v, mask, layout,

@@ -5,6 +5,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90_mma.cuh"
 
@@ -94,17 +95,18 @@ struct TmaEpilogue {
   }
 };
 
-// Launches of packed variable-length batches (VarlenFwdArgs below, the FP8 kernel's Fp8VarlenArgs,
-// and their windows) specialise this to true.
+struct VarlenFwdArgs;
+
+// Launches of packed variable-length batches: VarlenFwdArgs (below) and what derives from it (the FP8
+// kernel's Fp8VarlenArgs, the windows WindowedArgs<...>).
 template <typename Args>
-constexpr bool kIsVarlen = false;
+constexpr bool kIsVarlen = std::is_base_of_v<VarlenFwdArgs, Args>;
 
 // A sliding window's launch: the dense or varlen arguments (16-bit: FwdArgs, VarlenFwdArgs; FP8:
 // Fp8Args) plus the window (left, right) on bottom-right positions (query row i at
 // i + seqlen_k - seqlen_q sees keys pos - left .. pos + right; -1: that side unbounded), each at
 // most 2^30, with the base's causal flag 0. Its instantiations are kernels of their own
-// (FlashFwdWindowKernel, FlashFwdVarlenWindowKernel, FlashFwdFp8WindowKernel), so the code of the
-// others does not change.
+// (FwdKernel / FwdVarlenKernel over WindowedArgs<...>), so the code of the others does not change.
 template <typename Base>
 struct WindowedArgs : Base {
   int window_left;
@@ -282,13 +284,6 @@ struct VarlenFwdArgs {
   const int* cu_seqlens_q;  // [num_seqs + 1]
   const int* cu_seqlens_k;  // [num_seqs + 1]
 };
-
-// Varlen launches (the windowed PlanTile above reads their per-sequence lengths).
-template <>
-constexpr bool kIsVarlen<VarlenFwdArgs> = true;
-
-template <>
-constexpr bool kIsVarlen<WindowedArgs<VarlenFwdArgs>> = true;
 
 // The varlen tile order is the dense one with sequences as the batch: heads fastest, then query
 // tiles from the last (of max_seqlen_q) to the first, then sequences. With unequal lengths the

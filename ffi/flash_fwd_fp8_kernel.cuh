@@ -78,12 +78,6 @@ struct Fp8VarlenArgs : VarlenFwdArgs {
   int descale_per_head;
 };
 
-template <>
-constexpr bool kIsVarlen<Fp8VarlenArgs> = true;
-
-template <>
-constexpr bool kIsVarlen<WindowedArgs<Fp8VarlenArgs>> = true;
-
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& args) {
   return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));

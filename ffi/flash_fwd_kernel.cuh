@@ -356,8 +356,9 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     ptx::wgmma_commit_group();
   };
 
-  // No code unless built with JZYFA_TIMELINE (kernel_timeline.cuh); the windowed kernels and MLA's
-  // never record (the stamps' registers would spill there: at hd128 windowed, and at MLA's head dims).
+  // No code unless a measuring build records the timeline (tools/measure/timeline.h); the windowed
+  // kernels and MLA's never record (the stamps' registers would spill there: at hd128 windowed, and
+  // at MLA's head dims).
   constexpr bool kRecords = !kWindow && kHeadDimQK == kHeadDimV;
   std::conditional_t<kRecords, typename MeasureVariant<>::Timeline, NoTimeline> timeline(consumer);
   uint32_t ring = 0;  // K/V blocks consumed since the launch, as the producer counts them

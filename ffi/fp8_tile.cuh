@@ -1,8 +1,8 @@
 // The FP8 kernel's tile: its shapes (rows per consumer, keys per block, head dims), the compile-time
 // choices that go with them (V staged or V^T from memory, the TMA-store epilogue, Q buffers, how often
 // O is promoted and how much of its copy stays in registers), and the shared-memory layout they give.
-// flash_fwd_fp8_kernel.cuh runs on it; launch_fwd_fp8.cuh sizes its launches
-// and tensor maps by it.
+// flash_fwd_fp8_kernel.cuh runs on it; launch_fwd_fp8.cuh sizes its launches and tensor maps by it. The
+// sizes themselves are tile_size.h's (Fp8TileSize); this struct derives the layout.
 #pragma once
 
 #include <cuda.h>
@@ -22,11 +22,12 @@ namespace jzyfa {
 // memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
 // memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
 // next sequence).
-// kLayout: dense, or varlen (O from registers). kBlockN_: keys per block, 128 or (V^T from global
+// kLayout_: dense, or varlen (O from registers). kBlockN_: keys per block, 128 or (V^T from global
 // memory only) 192 (kFp8WideBlockN, docs/fp8.md 10.26). The sizes are tile_size.h's (Fp8TileSize).
-template <int kHeadDimQK_, bool kStagedV_ = true, Layout kLayout = Layout::kDense, int kBlockN_ = 128>
+template <int kHeadDimQK_, bool kStagedV_ = true, Layout kLayout_ = Layout::kDense, int kBlockN_ = 128>
 struct Fp8TileT {
-  static constexpr TileSize kSize = Fp8TileSize(kHeadDimQK_, kStagedV_, kLayout, kBlockN_);
+  static constexpr TileSize kSize = Fp8TileSize(kHeadDimQK_, kStagedV_, kLayout_, kBlockN_);
+  static constexpr Layout kLayout = kLayout_;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
   static constexpr int kHeadDimV = 128;
@@ -97,7 +98,7 @@ struct Fp8TileT {
       kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
   // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
   static constexpr bool kEpilogueTma =
-      kSize.epilogue_tma && MeasureVariant<>::kFp8EpilogueTma && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
+      kSize.epilogue_tma && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
   // One Q tile: a second (the producer loading the next tile's Q a key block earlier) measured
   // 0.6-2.4% slower (docs/fp8.md 10.24).
   static constexpr int kQBuffers = 1;

@@ -120,7 +120,7 @@ void SetTileGroups(Args& args, int sm_count, int window_left, int window_right, 
 }
 
 // The tile geometry and sequence fields of a varlen launch's arguments (VarlenFwdArgs's fields) from its
-// parameters (FlashFwdVarlenParams's): tiles of block_m rows over ceil(max_seqlen_q / block_m) query
+// parameters (FwdParams's varlen fields): tiles of block_m rows over ceil(max_seqlen_q / block_m) query
 // tiles per sequence and head, for one more "sequence" than there are: the tail, tokens past
 // cu_seqlens_q[num_seqs] or before cu_seqlens_q[0] (O = 0, LSE = -inf).
 template <typename Args, typename Params>

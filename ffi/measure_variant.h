@@ -17,9 +17,6 @@ struct ProductVariant {
   // The dense kernels' tile order in groups of (batch, head) pairs (TileGroupPairs); false: each
   // batch element a group, the previous order (tools/measure/no_tile_groups.h).
   static constexpr bool kTileGroups = true;
-  // The FP8 dense kernels' TMA-store epilogue where the O tiles fit; false: O from registers in every
-  // FP8 kernel (tools/measure/fp8_register_epilogue.h).
-  static constexpr bool kFp8EpilogueTma = true;
   // Keys per block of the dense 16-bit kernels at head dim 256 (causal or no mask) and at head dim 128
   // without a mask; 0: the tile table's (tile_size.h). Measurement builds: 80 and 176
   // (tools/measure/hd256_80_keys.h, nomask_176_keys.h).

@@ -67,10 +67,13 @@ NB_MODULE(_jzyfa_ffi, m) {
       "kernels",
       []() {
         std::vector<std::tuple<std::string, int, int, std::string, std::string, std::string>> rows;
-        for (const jzyfa::FwdKernelRow& row : jzyfa::kFwdKernels) {
-          rows.emplace_back(FamilyName(row.family), row.head_dim_qk, row.head_dim_v,
-                            MaskName(row.mask),
-                            row.layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", "fwd");
+        for (const jzyfa::FwdKernelGroup& group : jzyfa::kFwdKernels) {
+          for (jzyfa::MaskKind mask : jzyfa::kMaskKinds) {
+            if ((group.masks & jzyfa::MaskBit(mask)) == 0) continue;
+            rows.emplace_back(FamilyName(group.family), group.head_dim_qk, group.head_dim_v,
+                              MaskName(mask),
+                              group.layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", "fwd");
+          }
         }
         return rows;
       },

@@ -19,60 +19,48 @@ enum class Layout { kDense, kVarlen };
 constexpr int kMlaHeadDimQK = 192;
 constexpr int kMlaHeadDimV = 128;
 
-// One forward instantiation: (family, q/k head dim, v head dim, mask, layout). The mask is the
-// resolved one (ResolveMask): "window" only for windows that are neither causal nor none.
-struct FwdKernelRow {
+// A set of masks (the resolved ones, ResolveMask: "window" only for windows that are neither causal nor
+// none) as bits.
+constexpr unsigned MaskBit(MaskKind mask) { return 1u << static_cast<int>(mask); }
+constexpr unsigned kAllMasks = 0b111;
+constexpr unsigned kCausalOrNone = 0b011;
+constexpr MaskKind kMaskKinds[] = {MaskKind::kNone, MaskKind::kCausal, MaskKind::kWindow};
+
+// One group of forward instantiations: (family, q/k head dim, v head dim, layout) with the masks it
+// serves. One file of ffi/instantiations/ compiles each group (dispatch.h); kernels() lists a row
+// per (group, mask).
+struct FwdKernelGroup {
   Family family;
   int head_dim_qk;
   int head_dim_v;
-  MaskKind mask;
   Layout layout;
+  unsigned masks;
 };
 
-inline constexpr FwdKernelRow kFwdKernels[] = {
+inline constexpr FwdKernelGroup kFwdKernels[] = {
     // 16-bit (bf16 and f16): every head dim, every mask, dense and varlen.
-    {Family::k16Bit, 64, 64, MaskKind::kNone, Layout::kDense},
-    {Family::k16Bit, 64, 64, MaskKind::kCausal, Layout::kDense},
-    {Family::k16Bit, 64, 64, MaskKind::kWindow, Layout::kDense},
-    {Family::k16Bit, 64, 64, MaskKind::kNone, Layout::kVarlen},
-    {Family::k16Bit, 64, 64, MaskKind::kCausal, Layout::kVarlen},
-    {Family::k16Bit, 64, 64, MaskKind::kWindow, Layout::kVarlen},
-    {Family::k16Bit, 128, 128, MaskKind::kNone, Layout::kDense},
-    {Family::k16Bit, 128, 128, MaskKind::kCausal, Layout::kDense},
-    {Family::k16Bit, 128, 128, MaskKind::kWindow, Layout::kDense},
-    {Family::k16Bit, 128, 128, MaskKind::kNone, Layout::kVarlen},
-    {Family::k16Bit, 128, 128, MaskKind::kCausal, Layout::kVarlen},
-    {Family::k16Bit, 128, 128, MaskKind::kWindow, Layout::kVarlen},
-    {Family::k16Bit, 256, 256, MaskKind::kNone, Layout::kDense},
-    {Family::k16Bit, 256, 256, MaskKind::kCausal, Layout::kDense},
-    {Family::k16Bit, 256, 256, MaskKind::kWindow, Layout::kDense},
-    {Family::k16Bit, 256, 256, MaskKind::kNone, Layout::kVarlen},
-    {Family::k16Bit, 256, 256, MaskKind::kCausal, Layout::kVarlen},
-    {Family::k16Bit, 256, 256, MaskKind::kWindow, Layout::kVarlen},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kDense},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kDense},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kWindow, Layout::kDense},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kVarlen},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kVarlen},
-    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kWindow, Layout::kVarlen},
+    {Family::k16Bit, 64, 64, Layout::kDense, kAllMasks},
+    {Family::k16Bit, 64, 64, Layout::kVarlen, kAllMasks},
+    {Family::k16Bit, 128, 128, Layout::kDense, kAllMasks},
+    {Family::k16Bit, 128, 128, Layout::kVarlen, kAllMasks},
+    {Family::k16Bit, 256, 256, Layout::kDense, kAllMasks},
+    {Family::k16Bit, 256, 256, Layout::kVarlen, kAllMasks},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kAllMasks},
+    {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kVarlen, kAllMasks},
     // FP8 (e4m3): head dim 128 every mask, dense and varlen; MLA's dense, causal or no mask.
-    {Family::kFp8, 128, 128, MaskKind::kNone, Layout::kDense},
-    {Family::kFp8, 128, 128, MaskKind::kCausal, Layout::kDense},
-    {Family::kFp8, 128, 128, MaskKind::kWindow, Layout::kDense},
-    {Family::kFp8, 128, 128, MaskKind::kNone, Layout::kVarlen},
-    {Family::kFp8, 128, 128, MaskKind::kCausal, Layout::kVarlen},
-    {Family::kFp8, 128, 128, MaskKind::kWindow, Layout::kVarlen},
-    {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kNone, Layout::kDense},
-    {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, MaskKind::kCausal, Layout::kDense},
+    {Family::kFp8, 128, 128, Layout::kDense, kAllMasks},
+    {Family::kFp8, 128, 128, Layout::kVarlen, kAllMasks},
+    {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
 };
-inline constexpr size_t kNumFwdKernels = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
+inline constexpr size_t kNumFwdKernelGroups = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
 
-// Whether kFwdKernels has the row (with any mask when `any_mask`).
+// Whether kFwdKernels has (family, head dims, layout) with `mask` (with any mask when `any_mask`).
 constexpr bool HasFwdKernel(Family family, int head_dim_qk, int head_dim_v, MaskKind mask,
                             Layout layout, bool any_mask = false) {
-  for (const FwdKernelRow& row : kFwdKernels) {
-    if (row.family == family && row.head_dim_qk == head_dim_qk && row.head_dim_v == head_dim_v &&
-        row.layout == layout && (any_mask || row.mask == mask)) {
+  for (const FwdKernelGroup& group : kFwdKernels) {
+    if (group.family == family && group.head_dim_qk == head_dim_qk &&
+        group.head_dim_v == head_dim_v && group.layout == layout &&
+        (any_mask || (group.masks & MaskBit(mask)) != 0)) {
       return true;
     }
   }

@@ -1,7 +1,9 @@
 """The kernels as the compiler sees them, without a GPU: resources and SASS.
 
-Compiles ffi/flash_fwd.cu for sm_90a the way both builds do and reads ptxas's report and the
-disassembly: no register spills, no wgmma serialization (ptxas info C7513, which silently
+Compiles the forward instantiations (ffi/instantiations/*.cu, one per (family, head dims, layout) group of
+ffi/tile_size.h's table) and ffi/fp8_value_operand.cu for sm_90a the way both builds do, and measuring
+variants (tools/measure/*.h, force-included as CMake's -DJZYFA_MEASURE does), and reads ptxas's report and
+the disassembly: no register spills, no wgmma serialization (ptxas info C7513, which silently
 turns every wgmma into issue-and-wait), HGMMA present, and wgmma batches of several
 instructions per fence.
 """
@@ -24,15 +26,55 @@ SASS_BUDGET = load_tool("sass_budget")  # its SASS parser serves reachable() bel
 pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 
 
-# The translation units that hold kernels: the 16-bit forward, its variable-length instantiation, the
-# FP8 forward, its variable-length instantiation and the FP8 kernel's V-operand layout.
+# The translation units that hold kernels: every forward instantiation file and the FP8 kernel's V-operand
+# layout.
 KERNEL_SOURCES = (
-    "flash_fwd",
-    "flash_fwd_varlen",
-    "flash_fwd_fp8",
-    "flash_fwd_fp8_varlen",
+    *sorted(f"instantiations/{p.stem}" for p in (REPO / "ffi" / "instantiations").glob("*.cu")),
     "fp8_value_operand",
 )
+
+# A forward kernel's symbol: FwdKernel (dense, O's tensor map last) or FwdVarlenKernel over Fwd16Mainloop
+# <Element, head dims, keys per block> or Fp8Mainloop<lean P, Fp8TileT<q/k head dim, staged V, layout, keys
+# per block>>, with its arguments (WindowedArgs<...> for the sliding-window kernels).
+KERNEL_NAME = re.compile(
+    r"_ZN5jzyfa\d+(?P<entry>FwdKernel|FwdVarlenKernel)INS_\d+"
+    r"(?:Fwd16MainloopI(?P<element>13__nv_bfloat16|6__half)Li(?P<qk>\d+)ELi(?P<v>\d+)ELi(?P<n>\d+)E"
+    r"|Fp8MainloopILb(?P<lean>[01])ENS_8Fp8TileTILi(?P<fqk>\d+)ELb(?P<staged>[01])ELNS_6LayoutE(?P<layout>[01])"
+    r"ELi(?P<fn>\d+)E)"
+)
+
+
+def info(name: str) -> dict | None:
+    """What a forward kernel's symbol says: family ("16bit", "fp8"), element (16-bit: "bf16", "f16"), the
+    head dims, keys per block, varlen, windowed, mla, and for FP8 lean (P) and staged (V)."""
+    m = KERNEL_NAME.match(name)
+    if not m:
+        return None
+    fp8 = m["fqk"] is not None
+    qk = int(m["fqk"] if fp8 else m["qk"])
+    v = 128 if fp8 else int(m["v"])
+    return dict(
+        family="fp8" if fp8 else "16bit",
+        element=None if fp8 else ("bf16" if "bfloat16" in m["element"] else "f16"),
+        qk=qk,
+        v=v,
+        n=int(m["fn"] if fp8 else m["n"]),
+        varlen=m["entry"] == "FwdVarlenKernel",
+        windowed="WindowedArgs" in name,
+        mla=qk != v,
+        lean=fp8 and m["lean"] == "1",
+        staged=fp8 and m["staged"] == "1",
+    )
+
+
+def select(sass: str, **want) -> dict[str, str]:
+    """The forward kernels whose info() has every field of `want` (a value, or a predicate)."""
+    found = {}
+    for name, text in kernels(sass).items():
+        k = info(name)
+        if k and all(w(k[f]) if callable(w) else k[f] == w for f, w in want.items()):
+            found[name] = text
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +97,10 @@ def toolchain(tmp):
     return nvcc, cuobjdump, env
 
 
-def compile_kernels(nvcc, cuobjdump, env, tmp, source: str, defines: tuple[str, ...] = ()) -> tuple[str, str]:
-    """(ptxas's report, the SASS) of ffi/<source>.cu built as both builds build it."""
-    obj = tmp / f"{source}{''.join(defines)}.o"
+def compile_kernels(nvcc, cuobjdump, env, tmp, source: str, measure: str | None = None) -> tuple[str, str]:
+    """(ptxas's report, the SASS) of ffi/<source>.cu built as both builds build it, or as a measuring build
+    with tools/measure/<measure>.h (CMake's -DJZYFA_MEASURE=<measure>)."""
+    obj = tmp / f"{source.replace('/', '_')}{measure or ''}.o"
     build = subprocess.run(
         [
             nvcc,
@@ -67,7 +110,7 @@ def compile_kernels(nvcc, cuobjdump, env, tmp, source: str, defines: tuple[str, 
             "-O3",
             "--expt-relaxed-constexpr",
             "-Xptxas=-v,-warn-spills,-Werror",
-            *(f"-D{d}" for d in defines),
+            *([f"--pre-include={REPO / 'tools' / 'measure' / measure}.h"] if measure else []),
             "-I",
             str(tmp),
             "-I",
@@ -106,7 +149,7 @@ def test_no_spills_and_no_wgmma_serialization(compiled):
 
 def test_every_forward_kernel_uses_hgmma_in_batches(compiled):
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdKernel" in name}
+    found = select(sass, family="16bit", varlen=False, windowed=False, mla=False)
     assert len(found) == 6, list(found)  # {bf16, f16} x {64, 128, 256}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -124,11 +167,10 @@ def test_head_dim_256_kernels_use_64_key_blocks_in_their_registers(compiled):
     blocks, 16 k-steps per batch), P V on 64x256x16 (4 k-steps per batch), the producer at 40 and the
     consumers at 232 registers, no local memory (the spill check above covers ptxas's report)."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "Li256E" in name}
-    kinds = sorted(re.match(r"_ZN5jzyfa\d+(\w+?Kernel)", name).group(1) for name in found)
-    assert kinds == sorted(
-        ["FlashFwdKernel", "FlashFwdWindowKernel", "FlashFwdVarlenKernel", "FlashFwdVarlenWindowKernel"] * 2
-    ), list(found)  # bf16, f16
+    found = select(sass, family="16bit", qk=256)
+    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["element"]) for name in found)
+    assert kinds == sorted((varlen, windowed, element) for varlen in (False, True) for windowed in (False, True)
+                           for element in ("bf16", "f16")), list(found)  # fmt: skip
     for name, text in found.items():
         qk = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
         pv = len(re.findall(r"\bHGMMA\.64x256x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
@@ -141,11 +183,11 @@ def test_head_dim_256_kernels_use_64_key_blocks_in_their_registers(compiled):
 
 
 def test_varlen_kernels_use_hgmma_in_batches_and_store_from_registers(compiled):
-    """ffi/flash_fwd_varlen.cu: the 16-bit kernel over packed batches, as fast in its inner loop (the
+    """The 16-bit kernel over packed batches (ffi/instantiations/fwd_16bit_*_varlen.cu), as fast in its inner loop (the
     same HGMMA batches, no local memory), with O stored from registers (no TMA store: a box would
     spill into the next sequence) and the offsets read from global memory."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdVarlenKernel" in name}
+    found = select(sass, family="16bit", varlen=True, windowed=False, mla=False)
     assert len(found) == 6, list(found)  # {bf16, f16} x {64, 128, 256}
     for name, text in found.items():
         hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -178,27 +220,27 @@ def check_mla_kernel(name: str, text: str) -> None:
 
 
 def test_mla_kernels_use_hgmma_in_batches_and_fit_the_registers(compiled):
-    """MLA's instantiation (q/k head dim 192, v 128; ffi/flash_fwd.cu), a kernel of its own (check_mla_kernel;
+    """MLA's dense instantiation (q/k head dim 192, v 128; fwd_16bit_hd192x128_dense.cu; check_mla_kernel;
     the producer's K-slice loop stays rolled for its 40 registers)."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdMlaKernel" in name}
+    found = select(sass, family="16bit", mla=True, varlen=False, windowed=False)
     assert len(found) == 2, list(found)  # bf16, f16
     for name, text in found.items():
         check_mla_kernel(name, text)
 
 
 def mla_variant(name: str) -> str:
-    """Which of FlashFwdMlaVariantKernel's arguments a kernel symbol has."""
+    """Which arguments (windowed, varlen) an MLA kernel symbol has."""
     if "WindowedArgsINS_13VarlenFwdArgs" in name:
         return "windowed varlen"
     return "windowed" if "WindowedArgs" in name else "varlen" if "VarlenFwdArgs" in name else name
 
 
 def test_mla_variant_kernels_fit_the_registers(compiled):
-    """MLA's windowed (dense and varlen) and varlen instantiations, FlashFwdMlaVariantKernel, built as the MLA
-    kernel is (check_mla_kernel): the windowed ones keep one P buffer and mask by row bounds for that."""
+    """MLA's windowed (dense and varlen) and varlen instantiations, built as the dense MLA kernel is (check_mla_kernel): the windowed ones keep one P buffer and mask by row bounds for that."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdMlaVariantKernel" in name}
+    found = select(sass, family="16bit", mla=True)
+    found = {name: text for name, text in found.items() if info(name)["varlen"] or info(name)["windowed"]}
     kinds = sorted(mla_variant(name) for name in found)
     assert kinds == sorted(["windowed", "varlen", "windowed varlen"] * 2), list(found)  # bf16, f16
     for name, text in found.items():
@@ -206,14 +248,13 @@ def test_mla_variant_kernels_fit_the_registers(compiled):
 
 
 def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
-    """The sliding-window instantiations (dense: ffi/flash_fwd.cu, varlen: ffi/flash_fwd_varlen.cu), kernels
-    of their own: the same HGMMA batches and no local memory; the producer gives back down to 40 registers
+    """The sliding-window instantiations (dense and varlen), kernels of their own: the same HGMMA batches and no local memory; the producer gives back down to 40 registers
     (setmaxnreg), as in the other kernels: at 48, with the consumers at 232, producer and consumers would
     need more than the CTA's register pool and a consumer's setmaxnreg.inc would wait forever."""
     _, sass = compiled
-    for kind in ("FlashFwdWindowKernel", "FlashFwdVarlenWindowKernel"):
-        found = {name: text for name, text in kernels(sass).items() if kind in name}
-        assert len(found) == 6, (kind, list(found))  # {bf16, f16} x {64, 128, 256}
+    for varlen in (False, True):
+        found = select(sass, family="16bit", windowed=True, mla=False, varlen=varlen)
+        assert len(found) == 6, (varlen, list(found))  # {bf16, f16} x {64, 128, 256}
         for name, text in found.items():
             assert "WindowedArgs" in name, name
             hgmma = len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", text))
@@ -223,16 +264,16 @@ def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
             assert "USETMAXREG" in text, f"{name}: no setmaxnreg"
             assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
             assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
-            if "Varlen" in name:
+            if varlen:
                 assert "UTMASTG" not in text, name
 
 
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Kernel" in name}
+    found = select(sass, family="fp8", varlen=False, windowed=False, mla=False, n=128)
     assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
-        lean = "ILb1E" in name  # FlashFwdFp8Kernel<true, ...>
+        lean = info(name)["lean"]
         # S = Q K^T on 64x128x32, P V on 64x136x32 (8 columns that sum the rounded P).
         assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
         assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
@@ -249,19 +290,19 @@ def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
 
 
 def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
-    """The FP8 kernel's sliding-window instantiations (ffi/flash_fwd_fp8.cu), kernels of their own: the
+    """The FP8 kernel's sliding-window instantiations (dense), kernels of their own: the
     same QGMMA batches, no local memory (the consumers at 232 registers leave none to spare: the window
     mask works from per-row bounds), the producer at 40 registers (setmaxnreg), lean P without MUFU."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8WindowKernel" in name}
+    found = select(sass, family="fp8", varlen=False, windowed=True)
     assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         assert "WindowedArgs" in name and "Fp8Args" in name, name
-        check_fp8_instantiation(name, text, lean="ILb1E" in name)
+        check_fp8_instantiation(name, text, lean=info(name)["lean"])
 
 
 def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
-    """An FP8 kernel built like FlashFwdFp8Kernel: QGMMA in batches, the producer at 40 registers and the
+    """An FP8 kernel built like the plain dense one: QGMMA in batches, the producer at 40 registers and the
     consumers at 232 (setmaxnreg), no local memory, lean P without MUFU."""
     assert len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text)) >= 4, name
     assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
@@ -275,31 +316,30 @@ def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
 
 
 def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
-    """MLA's FP8 instantiations (FlashFwdFp8MlaKernel, ffi/flash_fwd_fp8.cu: q/k head dim 192, v 128, lean
-    and exact P), kernels of their own built like the head-dim-128 ones: S = Q K^T in 6 k32 steps (two
+    """MLA's FP8 instantiations (fwd_fp8_hd192x128_dense.cu: q/k head dim 192, v 128, lean and exact P),
+    built like the head-dim-128 ones: S = Q K^T in 6 k32 steps (two
     128-byte slices of Q and K), P V in 4 on 64x136x32, no local memory."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8MlaKernel" in name}
+    found = select(sass, family="fp8", mla=True)
     assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         assert "Fp8Args" in name and "WindowedArgs" not in name, name
-        check_fp8_instantiation(name, text, lean="ILb1E" in name)
+        check_fp8_instantiation(name, text, lean=info(name)["lean"])
         qk = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text))
         pv = len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
         assert qk % 6 == 0 and pv % 4 == 0 and qk // 6 + 1 == pv // 4, f"{name}: {qk} Q K^T, {pv} P V"
 
 
 def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
-    """The FP8 kernel over packed batches (ffi/flash_fwd_fp8_varlen.cu: plain and sliding-window, lean P
-    only, each with V staged and V^T loaded), kernels of their own, built like the dense ones; O stored
-    from registers (no TMA store)."""
+    """The FP8 kernel over packed batches (fwd_fp8_hd128_varlen.cu: plain and sliding-window, lean P only,
+    each with V staged and V^T loaded), built like the dense ones; O stored from registers (no TMA store)."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8Varlen" in name}
-    assert sorted(name.split("EEEv14CUtensorMap")[0] for name in found) == [
-        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1ELb0",  # <true, false>: lean P, V^T loaded
-        "_ZN5jzyfa23FlashFwdFp8VarlenKernelILb1ELb1",  # <true, true>: lean P, V staged
-        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1ELb0",
-        "_ZN5jzyfa29FlashFwdFp8VarlenWindowKernelILb1ELb1",
+    found = select(sass, family="fp8", varlen=True)
+    assert sorted((info(name)["windowed"], info(name)["staged"], info(name)["lean"]) for name in found) == [
+        (False, False, True),
+        (False, True, True),
+        (True, False, True),
+        (True, True, True),
     ], list(found)
     for name, text in found.items():
         assert "Fp8VarlenArgs" in name, name
@@ -325,10 +365,9 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
 
 
 def staged_v(name: str) -> bool:
-    """Whether an FP8 kernel builds V^T in shared memory (kStagedV) rather than loading the layout kernel's
-    V^T: FlashFwdFp8Kernel<kLeanP, kStagedV> and its kin (the varlen kernels included); the 192-key
-    FlashFwdFp8WideKernel<kLeanP> loads V^T."""
-    return "FlashFwdFp8WideKernel" not in name and not re.search(r"ILb[01]ELb0EEEv", name)
+    """Whether an FP8 kernel builds V^T in shared memory (Fp8TileT's kStagedV) rather than loading the
+    layout kernel's V^T."""
+    return info(name)["staged"]
 
 
 def reachable(text: str, start: str) -> list[str]:
@@ -386,7 +425,7 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     PRMT and 4 STSM.16.M88.4, then the proxy fence (FENCE.VIEW.ASYNC.S) before v_full's arrival. The V^T-loading
     kernels' producer stays within R0..R39 too, with no transposing code."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name}
+    found = select(sass, family="fp8")
     # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the 192-key
     # plain kernel (lean, exact; V^T)
     assert len(found) == 18, list(found)
@@ -404,16 +443,18 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
 
 
 def test_prmt_transpose_variant_builds(tmp_path):
-    """The measurable alternative transpose (-DJZYFA_FP8_V_TRANSPOSE_LDSM=0): per 16-key piece 16
-    conflict-free 4-byte shared loads, 24 PRMT (ptxas recomputes up to 8 rather than hold them) and 4
-    16-byte shared stores in the staged kernels' producer, within its 40 registers, no spills."""
+    """The measuring build's transpose (tools/measure/prmt_transpose.h): per 16-key piece 16 conflict-free
+    4-byte shared loads, 24 PRMT (ptxas recomputes up to 8 rather than hold them) and 4 16-byte shared
+    stores in the staged dense kernels' producer, within its 40 registers, no spills."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(
-        nvcc, cuobjdump, env, tmp_path, "flash_fwd_fp8", ("JZYFA_FP8_V_TRANSPOSE_LDSM=0",)
-    )
+    builds = [
+        compile_kernels(nvcc, cuobjdump, env, tmp_path, source, "prmt_transpose")
+        for source in ("instantiations/fwd_fp8_hd128_dense", "instantiations/fwd_fp8_hd192x128_dense")
+    ]
+    report, sass = "\n".join(b[0] for b in builds), "\n".join(b[1] for b in builds)
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
-    staged = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8" in name and staged_v(name)}
+    staged = select(sass, family="fp8", staged=True)
     assert len(staged) == 6, list(staged)
     for name, text in staged.items():
         ops = producer_ops(text)
@@ -423,29 +464,29 @@ def test_prmt_transpose_variant_builds(tmp_path):
 
 
 def test_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
-    """The default epilogue (JZYFA_EPILOGUE_TMA=1): head dims 64 and 128, plain and windowed, write O through
+    """The TMA-store epilogue (tile_size.h's epilogue_tma for dense tiles): head dims 64 and 128, plain and windowed, write O through
     shared memory and one TMA store per 64-column slice; head dim 256 and MLA (their O tiles would not fit
     next to the K/V ring) and the varlen kernels store from registers."""
     _, sass = compiled
-    dense = {n: t for n, t in kernels(sass).items() if "FlashFwd" in n and "Fp8" not in n and "Varlen" not in n}
-    assert dense
+    dense = select(sass, family="16bit", varlen=False)
+    assert len(dense) == 16, list(dense)
     for name, text in dense.items():
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
-        wide = "Li256E" in name or "FlashFwdMla" in name
-        assert stores == (0 if wide else 2 if "Li128E" in name else 1), name
+        wide = info(name)["qk"] > 128
+        assert stores == (0 if wide else 2 if info(name)["qk"] == 128 else 1), name
 
 
 def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
-    """The FP8 kernels' epilogue (JZYFA_FP8_EPILOGUE_TMA=1, the default): the plain and windowed kernels, and
+    """The FP8 kernels' epilogue (the TMA store where the O tiles fit): the plain and windowed kernels, and
     MLA's with V^T loaded, write bf16 O through shared memory and one TMA store per 64-column slice (two),
     and only the LSE from registers, as do the 192-key kernels (their V^T in 64-key slices leaves the
     room); MLA's staged kernels (no room for the O tiles next to the staging buffers) and the varlen
     kernels store O from registers."""
     _, sass = compiled
-    fp8 = {n: t for n, t in kernels(sass).items() if "FlashFwdFp8" in n}
+    fp8 = select(sass, family="fp8")
     assert len(fp8) == 18, list(fp8)
     for name, text in fp8.items():
-        tma = "Varlen" not in name and not ("Mla" in name and staged_v(name))
+        tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name))
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         global_stores = len(re.findall(r"\bSTG\.E\b", text))
         if tma:
@@ -454,44 +495,41 @@ def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
             assert stores == 0 and global_stores >= 32, f"{name}: {stores} UTMASTG, {global_stores} STG"
 
 
-def test_register_epilogue_variant_builds(tmp_path):
-    """The measurable alternative epilogue (-DJZYFA_EPILOGUE_TMA=0, plain global stores from registers):
-    no spills, no TMA store, MLA's kernel built too."""
-    nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, "flash_fwd", ("JZYFA_EPILOGUE_TMA=0",))
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert frames and all(f == ("0", "0", "0") for f in frames), report
-    assert "C7513" not in report, report
-    assert any("FlashFwdMlaKernel" in name for name in kernels(sass))
-    for name, text in kernels(sass).items():
-        assert not re.search(r"\bUTMASTG\b", text), name
-
-
-@pytest.mark.parametrize("source", ["flash_fwd", "flash_fwd_varlen", "flash_fwd_fp8", "flash_fwd_fp8_varlen"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "instantiations/fwd_16bit_hd128_dense",
+        "instantiations/fwd_16bit_hd192x128_dense",
+        "instantiations/fwd_16bit_hd128_varlen",
+        "instantiations/fwd_fp8_hd128_dense",
+        "instantiations/fwd_fp8_hd128_varlen",
+    ],
+)
 def test_timeline_variant_builds(tmp_path, source):
-    """-DJZYFA_TIMELINE=1 (tools/kernel_timeline.py): no spills, clock reads and stores in the loop. The
-    sliding-window kernels and MLA's are built too but record nothing (their stamps' registers would
-    spill), nor do MLA's windowed and varlen ones (FlashFwdMlaVariantKernel), the FP8 varlen ones, FP8
-    MLA's (FlashFwdFp8MlaKernel) and the 192-key FP8 ones (FlashFwdFp8WideKernel)."""
+    """The timeline build (tools/measure/timeline.h, tools/kernel_timeline.py): no spills, clock reads and
+    stores in the loop. The sliding-window kernels and MLA's are built too but record nothing (their
+    stamps' registers would spill), nor do the FP8 varlen ones, FP8 MLA's and the 192-key FP8 ones."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, ("JZYFA_TIMELINE=1",))
+    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, "timeline")
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
-    for name, text in kernels(sass).items():
-        quiet = ("WindowKernel", "FlashFwdMla", "Fp8Varlen", "Fp8Mla", "Fp8WideKernel")
-        if any(kind in name for kind in quiet):
+    found = select(sass, family=lambda f: True)
+    assert found, source
+    for name, text in found.items():
+        k = info(name)
+        if k["windowed"] or k["mla"] or (k["family"] == "fp8" and (k["varlen"] or k["n"] != 128)):
             assert not re.search(r"\bCS2R\b[^;]*SR_CLOCK", text), name
             continue
         # Eight clock reads per iteration (CS2R of SR_CLOCKLO/HI), more with the unrolled copies.
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name
 
 
-def check_variant_changes(compiled, tmp_path, source: str, define: str, count: int, unchanged) -> dict[str, str]:
-    """ffi/<source>.cu built with -D<define>: no spills, no wgmma serialization, `count` kernels; those
-    for which unchanged(name) holds are the default build's, every other one differs from it or is new.
-    Returns the variant's SASS per kernel."""
+def check_variant_changes(compiled, tmp_path, source: str, measure: str, count: int, unchanged) -> dict[str, str]:
+    """ffi/<source>.cu built with tools/measure/<measure>.h: no spills, no wgmma serialization, `count`
+    kernels; those for which unchanged(name) holds are the default build's, every other one differs from it
+    or is new. Returns the variant's SASS per kernel."""
     nvcc, cuobjdump, env = toolchain(tmp_path)
-    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, (define,))
+    report, sass = compile_kernels(nvcc, cuobjdump, env, tmp_path, source, measure)
     assert not re.search(r"\(C751\d\)", report), report
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
@@ -515,33 +553,14 @@ def instructions(text: str) -> list[str]:
     return [" ".join(m.split()) for m in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*;)", text)]
 
 
-def test_q_prefetch_variant_builds(compiled, tmp_path):
-    """-DJZYFA_FP8_Q_PREFETCH=1 (docs/fp8.md 10.24: a second Q buffer, so the producer loads the next
-    tile's Q and first K a block earlier) changes exactly the FP8 kernels where the second Q tile fits
-    (dense and windowed, both V layouts); MLA's (32 KB Q tiles) stay as the default build's. (The varlen
-    and 192-key tiles keep one Q buffer: kQPrefetch_ off.)"""
-    check_variant_changes(
-        compiled, tmp_path, "flash_fwd_fp8", "JZYFA_FP8_Q_PREFETCH=1", 14, lambda name: "Mla" in name or "Wide" in name
-    )
-
-
-def test_16bit_q_prefetch_variant_builds(compiled, tmp_path):
-    """-DJZYFA_Q_PREFETCH=1, the 16-bit kernels' second Q buffer (docs/fp8.md 10.24), changes the kernels
-    where two Q tiles fit beside the ring and the O tiles (head dims 64 and 128, plain and windowed) and
-    leaves head dim 256's and MLA's as the default build's."""
-    check_variant_changes(
-        compiled, tmp_path, "flash_fwd", "JZYFA_Q_PREFETCH=1", 16, lambda name: "Li256E" in name or "Mla" in name
-    )
-
-
 def test_fp8_wide_kernels_use_192_key_blocks(compiled):
-    """FlashFwdFp8WideKernel (docs/fp8.md 10.26, 10.28: 192-key blocks for the dense kernel with V^T from
-    memory, which flash_fwd_fp8.cu picks for rows that see many keys), lean and exact P: S = Q K^T in
+    """The 192-key FP8 kernels (docs/fp8.md 10.26, 10.28: 192-key blocks for the dense kernel with V^T from
+    memory, which Fp8KeyBlock picks for rows that see many keys), lean and exact P: S = Q K^T in
     64x192 QGMMAs (four k-steps), P V over six k-steps of 32 keys in 64x136 ones, no 128-key S, QGMMA in
     batches, no local memory; lean P without exponentials. (Their V^T comes in three 64-key,
     64-byte-swizzled slices, docs/fp8.md 10.29, which leaves room for the TMA-store epilogue: checked above.)"""
     _, sass = compiled
-    wide = {name: text for name, text in kernels(sass).items() if "FlashFwdFp8WideKernel" in name}
+    wide = select(sass, family="fp8", n=192)
     assert len(wide) == 2, list(wide)
     for name, text in wide.items():
         qk = len(re.findall(r"\bQGMMA\.64x192x32\.F32\.E4M3\.E4M3", text))
@@ -550,7 +569,7 @@ def test_fp8_wide_kernels_use_192_key_blocks(compiled):
         assert not re.search(r"\bQGMMA\.64x128x32\b", text), name
         assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < len(re.findall(r"\bQGMMA\b", text)), name
         assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
-        assert ("MUFU.EX2" in text) != ("ILb1E" in name), name
+        assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
 
 def common_path(text: str, qk_shape: str, name: str):
@@ -563,22 +582,22 @@ def common_path(text: str, qk_shape: str, name: str):
     return path, ops
 
 
-@pytest.mark.parametrize("kernel, block_n", [("FlashFwdFp8WideKernel", 192), ("FlashFwdFp8KernelILb[01]ELb0E", 128)])
-def test_fp8_sass_budget_walks_one_key_block(compiled, kernel, block_n):
+@pytest.mark.parametrize("block_n", [192, 128])
+def test_fp8_sass_budget_walks_one_key_block(compiled, block_n):
     """tools/sass_budget.py (docs/fp8.md 10.32) on the dense V^T FP8 kernels: the common path of one key
     block holds one Q K^T (four k-steps) and one P V (block_n / 32 k-steps), one code per score (64 x
     block_n per warpgroup, block_n / 2 per thread: lean, an FFMA.SAT each and no exponential; exact,
     an EX2 each and an F2FP per two), and none of the rare paths (the mask's FSELs, the promotion's
     shared-memory copy, the rescale's FMULs)."""
     _, sass = compiled
-    found = {name: text for name, text in kernels(sass).items() if re.search(kernel, name)}
+    found = select(sass, family="fp8", n=block_n, staged=False, varlen=False, windowed=False, mla=False)
     assert len(found) == 2, list(found)  # lean and exact P
     scores = block_n // 2
     for name, text in found.items():
         path, ops = common_path(text, f"QGMMA.64x{block_n}x32", name)
         assert sum(op.startswith(f"QGMMA.64x{block_n}x32") for op in ops) == 4, name
         assert sum(op.startswith("QGMMA.64x136x32") for op in ops) == block_n // 32, name
-        if "ILb1E" in name:  # lean P
+        if info(name)["lean"]:
             assert ops.count("FFMA.SAT") == scores and "MUFU.EX2" not in ops, name
         else:
             assert ops.count("MUFU.EX2") == scores and sum(op.startswith("F2FP") for op in ops) == scores // 2
@@ -592,33 +611,33 @@ def test_sass_budget_walks_the_16bit_kernel(compiled):
     k-steps of 16 each, one exponential per score (64 per thread) on the common path, no mask or rescale;
     its tensor time at the bf16 rate (4096 FLOP per SM and clock) with no sum columns."""
     _, sass = compiled
-    (text,) = [text for name, text in kernels(sass).items() if re.search(r"FlashFwdKernelI13__nv_bfloat16Li128E", name)]
+    (text,) = select(sass, family="16bit", element="bf16", qk=128, varlen=False, windowed=False).values()
     path, ops = common_path(text, "HGMMA.64x128x16", "bf16")
     assert sum(op.startswith("HGMMA.64x128x16") for op in ops) == 16
     assert 64 <= ops.count("MUFU.EX2") <= 68
     assert SASS_BUDGET.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
 
 
-def wide_16bit_kernels(compiled, tmp_path, define: str, count: int, head_dim: int, block_n: int, hgmmas: int):
-    """ffi/flash_fwd.cu built with -D<define> (check_variant_changes: `count` kernels, the default ones
-    unchanged): its two FlashFwdWideKernels (bf16, f16) at (head_dim, block_n), S = Q K^T in `hgmmas`
-    64 x block_n HGMMAs each. Returns their SASS per kernel."""
-    variant = check_variant_changes(
-        compiled, tmp_path, "flash_fwd", define, count, lambda name: "FlashFwdWideKernel" not in name
-    )
-    wide = {name: text for name, text in variant.items() if "FlashFwdWideKernel" in name}
-    assert len(wide) == 2 and all(f"Li{head_dim}ELi{block_n}E" in name for name in wide), list(wide)
+def wide_16bit_kernels(compiled, tmp_path, measure: str, count: int, head_dim: int, block_n: int, hgmmas: int):
+    """The dense head_dim instantiations built with tools/measure/<measure>.h (check_variant_changes: `count`
+    kernels, the default ones unchanged): its two wide kernels (bf16, f16) at (head_dim, block_n), S = Q K^T
+    in `hgmmas` 64 x block_n HGMMAs each. Returns their SASS per kernel."""
+    source = f"instantiations/fwd_16bit_hd{head_dim}_dense"
+    default_n = 64 if head_dim > 128 else 128
+    variant = check_variant_changes(compiled, tmp_path, source, measure, count, lambda name: info(name)["n"] == default_n)
+    wide = {name: text for name, text in variant.items() if info(name)["n"] == block_n}
+    assert len(wide) == 2 and all(f"Li{head_dim}ELi{head_dim}ELi{block_n}E" in name for name in wide), list(wide)
     for name, text in wide.items():
         assert len(re.findall(rf"\bHGMMA\.64x{block_n}x16\b", text)) == hgmmas, name
     return wide
 
 
 def test_16bit_hd256_80_key_variant_builds(compiled, tmp_path):
-    """-DJZYFA_HD256_BLOCK_N=80 (80-key blocks at head dim 256, causal or no mask; docs/benchmarks.md,
-    seventeenth session) puts FlashFwdWideKernel for bf16 and f16 where FlashFwdKernel<256> was, without
-    spills or wgmma serialization: S = Q K^T in 64x80 HGMMAs (three issue sites of sixteen k-steps), its
-    producer at 24 registers and its consumers at 240 (at 232 they spill); every other kernel unchanged."""
-    wide = wide_16bit_kernels(compiled, tmp_path, "JZYFA_HD256_BLOCK_N=80", 16, 256, 80, 48)
+    """tools/measure/hd256_80_keys.h (80-key blocks at head dim 256, causal or no mask; docs/benchmarks.md)
+    puts 80-key kernels for bf16 and f16 where the 64-key ones were, without spills or wgmma serialization:
+    S = Q K^T in 64x80 HGMMAs (three issue sites of sixteen k-steps), its producer at 24 registers and its
+    consumers at 240 (at 232 they spill); the windowed kernels unchanged."""
+    wide = wide_16bit_kernels(compiled, tmp_path, "hd256_80_keys", 4, 256, 80, 48)
     for name, text in wide.items():
         assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xf0\b", text), f"{name}: consumers not at 240"
         # ptxas does not hold the producer to its setmaxnreg: what its warps can reach must use R0..R23.
@@ -627,8 +646,7 @@ def test_16bit_hd256_80_key_variant_builds(compiled, tmp_path):
 
 
 def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
-    """-DJZYFA_NOMASK_BLOCK_N=176 (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask) adds
-    FlashFwdWideKernel for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176
+    """tools/measure/nomask_176_keys.h (docs/fp8.md 10.27: 176-key blocks for head dim 128 without a mask)
+    adds 176-key kernels for bf16 and f16, without spills or wgmma serialization, S = Q K^T in 64x176
     HGMMAs (three issue sites of eight k-steps); every default kernel stays as it was."""
-    wide_16bit_kernels(compiled, tmp_path, "JZYFA_NOMASK_BLOCK_N=176", 18, 128, 176, 24)
-
+    wide_16bit_kernels(compiled, tmp_path, "nomask_176_keys", 6, 128, 176, 24)

@@ -26,7 +26,7 @@ step "build + install (pip, no network)"
 export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 rm -rf "$SITE"
 # JZYFA_MEASURE=<name> builds A as a measuring variant (tools/measure/<name>.h: timeline,
-# softmax_ablation, no_tile_groups, fp8_register_epilogue, hd256_80_keys, nomask_176_keys,
+# softmax_ablation, no_tile_groups, hd256_80_keys, nomask_176_keys,
 # prmt_transpose; CMakeLists.txt reads it at configure time). Unset: the product build.
 [ -n "${JZYFA_MEASURE:-}" ] && echo "MEASURING build: tools/measure/${JZYFA_MEASURE}.h"
 export JZYFA_MEASURE=${JZYFA_MEASURE:-}

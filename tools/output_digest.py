@@ -31,11 +31,31 @@ DENSE_CASES = (
     ("fp8 lean nocausal gqa", "fp8", 1, 1000, 4100, 8, 2, 128, 128, {}),
     ("fp8 lean window", "fp8", 1, 2048, 2048, 4, 4, 128, 128, {"window": (300, 0)}),
     ("fp8 lean mla 192/128", "fp8", 1, 1024, 1024, 4, 4, 192, 128, {"causal": True}),
+    ("bf16 causal hd256", "bf16", 1, 1500, 1500, 4, 2, 256, 256, {"causal": True}),
+    ("bf16 window hd256", "bf16", 1, 1500, 1500, 4, 2, 256, 256, {"window": (200, 0)}),
+)
+# The benchmark's shapes (`python -m jzyfa.bench`'s grid and extra cells), with --bench_shapes.
+BENCH_CASES = tuple(
+    (f"{dtype} causal hd128 {b}x{s}", dtype, b, s, s, 16, 16, 128, 128, {"causal": True})
+    for dtype in ("bf16", "fp8")
+    for b, s in ((16, 1024), (4, 4096), (1, 16384), (1, 32768))
+) + (
+    ("bf16 nocausal hd128 4x4096", "bf16", 4, 4096, 4096, 16, 16, 128, 128, {}),
+    ("fp8 nocausal hd128 4x4096", "fp8", 4, 4096, 4096, 16, 16, 128, 128, {}),
+    ("bf16 causal gqa32/8 1x16384", "bf16", 1, 16384, 16384, 32, 8, 128, 128, {"causal": True}),
+    ("fp8 causal gqa32/8 1x16384", "fp8", 1, 16384, 16384, 32, 8, 128, 128, {"causal": True}),
+    ("bf16 causal hd64 4x4096", "bf16", 4, 4096, 4096, 32, 32, 64, 64, {"causal": True}),
+    ("bf16 causal hd256 4x4096", "bf16", 4, 4096, 4096, 8, 8, 256, 256, {"causal": True}),
+    ("bf16 causal mla 2x4096", "bf16", 2, 4096, 4096, 16, 16, 192, 128, {"causal": True}),
+    ("fp8 exact causal hd128 2x8192", "fp8", 2, 8192, 8192, 16, 16, 128, 128, {"causal": True, "lean_p": False}),
 )
 # (name, dtype, sequence lengths, heads_q, heads_kv, options)
 VARLEN_CASES = (
     ("bf16 varlen causal", "bf16", (700, 1300, 64, 5), 4, 2, {"causal": True}),
     ("fp8 varlen causal", "fp8", (700, 1300, 64, 5), 4, 2, {"causal": True}),
+    ("bf16 varlen window", "bf16", (700, 1300, 64, 5), 4, 2, {"window": (100, 20)}),
+    ("fp8 varlen window", "fp8", (700, 1300, 64, 5), 4, 2, {"window": (100, 0)}),
+    ("fp8 varlen transposed", "fp8", (9000, 300), 4, 2, {"causal": True}),
 )
 
 
@@ -65,15 +85,18 @@ def _inputs(key, shapes, dtype: str):
     return [x.astype({"bf16": jnp.bfloat16, "f16": jnp.float16}[dtype]) for x in xs], {}
 
 
-def calls(implementation: str, seed: int) -> Iterator[tuple[str, Callable[[], tuple]]]:
-    """(name, a function returning (O, LSE)) for every configuration."""
+def calls(
+    implementation: str, seed: int, bench_shapes: bool = False
+) -> Iterator[tuple[str, Callable[[], tuple]]]:
+    """(name, a function returning (O, LSE)) for every configuration (and the benchmark's shapes)."""
     import jax
     import jax.numpy as jnp
 
     import jzyfa
 
     base = jax.random.key(seed)
-    for i, (name, dtype, b, sq, sk, hq, hkv, d, dv, options) in enumerate(DENSE_CASES):
+    cases = DENSE_CASES + (BENCH_CASES if bench_shapes else ())
+    for i, (name, dtype, b, sq, sk, hq, hkv, d, dv, options) in enumerate(cases):
         shapes = ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv))
         (q, k, v), descales = _inputs(jax.random.fold_in(base, i), shapes, dtype)
 
@@ -119,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--implementation", default="kernel", choices=("kernel", "xla"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench_shapes", action="store_true", help="also the benchmark's shapes")
     parser.add_argument("--only", default="", help="run only configurations whose name contains this")
     parser.add_argument("--compare", default="", help="a log holding 'A ...' and 'B ...' lines: print differences")
     args = parser.parse_args(argv)
@@ -127,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             differences = compare(f.read().splitlines())
         print("\n".join(differences) if differences else "A and B digests agree")
         raise SystemExit(1 if differences else 0)
-    for name, call in calls(args.implementation, args.seed):
+    for name, call in calls(args.implementation, args.seed, args.bench_shapes):
         if args.only not in name:
             continue
         out, lse = call()

@@ -1,4 +1,4 @@
-// The forward instantiations of kFwdKernels' rows (16bit, head dims (128, 128), varlen), every mask.
+// The forward instantiations of one group of kFwdKernels (16bit, head dims (128, 128), varlen): every mask it serves.
 #include "launch_fwd.cuh"
 
 namespace jzyfa {
