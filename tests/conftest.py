@@ -38,7 +38,7 @@ def cpu_backend(monkeypatch):
 
 
 # The FP8 path's V layout and key block overrides, read at trace time (jzyfa/plan.py).
-from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV  # noqa: E402
+from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV
 
 
 @pytest.fixture(autouse=True)

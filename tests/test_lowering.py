@@ -33,7 +33,9 @@ def softmax_scale_attribute(call: str) -> np.float32:
 
 @pytest.mark.parametrize("implementation", [None, "kernel"])
 def test_cuda_lowering_is_the_typed_ffi_custom_call(implementation):
-    fn = functools.partial(jzyfa.flash_attention, causal=True, softmax_scale=0.25, implementation=implementation)
+    fn = functools.partial(
+        jzyfa.flash_attention, causal=True, softmax_scale=0.25, implementation=implementation
+    )
     lowered = lower(fn, Q, KV, KV)
     (call,) = custom_calls(lowered.as_text(dialect="hlo"))
     assert f'custom_call_target="{FFI_TARGET}"' in call
@@ -110,5 +112,7 @@ def test_export_for_cpu_and_cuda_runs_on_cpu():
     cpu = jax.devices("cpu")[0]  # runs the CPU branch on any host
     q = jax.device_put(jnp.ones(Q.shape, Q.dtype), cpu)
     k = jax.device_put(jnp.ones(KV.shape, KV.dtype), cpu)
-    v = jax.device_put(jnp.arange(KV.size, dtype=jnp.float32).reshape(KV.shape).astype(KV.dtype) / KV.size, cpu)
+    v = jax.device_put(
+        jnp.arange(KV.size, dtype=jnp.float32).reshape(KV.shape).astype(KV.dtype) / KV.size, cpu
+    )
     assert jnp.array_equal(exported.call(q, k, v), fn(q, k, v))

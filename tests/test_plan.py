@@ -82,13 +82,17 @@ def test_not_rows_cover_the_gaps():
     [
         (
             Config("16bit", (96, 96), "none", "dense"),
-            "the 16-bit (bf16, f16) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, "
-            "got 96/96",
+            (
+                "the 16-bit (bf16, f16) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, "
+                "256/256, got 96/96"
+            ),
         ),
         (
             Config("16bit", (128, 64), "causal", "varlen"),
-            "the 16-bit (bf16, f16) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, "
-            "got 128/64",
+            (
+                "the 16-bit (bf16, f16) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, "
+                "256/256, got 128/64"
+            ),
         ),
         (
             Config("fp8", (64, 64), "causal", "dense"),
@@ -146,7 +150,9 @@ def packed(num_seqs=4, max_q=128, max_k=128, heads_q=8, heads_kv=2, total_q=256,
 def test_call_problem_none_inside_the_limits():
     assert plan.call_problem(DENSE, dense(), 0.1) is None
     assert plan.call_problem(VARLEN, packed(), 0.1) is None
-    assert plan.call_problem(DENSE, dense(batch=plan.KERNEL_MAX_BATCH, seq_q=plan.KERNEL_MAX_SEQ_Q), 0.1) is None
+    assert (
+        plan.call_problem(DENSE, dense(batch=plan.KERNEL_MAX_BATCH, seq_q=plan.KERNEL_MAX_SEQ_Q), 0.1) is None
+    )
 
 
 def test_call_problem_reports_the_table_first():
@@ -292,11 +298,17 @@ def kernel_call(config: Config, implementation="kernel"):
     dtype = jnp.float8_e4m3fn if config.family == "fp8" else jnp.bfloat16
     dqk, dv = config.head_dims
     array = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype)
-    options = dict(MASK_OPTIONS[config.mask], softmax_scale=0.125, implementation=implementation, return_lse=True)
+    options = dict(
+        MASK_OPTIONS[config.mask], softmax_scale=0.125, implementation=implementation, return_lse=True
+    )
     descales = [array(dtype=jnp.float32)] * 3 if config.family == "fp8" else []
     names = ("descale_q", "descale_k", "descale_v")
     if config.layout == "dense":
-        args = [array(BATCH, SEQ, HEADS_Q, dqk), array(BATCH, SEQ, HEADS_KV, dqk), array(BATCH, SEQ, HEADS_KV, dv)]
+        args = [
+            array(BATCH, SEQ, HEADS_Q, dqk),
+            array(BATCH, SEQ, HEADS_KV, dqk),
+            array(BATCH, SEQ, HEADS_KV, dv),
+        ]
 
         def fn(q, k, v, *d):
             return jzyfa.flash_attention(q, k, v, **dict(zip(names, d)), **options)
@@ -451,7 +463,10 @@ def test_key_block_attribute_only_on_dense_hd128_unwindowed_v_transposed_calls(
     monkeypatch.setenv(plan.FP8_KEY_BLOCK_ENV, key_block)
     attrs, _ = fp8_custom_call(row)
     applies = (
-        row.layout == "dense" and row.head_dims == (128, 128) and row.mask != "window" and layout == "transposed"
+        row.layout == "dense"
+        and row.head_dims == (128, 128)
+        and row.mask != "window"
+        and layout == "transposed"
     )
     assert attrs["key_block"] == f"{key_block if applies else 0} : i64"
 

@@ -376,7 +376,9 @@ def test_varlen_head_sharding_of_flash_attention_varlen(rng, monkeypatch):
     call = lambda q, k, v, cu_q, cu_k: fn(q, k, v, cu_q, cu_k, 30, 30)
     assert FFI_TARGET in str(jax.make_jaxpr(call)(q, k, v, cu_q, cu_k))
     spec = NamedSharding(mesh, P(None, "tensor"))
-    sharded = jax.jit(call, in_shardings=(spec, spec, spec, NamedSharding(mesh, P()), NamedSharding(mesh, P())))
+    sharded = jax.jit(
+        call, in_shardings=(spec, spec, spec, NamedSharding(mesh, P()), NamedSharding(mesh, P()))
+    )
     assert collective_counts(compiled_hlo(sharded, q, k, v, cu_q, cu_k)) == NO_COLLECTIVES
     want = jax.jit(call)(q, k, v, cu_q, cu_k)
     assert_close_to_reference(sharded(q, k, v, cu_q, cu_k), want)
