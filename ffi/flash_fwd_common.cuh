@@ -40,6 +40,53 @@ constexpr int kPingPongBarrier = 1;
 // Named barriers 3 and 4: consumer c's 128 threads around its epilogue's shared-memory O tile.
 constexpr int kEpilogueBarrier = 3;
 
+// A consumer warpgroup's ping-pong turns on the tensor cores and its releases, as both mainloops take
+// them: consumer c issues GEMMs after named barrier (kPingPongBarrier + c) completes, then lets the other
+// go. Both take the same turns (num_blocks + 1 per tile), consumer 0 first: consumer 1 opens consumer
+// 0's first turn (Open), and consumer 0 absorbs consumer 1's last hand-over before it exits (Close), so
+// no arrival dangles. Each warp's wait_group covered its warpgroup's wgmma, so one lane per warp
+// arrives on an empty barrier (Release).
+struct PingPong {
+  int consumer;
+  int lane;
+  __device__ __forceinline__ void Open() const {
+    if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
+  }
+  __device__ __forceinline__ void Begin() const {
+    ptx::named_barrier_sync(kPingPongBarrier + consumer, 256);
+  }
+  __device__ __forceinline__ void End() const {
+    ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256);
+  }
+  __device__ __forceinline__ void Release(uint64_t& empty) const {
+    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
+  }
+};
+
+// S = Q K^T on wgmma from shared memory, both operands in 128-byte swizzle rows: k-steps of 32 bytes (16
+// bf16/f16 columns, 32 e4m3 ones), four per 128-byte slice of the head dim. Q's descriptor is buffer 0's
+// plus the buffer's offset (>> 4: the address field's unit), so that the descriptors stay loop-invariant
+// values and the buffer costs one add per k-step.
+template <typename Element, int kBlockN, int kHeadDimQK, int kQSliceBytes, int kKSliceBytes,
+          int kQBytes>
+__device__ __forceinline__ void IssueQK(float (&s)[kBlockN / 2], uint32_t smem_q, uint32_t smem_k,
+                                        int q_buffer) {
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDimQK * static_cast<int>(sizeof(Element)) / 32; ++kk) {
+    const uint32_t column = (kk % 4) * 32;  // bytes into the slice's 128-byte rows
+    const uint64_t desc_q = SmemDescSw128(smem_q + (kk / 4) * kQSliceBytes + column, 16) +
+                            static_cast<uint32_t>(q_buffer * (kQBytes >> 4));
+    const uint64_t desc_k = SmemDescSw128(smem_k + (kk / 4) * kKSliceBytes + column, 16);
+    if (kk == 0) {
+      ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
+    } else {
+      ptx::Wgmma<Element, kBlockN>::ss(s, desc_q, desc_k, 1);
+    }
+  }
+  ptx::wgmma_commit_group();
+}
+
 // The TMA-store epilogue of one consumer warpgroup (64 rows): O goes into the consumer's tile in
 // shared memory, laid out as the TMA store box wants it (64-column slices of 16-bit elements,
 // kSliceBytes each, 128-byte swizzle: 16-byte chunk c of row r at chunk c ^ (r % 8)), then one

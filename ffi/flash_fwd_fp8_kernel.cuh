@@ -292,33 +292,16 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
 
-  // Ping-pong turns exactly as in the 16-bit kernel.
-  auto begin_turn = [&]() { ptx::named_barrier_sync(kPingPongBarrier + consumer, 256); };
-  auto end_turn = [&]() { ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256); };
-  if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
-
-  auto release = [&](uint64_t& empty) {
-    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
-  };
+  // Ping-pong turns and releases (PingPong), S = Q K^T (IssueQK: 32 columns per k-step, MLA's two
+  // slices): as in the 16-bit mainloop.
+  const PingPong turns{consumer, lane};
+  auto begin_turn = [&]() { turns.Begin(); };
+  auto end_turn = [&]() { turns.End(); };
+  turns.Open();
+  auto release = [&](uint64_t& empty) { turns.Release(empty); };
   auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tile::kHeadDimQK / 32; ++kk) {
-      // k-step kk: 32 columns into slice kk / 4 (one slice at head dim 128).
-      const int slice = kk / 4, column = 32 * (kk % 4);
-      // Q's descriptor for buffer 0 plus the buffer's offset (>> 4: the address field's unit), so
-      // that the descriptors stay loop-invariant values and the buffer costs one add per k-step.
-      const uint64_t desc_q =
-          SmemDescSw128(smem_q(consumer, 0) + slice * Tile::kQSliceBytes + column, 16) +
-          static_cast<uint32_t>(q_buffer * (Tile::kQBytes >> 4));
-      const uint64_t desc_k = SmemDescSw128(smem_k(stage) + slice * Tile::kKSliceBytes + column, 16);
-      if (kk == 0) {
-        ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss_zero(s, desc_q, desc_k);
-      } else {
-        ptx::Wgmma<__nv_fp8_e4m3, kBlockN>::ss(s, desc_q, desc_k, 1);
-      }
-    }
-    ptx::wgmma_commit_group();
+    IssueQK<__nv_fp8_e4m3, kBlockN, Tile::kHeadDimQK, Tile::kQSliceBytes, Tile::kKSliceBytes,
+            Tile::kQBytes>(s, smem_q(consumer, 0), smem_k(stage), q_buffer);
   };
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8 (512 in 64-key slices), keys contiguous; k-step j starts 32 bytes (keys) into its

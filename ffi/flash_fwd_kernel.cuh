@@ -311,37 +311,15 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
   const int lane = threadIdx.x % 32;
   const int warp = (threadIdx.x % 128) / 32;
 
-  // Ping-pong: consumer c issues GEMMs after named barrier (1 + c) completes, then lets the
-  // other go. Both take the same turns (num_blocks + 1 per tile), consumer 0 first: consumer
-  // 1 opens consumer 0's first turn, and consumer 0 absorbs consumer 1's last hand-over
-  // before it exits, so no arrival dangles.
-  auto begin_turn = [&]() { ptx::named_barrier_sync(kPingPongBarrier + consumer, 256); };
-  auto end_turn = [&]() { ptx::named_barrier_arrive(kPingPongBarrier + (1 - consumer), 256); };
-  if (consumer == 1) ptx::named_barrier_arrive(kPingPongBarrier + 0, 256);
-
-  // Each warp's wait_group covered its warpgroup's wgmma, so one lane per warp arrives.
-  auto release = [&](uint64_t& empty) {
-    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
-  };
+  // Ping-pong turns and releases (PingPong), S = Q K^T (IssueQK): as in the FP8 mainloop.
+  const PingPong turns{consumer, lane};
+  auto begin_turn = [&]() { turns.Begin(); };
+  auto end_turn = [&]() { turns.End(); };
+  turns.Open();
+  auto release = [&](uint64_t& empty) { turns.Release(empty); };
   auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDimQK / 16; ++kk) {
-      const uint32_t col_bytes = (kk % 4) * 32;  // 16 elements inside a 128-byte row
-      // Buffer 0's descriptor plus the buffer's offset (>> 4: the address field's unit): the
-      // descriptors stay loop-invariant values, the buffer costs one add per k-step.
-      const uint64_t desc_q =
-          SmemDescSw128(smem_q(consumer, 0) + (kk / 4) * Tile::kQSliceBytes + col_bytes, 16) +
-          static_cast<uint32_t>(q_buffer * (Tile::kQBytes >> 4));
-      const uint64_t desc_k =
-          SmemDescSw128(smem_k(stage) + (kk / 4) * Tile::kKVSliceBytes + col_bytes, 16);
-      if (kk == 0) {
-        ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
-      } else {
-        ptx::Wgmma<Element, kBlockN>::ss(s, desc_q, desc_k, 1);
-      }
-    }
-    ptx::wgmma_commit_group();
+    IssueQK<Element, kBlockN, kHeadDimQK, Tile::kQSliceBytes, Tile::kKVSliceBytes, Tile::kQBytes>(
+        s, smem_q(consumer, 0), smem_k(stage), q_buffer);
   };
   // V is [keys x head_dim_v] with head_dim_v contiguous: an MN-major B operand whose
   // 64-column atoms (the head-dim slices) lie kKVSliceBytes apart. Keys 16j..16j+15
