@@ -44,7 +44,7 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
 F8 = E4M3 = jnp.float8_e4m3fn
 ROWS = sorted(row for row in plan.KERNELS if row.family == "fp8")
 DENSE_HEAD_DIMS = sorted({row.head_dims for row in ROWS if row.layout == "dense"})
-MASK_OPTIONS = {"none": dict(causal=False), "causal": dict(causal=True), "window": dict(window=(8, 0))}
+MASK_OPTIONS = {"none": {"causal": False}, "causal": {"causal": True}, "window": {"window": (8, 0)}}
 DESCALE = jax.ShapeDtypeStruct((), jnp.float32)
 
 
@@ -68,7 +68,11 @@ def spec(shape, dtype=E4M3):
 
 def dense_specs(head_dims=(128, 128), *, batch=2, seq_q=300, seq_k=500, heads_q=8, heads_kv=2):
     qk, dv = head_dims
-    return spec((batch, seq_q, heads_q, qk)), spec((batch, seq_k, heads_kv, qk)), spec((batch, seq_k, heads_kv, dv))
+    return (
+        spec((batch, seq_q, heads_q, qk)),
+        spec((batch, seq_k, heads_kv, qk)),
+        spec((batch, seq_k, heads_kv, dv)),
+    )
 
 
 def fp8_call(implementation=None, **kwargs):
@@ -162,7 +166,9 @@ def primitive_call(**kwargs):
     return lambda q, k, v, descales: primitives.attention_fwd(q, k, v, *descales, spec=spec_)
 
 
-def fp8_qkv(rng, head_dims=(128, 128), *, batch=1, seq_q, seq_k=None, heads_q=4, heads_kv=2, granularity="tensor"):
+def fp8_qkv(
+    rng, head_dims=(128, 128), *, batch=1, seq_q, seq_k=None, heads_q=4, heads_kv=2, granularity="tensor"
+):
     """e4m3 q, k [.., qk] and v [.., dv] with their descales: ((q8, k8, v8), (dq, dk, dv))."""
     q, k, v = random_qkv(
         rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dims[0],
@@ -201,7 +207,7 @@ def test_path_per_implementation(monkeypatch, row):
 
 def test_a_required_kernel_refuses_to_run_on_the_cpu(rng):
     (q8, k8, v8), descales = fp8_qkv(rng, seq_q=16, heads_q=2, heads_kv=2)
-    for options in (dict(causal=True), dict(window=(8, 0))):
+    for options in ({"causal": True}, {"window": (8, 0)}):
         with pytest.raises(ValueError, match="non-CUDA platform"):
             fp8_call("kernel", **options)(q8, k8, v8, *descales)
     (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(rng, [7, 0, 12], [7, 3, 12])
@@ -224,13 +230,17 @@ OUTSIDE_DENSE = [
 ]
 
 
-@pytest.mark.parametrize("head_dims, mask", OUTSIDE_DENSE, ids=lambda x: dims_id(x) if isinstance(x, tuple) else x)
+@pytest.mark.parametrize(
+    "head_dims, mask", OUTSIDE_DENSE, ids=lambda x: dims_id(x) if isinstance(x, tuple) else x
+)
 def test_dense_configurations_outside_the_table_say_why(rng, kernel_available, head_dims, mask):
     config = Config("fp8", head_dims, mask, "dense")
     assert config not in plan.KERNELS
     problem = plan.config_problem(config)
     fn, *args = row_call(config, "kernel")
-    with pytest.raises(ValueError, match="^" + re.escape(f"implementation='kernel' cannot serve this call: {problem}")):
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"implementation='kernel' cannot serve this call: {problem}")
+    ):
         jax.eval_shape(fn, *args)
     fn, *args = row_call(config, None)
     assert path_of(fn, *args) is plan.Path.REFERENCE  # even where a kernel runs
@@ -254,7 +264,10 @@ def test_mla_sliding_windows_stay_on_the_pure_jax_path_with_a_reason(rng, kernel
     (q8, k8, v8), descales = fp8_qkv(rng, (192, 128), seq_q=40, seq_k=72)
     fn = fp8_call(causal=causal, window=window)
     assert path_of(fn, q8, k8, v8, *descales) is plan.Path.REFERENCE
-    with pytest.raises(ValueError, match=r"cannot serve this call: .*192/128 \(dense\) takes masks none, causal, not a 'window' mask"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot serve this call: .*192/128 \(dense\) takes masks none, causal, not a 'window' mask",
+    ):
         fp8_call("kernel", causal=causal, window=window)(q8, k8, v8, *descales)
     out = fn(q8, k8, v8, *descales)
     assert out.shape == (1, 40, 4, 128)
@@ -278,9 +291,14 @@ def test_varlen_fp8_outside_head_dim_128_is_refused_with_a_reason(rng):
 def test_window_token_limit_is_named():
     q = spec((1, 1024, 1, 128))
     k = spec((1, 1 << 30, 1, 128))
-    with pytest.raises(ValueError, match=r"cannot serve this call: the kernels' sliding windows take seq_q \+ seq_k <= 2\^30"):
+    with pytest.raises(
+        ValueError, match=r"cannot serve this call: the kernels' sliding windows take seq_q \+ seq_k <= 2\^30"
+    ):
         jax.eval_shape(fp8_call("kernel", window=(8, 0)), q, k, k, DESCALE, DESCALE, DESCALE)
-    assert path_of(fp8_call("kernel", causal=True), q, k, k, DESCALE, DESCALE, DESCALE) is plan.Path.KERNEL_REQUIRED
+    assert (
+        path_of(fp8_call("kernel", causal=True), q, k, k, DESCALE, DESCALE, DESCALE)
+        is plan.Path.KERNEL_REQUIRED
+    )
 
 
 @pytest.mark.parametrize("window", [(-2, 0), (3, -5)])
@@ -302,7 +320,13 @@ def test_dense_custom_call_with_v_staged(monkeypatch, head_dims, causal, lean_p)
     per (batch, KV head) descales flattened to [B * Hkv]; no window; the default scale 1/sqrt(qk)."""
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
     qk, dv = head_dims
-    hlo = cuda_hlo(fp8_call("kernel", causal=causal, lean_p=lean_p, return_lse=True), *dense_specs(head_dims), DESCALE, DESCALE, DESCALE)
+    hlo = cuda_hlo(
+        fp8_call("kernel", causal=causal, lean_p=lean_p, return_lse=True),
+        *dense_specs(head_dims),
+        DESCALE,
+        DESCALE,
+        DESCALE,
+    )
     (call,) = custom_call_lines(hlo, FFI_TARGET)
     assert len(re.findall(r"custom-call\(", hlo)) == 1  # no V layout pass before it
     assert "api_version=API_VERSION_TYPED_FFI" in call
@@ -320,7 +344,9 @@ def test_dense_custom_call_with_v_staged(monkeypatch, head_dims, causal, lean_p)
 
 def test_dense_custom_call_takes_per_head_descales_and_the_given_scale(rng, monkeypatch):
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, "staged")
-    (q8, k8, v8), descales = fp8_qkv(rng, batch=2, seq_q=40, seq_k=70, heads_q=4, heads_kv=2, granularity="head")
+    (q8, k8, v8), descales = fp8_qkv(
+        rng, batch=2, seq_q=40, seq_k=70, heads_q=4, heads_kv=2, granularity="head"
+    )
     fn = primitive_call(scale=0.125, causal=True, lean_p=False, required=True)
     call = kernel_call(fn, q8, k8, v8, descales)
     assert call.count("f32[4]{0}") == 3  # per (batch, KV head) descales, flattened
@@ -345,16 +371,24 @@ DENSE_WINDOWS = [
 
 @pytest.mark.parametrize("causal, window, want_causal, want_window", DENSE_WINDOWS)
 @pytest.mark.parametrize("implementation", [None, "kernel"])
-def test_dense_custom_call_carries_the_canonical_window(kernel_available, implementation, causal, window, want_causal, want_window):
-    call = kernel_call(fp8_call(implementation, causal=causal, window=window), *dense_specs(), DESCALE, DESCALE, DESCALE)
+def test_dense_custom_call_carries_the_canonical_window(
+    kernel_available, implementation, causal, window, want_causal, want_window
+):
+    call = kernel_call(
+        fp8_call(implementation, causal=causal, window=window), *dense_specs(), DESCALE, DESCALE, DESCALE
+    )
     assert f"causal = {want_causal}" in call
     assert window_attributes(call) == want_window
     assert "lean_p = true" in call
 
 
-@pytest.mark.parametrize("causal, window", [(False, (8192, 0)), (True, (-1, 3)), (False, (499, 299)), (False, None)])
+@pytest.mark.parametrize(
+    "causal, window", [(False, (8192, 0)), (True, (-1, 3)), (False, (499, 299)), (False, None)]
+)
 def test_mla_windows_that_come_down_to_causal_or_none_reach_the_kernel(causal, window):
-    call = kernel_call(fp8_call("kernel", causal=causal, window=window), *dense_specs((192, 128)), DESCALE, DESCALE, DESCALE)
+    call = kernel_call(
+        fp8_call("kernel", causal=causal, window=window), *dense_specs((192, 128)), DESCALE, DESCALE, DESCALE
+    )
     assert window_attributes(call) == (-1, -1)
 
 
@@ -403,7 +437,15 @@ def key_block_rule(monkeypatch):
 
     def fp8_key_block(*, v_transposed, head_dim, causal, window, seq_q, seq_k):
         del seq_q  # the rule reads the keys a row sees
-        calls.append(dict(v_transposed=v_transposed, head_dim=head_dim, causal=causal, window=window, seq_k=seq_k))
+        calls.append(
+            {
+                "v_transposed": v_transposed,
+                "head_dim": head_dim,
+                "causal": causal,
+                "window": window,
+                "seq_k": seq_k,
+            }
+        )
         wide = v_transposed and head_dim == 128 and window[0] == -1 and seq_k >= WIDE_MIN_KEYS[causal]
         return 192 if wide else 128
 
@@ -414,7 +456,9 @@ def key_block_rule(monkeypatch):
 def layout_of(seq_q, seq_k, heads_q, heads_kv, head_dim=128, causal=True):
     """fp8_value_layout for a call of these shapes, the window as the primitive holds it."""
     window = (-1, 0) if causal else (-1, -1)
-    return plan.fp8_value_layout(seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window)
+    return plan.fp8_value_layout(
+        seq_q, heads_q, heads_kv, seq_k=seq_k, head_dim=head_dim, causal=causal, window=window
+    )
 
 
 @pytest.mark.parametrize(
@@ -433,14 +477,16 @@ def layout_of(seq_q, seq_k, heads_q, heads_kv, head_dim=128, causal=True):
         (2, 2048, 3071, 16, 16, "staged"),  # 128-key blocks in either layout
     ],
 )
-def test_v_layout_follows_rows_per_kv_head_and_keys(key_block_rule, batch, seq_q, seq_k, heads_q, heads_kv, layout):
+def test_v_layout_follows_rows_per_kv_head_and_keys(
+    key_block_rule, batch, seq_q, seq_k, heads_q, heads_kv, layout
+):
     """Staged up to FP8_STAGED_V_MAX_ROWS rows per KV head unless the kernel given V^T would run 192-key
     blocks."""
     assert layout_of(seq_q, seq_k, heads_q, heads_kv) == layout
     few_rows = seq_q * (heads_q // heads_kv) <= FP8_STAGED_V_MAX_ROWS
     assert (few_rows and seq_k < WIDE_MIN_KEYS[True]) == (layout == "staged")
     if layout == "transposed" and few_rows:  # the extension was asked about the V^T kernel for this call
-        asked = dict(v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_k=seq_k)
+        asked = {"v_transposed": True, "head_dim": 128, "causal": True, "window": (-1, 0), "seq_k": seq_k}
         assert key_block_rule[-1] == asked
     hlo = lower_fp8_for_cuda(batch, seq_q, seq_k, heads_q, heads_kv)
     if layout == "staged":
@@ -470,7 +516,9 @@ def test_v_layout_stays_staged_where_no_192_key_kernel_exists(key_block_rule):
     assert layout_of(512, 16384, 16, 16, head_dim=192) == "staged"
     assert key_block_rule[-1]["head_dim"] == 192  # asked, and the answer was 128
     window = (1023, 0)
-    assert plan.fp8_value_layout(512, 16, 16, seq_k=16384, head_dim=128, causal=True, window=window) == "staged"
+    assert (
+        plan.fp8_value_layout(512, 16, 16, seq_k=16384, head_dim=128, causal=True, window=window) == "staged"
+    )
     assert_staged(lower_fp8_for_cuda(1, 512, 16384, 16, 16, head_dim=192), "1,16384,16,128")
     assert_staged(lower_fp8_for_cuda(1, 512, 16384, 16, 16, window=(1023, 0)), "1,16384,16,128")
 
@@ -501,9 +549,12 @@ def test_key_block_env_is_the_key_block_attribute(monkeypatch, value, attribute)
     assert f"key_block = {attribute} : i64" in call
     call = assert_transposed(lower_fp8_for_cuda(1, 8192, 8192, 8, 8, causal=False), "1,8,128,8192")
     assert f"key_block = {attribute} : i64" in call
-    assert plan.fp8_key_block((1, 8192, 8, 128), (1, 8192, 8, 128), causal=True) == (attribute or plan.fp8_key_block_for(
-        v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_q=8192, seq_k=8192
-    ))
+    assert plan.fp8_key_block((1, 8192, 8, 128), (1, 8192, 8, 128), causal=True) == (
+        attribute
+        or plan.fp8_key_block_for(
+            v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_q=8192, seq_k=8192
+        )
+    )
     # A short call stages V unless 192-key blocks are forced, which only the V^T kernel has.
     short = lower_fp8_for_cuda(1, 64, 64, 2, 2)
     if attribute == 192:
@@ -545,9 +596,18 @@ DENSE_CASES = [
 @pytest.mark.parametrize("lean_p", [True, False])
 @pytest.mark.parametrize("batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity", DENSE_CASES)
 @pytest.mark.parametrize("head_dims", DENSE_HEAD_DIMS, ids=dims_id)
-def test_primitive_off_cuda_is_the_emulation(rng, head_dims, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity):
+def test_primitive_off_cuda_is_the_emulation(
+    rng, head_dims, lean_p, batch, seq_q, seq_k, heads_q, heads_kv, causal, granularity
+):
     (q8, k8, v8), descales = fp8_qkv(
-        rng, head_dims, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, granularity=granularity
+        rng,
+        head_dims,
+        batch=batch,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        granularity=granularity,
     )
     scale = head_dims[0] ** -0.5
     out, lse = jax.jit(primitive_call(scale=scale, causal=causal, lean_p=lean_p))(q8, k8, v8, descales)
@@ -575,9 +635,19 @@ def test_primitive_off_cuda_is_the_emulation(rng, head_dims, lean_p, batch, seq_
 def test_primitive_off_cuda_is_the_emulation_with_the_window(rng, lean_p, seq_q, seq_k, causal, window):
     (q8, k8, v8), descales = fp8_qkv(rng, seq_q=seq_q, seq_k=seq_k, heads_q=4, heads_kv=2, granularity="head")
     scale = 128**-0.5
-    out, lse = jax.jit(primitive_call(scale=scale, causal=causal, window=window, lean_p=lean_p))(q8, k8, v8, descales)
+    out, lse = jax.jit(primitive_call(scale=scale, causal=causal, window=window, lean_p=lean_p))(
+        q8, k8, v8, descales
+    )
     want_out, want_lse = attention_fp8_emulated(
-        q8, k8, v8, *descales, causal=causal, window=window, softmax_scale=scale, lean_p=lean_p, integer_reference=True
+        q8,
+        k8,
+        v8,
+        *descales,
+        causal=causal,
+        window=window,
+        softmax_scale=scale,
+        lean_p=lean_p,
+        integer_reference=True,
     )
     assert_same((out, lse), (want_out, want_lse))
     if seq_q > seq_k:
@@ -590,12 +660,17 @@ def test_both_v_layouts_are_the_emulation_off_cuda(rng, fp8_v_layout, head_dims)
     (q8, k8, v8), descales = fp8_qkv(rng, head_dims, seq_q=30, seq_k=75, heads_q=2, heads_kv=1)
     scale = 0.125
     spec_ = fp8_spec(scale=scale, causal=True)
-    hlo = jax.jit(lambda *a: primitives.attention_fwd(*a, spec=spec_)).trace(q8, k8, v8, *descales).lower(
-        lowering_platforms=("cuda",)
-    ).as_text(dialect="hlo")
+    hlo = (
+        jax.jit(lambda *a: primitives.attention_fwd(*a, spec=spec_))
+        .trace(q8, k8, v8, *descales)
+        .lower(lowering_platforms=("cuda",))
+        .as_text(dialect="hlo")
+    )
     assert f"v_transposed = {str(fp8_v_layout == 'transposed').lower()}" in kernel_call_of(hlo)
     out, lse = primitive_call(scale=scale, causal=True)(q8, k8, v8, descales)
-    want = attention_fp8_emulated(q8, k8, v8, *descales, causal=True, softmax_scale=scale, lean_p=True, integer_reference=True)
+    want = attention_fp8_emulated(
+        q8, k8, v8, *descales, causal=True, softmax_scale=scale, lean_p=True, integer_reference=True
+    )
     assert_same((out, lse), want)
 
 
@@ -603,7 +678,9 @@ def test_mixed_descale_shapes_broadcast_to_per_head(rng):
     (q8, k8, v8), (dq, dk, dv) = fp8_qkv(rng, batch=2, seq_q=16, heads_q=2, heads_kv=2, granularity="head")
     mixed = (dq, jnp.float32(dk.max()), dv)
     out, _ = primitive_call(scale=0.1, causal=True)(q8, k8, v8, mixed)
-    want, _ = attention_fp8_emulated(q8, k8, v8, *mixed, causal=True, softmax_scale=0.1, integer_reference=True)
+    want, _ = attention_fp8_emulated(
+        q8, k8, v8, *mixed, causal=True, softmax_scale=0.1, integer_reference=True
+    )
     assert_same((out,), (want,))
 
 
@@ -614,7 +691,9 @@ def test_api_where_the_kernel_runs_is_the_emulation(rng, kernel_available):
     fn = fp8_call(window=(8, 0), return_lse=True)
     assert path_of(fn, q8, k8, v8, *descales) is plan.Path.PRIMITIVE
     got = jax.jit(fn)(q8, k8, v8, *descales)
-    want = attention_fp8_emulated(q8, k8, v8, *descales, causal=False, window=(8, 0), softmax_scale=128**-0.5, integer_reference=True)
+    want = attention_fp8_emulated(
+        q8, k8, v8, *descales, causal=False, window=(8, 0), softmax_scale=128**-0.5, integer_reference=True
+    )
     assert_same(got, want)
 
 
@@ -624,7 +703,10 @@ def test_api_where_the_kernel_runs_is_the_emulation(rng, kernel_available):
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
 def test_vmap_folds_into_the_batch(rng, granularity):
     """vmap over a leading axis (per-element descales too) equals a loop over it."""
-    sets = [fp8_qkv(rng, batch=2, seq_q=24, seq_k=40, heads_q=2, heads_kv=1, granularity=granularity) for _ in range(3)]
+    sets = [
+        fp8_qkv(rng, batch=2, seq_q=24, seq_k=40, heads_q=2, heads_kv=1, granularity=granularity)
+        for _ in range(3)
+    ]
     stack = lambda i: jnp.stack([s[0][i] for s in sets])
     stack_d = lambda i: jnp.stack([s[1][i] for s in sets])
     call = primitive_call(scale=0.1, causal=True)
@@ -653,7 +735,9 @@ def test_vmap_keeps_the_window():
     assert window_attributes(call) == (16, 4)
 
 
-@pytest.mark.parametrize("layout, v_shape", [("staged", "f8e4m3fn[6,500,2,128]"), ("transposed", "f8e4m3fn[6,2,128,512]")])
+@pytest.mark.parametrize(
+    "layout, v_shape", [("staged", "f8e4m3fn[6,500,2,128]"), ("transposed", "f8e4m3fn[6,2,128,512]")]
+)
 def test_abstract_evals_and_vmap_keep_v_head_dim(monkeypatch, layout, v_shape):
     """out takes v's head dim in the primitive's and the per-shard primitive's abstract evals (from V^T's
     rows where v is V^T); vmap folds into one call."""
@@ -681,7 +765,9 @@ def test_abstract_evals_and_vmap_keep_v_head_dim(monkeypatch, layout, v_shape):
 def test_head_sharding_keeps_the_window(rng):
     """Under a sharded jit (CPU devices: the emulation lowering) the window reaches every shard."""
     mesh = cpu_mesh((4,), ("model",))
-    (q8, k8, v8), descales = fp8_qkv(rng, batch=2, seq_q=64, seq_k=200, heads_q=4, heads_kv=4, granularity="head")
+    (q8, k8, v8), descales = fp8_qkv(
+        rng, batch=2, seq_q=64, seq_k=200, heads_q=4, heads_kv=4, granularity="head"
+    )
     fn = primitive_call(scale=0.1, causal=False, window=(20, 3))
     heads = NamedSharding(mesh, P(None, None, "model"))
     per_head = NamedSharding(mesh, P(None, "model"))
@@ -743,7 +829,9 @@ def dense_fp8_per_sequence(q8, k8, v8, descales, cu_q, cu_k, *, causal):
 def test_varlen_pure_jax_path_is_dense_fp8_per_sequence(rng, causal, per_head):
     """Unequal lengths, a sequence with no query, one with queries but no key, tokens past the end."""
     lengths_q, lengths_k = [5, 0, 17, 3, 40], [9, 4, 30, 0, 33]
-    (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(rng, lengths_q, lengths_k, pad_q=3, per_head=per_head)
+    (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(
+        rng, lengths_q, lengths_k, pad_q=3, per_head=per_head
+    )
     fn = jax.jit(functools.partial(call_varlen, max_q=40, max_k=33, causal=causal, return_lse=True))
     out, lse = fn(q8, k8, v8, cu_q, cu_k, descales)
     assert out.dtype == jnp.bfloat16 and out.shape == q8.shape and lse.shape == (4, q8.shape[0])
@@ -829,7 +917,12 @@ def fp8_varlen_hlo(implementation, window=None, per_head=False, causal=True) -> 
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize(
     "window, causal_attr, bounds",
-    [(None, "true", (-1, -1)), ((16, 0), "false", (16, 0)), ((300, 0), "true", (-1, -1)), ((-1, 5), "true", (-1, -1))],
+    [
+        (None, "true", (-1, -1)),
+        ((16, 0), "false", (16, 0)),
+        ((300, 0), "true", (-1, -1)),
+        ((-1, 5), "true", (-1, -1)),
+    ],
 )
 def test_varlen_custom_call(monkeypatch, layout, per_head, window, causal_attr, bounds):
     """By default (400 rows per KV head: the rule stages V) and with JZYFA_FP8_V_LAYOUT=staged the kernel
@@ -904,14 +997,22 @@ def test_varlen_path_follows_the_kernels_availability(rng, monkeypatch):
     (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(rng, [7, 0, 12], [7, 3, 12])
     available = [False]
     monkeypatch.setattr(_platform, "kernel_available", lambda: available[0])
+    args = (q8, k8, v8, cu_q, cu_k, *descales)
+
+    def varlen(window, implementation=None):
+        def fn(*a):
+            return call_varlen(
+                *a[:5], a[5:], max_q=12, max_k=12, window=window, implementation=implementation
+            )
+
+        return fn
+
     for window in ((-1, 0), (-1, -1), (4, 0)):
-        fn = functools.partial(call_varlen, max_q=12, max_k=12, window=window)
         available[0] = False
-        assert path_of(lambda *a: fn(*a[:5], a[5:]), q8, k8, v8, cu_q, cu_k, *descales) is plan.Path.REFERENCE
+        assert path_of(varlen(window), *args) is plan.Path.REFERENCE
         available[0] = True
-        assert path_of(lambda *a: fn(*a[:5], a[5:]), q8, k8, v8, cu_q, cu_k, *descales) is plan.Path.PRIMITIVE
-        required = functools.partial(fn, implementation="kernel")
-        assert path_of(lambda *a: required(*a[:5], a[5:]), q8, k8, v8, cu_q, cu_k, *descales) is plan.Path.KERNEL_REQUIRED
+        assert path_of(varlen(window), *args) is plan.Path.PRIMITIVE
+        assert path_of(varlen(window, "kernel"), *args) is plan.Path.KERNEL_REQUIRED
     assert len(custom_call_lines(fp8_varlen_hlo(None), FFI_TARGET)) == 1
     available[0] = False
     assert custom_call_lines(fp8_varlen_hlo(None), FFI_TARGET) == []
@@ -923,16 +1024,34 @@ def test_varlen_primitive_off_cuda_is_the_pure_jax_path(rng, monkeypatch, layout
     """The primitive's non-CUDA lowering (what implementation=None runs on a CPU with the kernel faked
     available): V^T inverted where the layout transposed V, then dequantize + the exact reference: the
     pure-JAX path's result, bit for bit."""
-    (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(rng, [7, 0, 12, 40], [9, 3, 12, 33], pad_q=2, per_head=True)
+    (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(
+        rng, [7, 0, 12, 40], [9, 3, 12, 33], pad_q=2, per_head=True
+    )
     fn = jax.jit(functools.partial(call_varlen, max_q=40, max_k=33, window=window, return_lse=True))
     want = fn(q8, k8, v8, cu_q, cu_k, descales)
     if layout is not None:
         monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
     monkeypatch.setattr(_platform, "kernel_available", lambda: True)
     jax.clear_caches()
-    specs = bound_specs(lambda *a: call_varlen(*a[:5], a[5:], max_q=40, max_k=33, window=window), q8, k8, v8, cu_q, cu_k, *descales)
+    specs = bound_specs(
+        lambda *a: call_varlen(*a[:5], a[5:], max_q=40, max_k=33, window=window),
+        q8,
+        k8,
+        v8,
+        cu_q,
+        cu_k,
+        *descales,
+    )
     assert len(specs) == 1 and specs[0].fp8 and specs[0].varlen == (40, 33)
-    hlo = cuda_hlo(lambda *a: call_varlen(*a[:5], a[5:], max_q=40, max_k=33, window=window), q8, k8, v8, cu_q, cu_k, *descales)
+    hlo = cuda_hlo(
+        lambda *a: call_varlen(*a[:5], a[5:], max_q=40, max_k=33, window=window),
+        q8,
+        k8,
+        v8,
+        cu_q,
+        cu_k,
+        *descales,
+    )
     assert f"v_transposed = {str(layout == 'transposed').lower()}" in kernel_call_of(hlo)
     got = fn(q8, k8, v8, cu_q, cu_k, descales)
     assert_same(got, want)
@@ -956,7 +1075,9 @@ def value_operand_bytes(v: np.ndarray) -> np.ndarray:
     batch, seq_k, heads_kv, head_dim = v.shape
     padded = np.zeros((batch, padded_keys(seq_k), heads_kv, head_dim), np.uint8)
     padded[:, :seq_k] = v
-    keys = (np.arange(padded.shape[1]) // KEY_GROUP) * KEY_GROUP + np.tile(KEY_PERMUTATION, padded.shape[1] // KEY_GROUP)
+    keys = (np.arange(padded.shape[1]) // KEY_GROUP) * KEY_GROUP + np.tile(
+        KEY_PERMUTATION, padded.shape[1] // KEY_GROUP
+    )
     return padded[:, keys].transpose(0, 2, 3, 1)
 
 
@@ -992,7 +1113,9 @@ def test_value_operand_cuda_lowering_is_the_ffi_custom_call(seq_k, padded):
     assert f"operand_layout_constraints={{f8e4m3fn[2,{seq_k},3,128]{{3,2,1,0}}}}" in call
 
 
-@pytest.mark.parametrize("shape, dtype", [((2, 40, 3, 64), jnp.float8_e4m3fn), ((2, 40, 3, 128), jnp.float32)])
+@pytest.mark.parametrize(
+    "shape, dtype", [((2, 40, 3, 64), jnp.float8_e4m3fn), ((2, 40, 3, 128), jnp.float32)]
+)
 def test_value_operand_cuda_lowering_falls_back_where_the_kernel_does_not_serve(shape, dtype):
     hlo = cuda_hlo(fp8_value_operand_p.bind, jax.ShapeDtypeStruct(shape, dtype))
     assert FFI_TARGET_VALUE_OPERAND not in hlo
@@ -1000,7 +1123,9 @@ def test_value_operand_cuda_lowering_falls_back_where_the_kernel_does_not_serve(
 
 def test_value_operand_cpu_lowering_has_no_custom_call():
     v = spec((2, 300, 3, 128))
-    text = jax.jit(fp8_value_operand_p.bind).trace(v).lower(lowering_platforms=("cpu",)).as_text(dialect="hlo")
+    text = (
+        jax.jit(fp8_value_operand_p.bind).trace(v).lower(lowering_platforms=("cpu",)).as_text(dialect="hlo")
+    )
     assert "custom-call" not in text
 
 

@@ -33,7 +33,7 @@ ROWS = sorted(row for row in plan.KERNELS if row.family == "16bit")
 HEAD_DIMS = sorted({row.head_dims for row in ROWS})
 DENSE_ROWS = [row for row in ROWS if row.layout == "dense"]
 VARLEN_ROWS = [row for row in ROWS if row.layout == "varlen"]
-MASK_OPTIONS = {"none": dict(causal=False), "causal": dict(causal=True), "window": dict(window=(8, 0))}
+MASK_OPTIONS = {"none": {"causal": False}, "causal": {"causal": True}, "window": {"window": (8, 0)}}
 
 
 def dims_id(dims) -> str:
@@ -150,7 +150,9 @@ def test_a_required_kernel_refuses_to_run_on_the_cpu(rng):
         jzyfa.flash_attention(q, k, v, window=(8, 0), implementation="kernel")
     cu = offsets([7, 0, 33])
     with pytest.raises(ValueError, match="non-CUDA platform"):
-        jzyfa.flash_attention_varlen(q[0], k[0, :40], v[0, :40], cu, cu, 33, 33, causal=True, implementation="kernel")
+        jzyfa.flash_attention_varlen(
+            q[0], k[0, :40], v[0, :40], cu, cu, 33, 33, causal=True, implementation="kernel"
+        )
 
 
 # ---- configurations outside the table: the reason, and the pure-JAX path
@@ -171,7 +173,9 @@ OUTSIDE = [
 
 @pytest.mark.parametrize("layout", ["dense", "varlen"])
 @pytest.mark.parametrize("mask", ["causal", "window"])
-@pytest.mark.parametrize("head_dims, dtype", OUTSIDE, ids=lambda x: dims_id(x) if isinstance(x, tuple) else None)
+@pytest.mark.parametrize(
+    "head_dims, dtype", OUTSIDE, ids=lambda x: dims_id(x) if isinstance(x, tuple) else None
+)
 def test_configurations_outside_the_table_say_why(kernel_available, layout, mask, head_dims, dtype):
     if dtype == jnp.float32:  # the dtype's reason comes first
         problem = "the kernels take bf16, f16 or float8_e4m3fn inputs, got float32"
@@ -182,7 +186,9 @@ def test_configurations_outside_the_table_say_why(kernel_available, layout, mask
         assert f"got {head_dims[0]}/{head_dims[1]}" in problem
     row = Config("16bit", head_dims, mask, layout)
     fn, *args = row_call(row, "kernel", dtype)
-    with pytest.raises(ValueError, match="^" + re.escape(f"implementation='kernel' cannot serve this call: {problem}")):
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"implementation='kernel' cannot serve this call: {problem}")
+    ):
         jax.eval_shape(fn, *args)
     # implementation=None serves them on the pure-JAX path (no custom call, even where a kernel runs),
     # with v's head dim.
@@ -261,7 +267,9 @@ DENSE_WINDOWS = [
 @pytest.mark.parametrize("causal, window, want_causal, want_window", DENSE_WINDOWS)
 @pytest.mark.parametrize("implementation", [None, "kernel"])
 @pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=dims_id)
-def test_dense_custom_call_carries_the_canonical_window(head_dims, implementation, causal, window, want_causal, want_window):
+def test_dense_custom_call_carries_the_canonical_window(
+    head_dims, implementation, causal, window, want_causal, want_window
+):
     """Over 300 queries and 500 keys; the default path and implementation="kernel" alike."""
     fn = functools.partial(jzyfa.flash_attention, causal=causal, window=window, implementation=implementation)
     call = kernel_call(fn, *dense_specs(head_dims))
@@ -338,7 +346,7 @@ def test_gradients_lower_the_forward_kernel_only(rng):
             rng, seq_q=12, seq_k=20, heads_q=4, heads_kv=2, head_dim=head_dims[0], head_dim_v=head_dims[1]
         )
 
-        def loss(q):
+        def loss(q, k=k, v=v):
             return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True, implementation="kernel"))
 
         assert len(kernel_calls(jax.value_and_grad(loss), q)) == 1  # the backward is the reference's
@@ -353,7 +361,9 @@ def test_windows_past_the_kernels_int32_range_fall_back(kernel_available):
     q = jax.ShapeDtypeStruct((1, plan.KERNEL_MAX_SEQ_Q, 1, 64), jnp.bfloat16)  # the kernel's longest seq_q
     kv = jax.ShapeDtypeStruct((1, (1 << 30) - plan.KERNEL_MAX_SEQ_Q + 1, 1, 64), jnp.bfloat16)
     window = functools.partial(jzyfa.flash_attention, window=(8, 0))
-    with pytest.raises(ValueError, match=r"cannot serve this call: the kernels' sliding windows take seq_q \+ seq_k <= 2\^30"):
+    with pytest.raises(
+        ValueError, match=r"cannot serve this call: the kernels' sliding windows take seq_q \+ seq_k <= 2\^30"
+    ):
         jax.eval_shape(functools.partial(window, implementation="kernel"), q, kv, kv)
     assert path_of(window, q, kv, kv) is plan.Path.REFERENCE
     causal = functools.partial(jzyfa.flash_attention, causal=True)
@@ -381,11 +391,15 @@ def dense_spec(window, scale=0.125):
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("seq_q, seq_k", [(40, 40), (17, 70), (70, 17)])
 def test_dense_primitive_off_cuda_is_the_reference(rng, window, seq_q, seq_k):
-    q, k, v = random_qkv(rng, seq_q=seq_q, seq_k=seq_k, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16)
+    q, k, v = random_qkv(
+        rng, seq_q=seq_q, seq_k=seq_k, heads_q=4, heads_kv=2, head_dim=64, dtype=jnp.bfloat16
+    )
     spec = dense_spec(window)
     out, lse = jax.jit(functools.partial(primitives.attention_fwd, spec=spec))(q, k, v)
     # Compiled alike: the reference's program, bit for bit.
-    want_out, want_lse = jax.jit(functools.partial(attention_reference, window=window, softmax_scale=0.125))(q, k, v)
+    want_out, want_lse = jax.jit(functools.partial(attention_reference, window=window, softmax_scale=0.125))(
+        q, k, v
+    )
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
     f64_out, f64_lse = naive_attention_f64(q, k, v, causal=False, window=window, softmax_scale=0.125)
@@ -403,8 +417,10 @@ def test_api_default_path_binds_the_primitive_and_matches_float64(rng, head_dims
     """implementation=None on a CPU: the primitive, lowered to the reference; equal to implementation="xla",
     near float64, with Sq > Sk (rows with no key under causal and windows: O = 0, LSE = -inf) and GQA."""
     qk, dv = head_dims
-    q, k, v = random_qkv(rng, seq_q=70, seq_k=33, heads_q=4, heads_kv=1, head_dim=qk, head_dim_v=dv, dtype=jnp.float16)
-    options = dict(causal=mask == "causal", window=(6, 2) if mask == "window" else None, return_lse=True)
+    q, k, v = random_qkv(
+        rng, seq_q=70, seq_k=33, heads_q=4, heads_kv=1, head_dim=qk, head_dim_v=dv, dtype=jnp.float16
+    )
+    options = {"causal": mask == "causal", "window": (6, 2) if mask == "window" else None, "return_lse": True}
     fn = functools.partial(jzyfa.flash_attention, **options)
     assert path_of(fn, q, k, v) is plan.Path.PRIMITIVE
     out, lse = jax.jit(fn)(q, k, v)
@@ -412,7 +428,10 @@ def test_api_default_path_binds_the_primitive_and_matches_float64(rng, head_dims
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
     f64_out, f64_lse = naive_attention_f64(
-        *(np.asarray(x, np.float32) for x in (q, k, v)), causal=options["causal"], window=options["window"], softmax_scale=qk**-0.5
+        *(np.asarray(x, np.float32) for x in (q, k, v)),
+        causal=options["causal"],
+        window=options["window"],
+        softmax_scale=qk**-0.5,
     )
     assert out.shape == (1, 70, 4, dv)
     np.testing.assert_allclose(np.asarray(out, np.float32), f64_out, atol=2e-3)
@@ -457,7 +476,8 @@ def test_varlen_primitive_off_cuda_is_the_reference(rng, window, lengths_q, leng
     spec = varlen_spec(max_q, max_k, window)
     out, lse = jax.jit(functools.partial(primitives.attention_fwd, spec=spec))(q, k, v, cu_q, cu_k)
     want_out, want_lse = jax.jit(
-        functools.partial(varlen_attention_reference, window=window, softmax_scale=0.125), static_argnums=(5, 6)
+        functools.partial(varlen_attention_reference, window=window, softmax_scale=0.125),
+        static_argnums=(5, 6),
     )(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), max_q, max_k)
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (4, q.shape[0])
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32))
@@ -483,7 +503,9 @@ def test_varlen_api_where_the_kernel_runs_matches_float64(rng, kernel_available,
     fn = varlen_fn(max_q=17, max_k=30, window=(6, 2), return_lse=True)
     assert path_of(fn, q, k, v, cu_q, cu_k) is plan.Path.PRIMITIVE
     out, lse = jax.jit(fn)(q, k, v, cu_q, cu_k)
-    want_out, want_lse = naive_varlen_f64(q, k, v, cu_q, cu_k, causal=False, softmax_scale=qk**-0.5, window=(6, 2))
+    want_out, want_lse = naive_varlen_f64(
+        q, k, v, cu_q, cu_k, causal=False, softmax_scale=qk**-0.5, window=(6, 2)
+    )
     assert out.shape == (q.shape[0], 4, dv)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=2e-2)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
@@ -505,7 +527,9 @@ def test_varlen_gradients_through_the_primitive_are_the_reference_ones(rng):
         return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     def loss_reference(q, k, v):
-        out, lse = varlen_attention_reference(q, k, v, cu_q, cu_k, 11, 11, window=(-1, 0), softmax_scale=0.125)
+        out, lse = varlen_attention_reference(
+            q, k, v, cu_q, cu_k, 11, 11, window=(-1, 0), softmax_scale=0.125
+        )
         return jnp.sum(out * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     got = jax.jit(jax.grad(loss_kernel_path, argnums=(0, 1, 2)))(q, k, v)
@@ -540,7 +564,9 @@ def test_window_key_range_matches_the_whole_sequence():
                     np.testing.assert_array_equal(got, whole[start : start + length])
 
 
-@pytest.mark.parametrize("causal, window", [(False, (5, 3)), (True, (9, 0)), (False, (-1, 4)), (False, (0, -1))])
+@pytest.mark.parametrize(
+    "causal, window", [(False, (5, 3)), (True, (9, 0)), (False, (-1, 4)), (False, (0, -1))]
+)
 @pytest.mark.parametrize("seq_q, seq_k", [(32, 32), (32, 48), (32, 20)])
 def test_sequence_sharded_windows_match_the_reference(rng, causal, window, seq_q, seq_k):
     mesh = cpu_mesh((2, 4), ("data", "seq"))
@@ -560,7 +586,9 @@ def test_sequence_shards_lower_to_shifted_windows_for_cuda():
     """Each sequence shard's custom call reads only the keys its window reaches, with the window moved
     to match: 4 shards of 16 rows, 64 keys, window (8, 0)."""
     mesh = cpu_mesh((2, 4), ("data", "tensor"))
-    q = jax.ShapeDtypeStruct((2, 64, 16, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "tensor")))
+    q = jax.ShapeDtypeStruct(
+        (2, 64, 16, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "tensor"))
+    )
     kv = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     spec = primitives.make_spec(softmax_scale=0.125, causal=False, window=(8, 0))
     _, run, (out_sharding, lse_sharding), arg_shardings = sharding.partition(
