@@ -1,4 +1,5 @@
-// The forward instantiations of one group of kFwdKernels (16bit, head dims (256, 256), dense): every mask it serves.
+// The forward instantiations of one group of kFwdKernels (16bit, head dims (256, 256), dense):
+// every mask it serves.
 #include "launch_fwd.cuh"
 
 namespace jzyfa {

@@ -1,4 +1,5 @@
-// The forward instantiations of one group of kFwdKernels (fp8, head dims (128, 128), dense): every mask it serves.
+// The forward instantiations of one group of kFwdKernels (fp8, head dims (128, 128), dense): every
+// mask it serves.
 #include "launch_fwd.cuh"
 
 namespace jzyfa {

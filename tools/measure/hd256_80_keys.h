@@ -1,5 +1,6 @@
 // Measuring build (-DJZYFA_MEASURE=hd256_80_keys, force-included into every CUDA translation unit):
-// 80-key blocks in the dense 16-bit kernels at head dim 256, causal or no mask (consumers at 240 registers, producer 24; not yet measured: docs/benchmarks.md).
+// 80-key blocks in the dense 16-bit kernels at head dim 256, causal or no mask (consumers at 240
+// registers, producer 24; not yet measured: docs/benchmarks.md).
 #pragma once
 
 #include "measure_variant.h"

@@ -1,5 +1,6 @@
-// Measuring build (-DJZYFA_MEASURE=nomask_176_keys, force-included into every CUDA translation unit):
-// 176-key blocks in the dense 16-bit head-dim-128 kernels without a mask (one P buffer, O from registers; not yet measured: docs/fp8.md 10.27).
+// Measuring build (-DJZYFA_MEASURE=nomask_176_keys, force-included into every CUDA translation
+// unit): 176-key blocks in the dense 16-bit head-dim-128 kernels without a mask (one P buffer, O
+// from registers; not yet measured: docs/fp8.md 10.27).
 #pragma once
 
 #include "measure_variant.h"

@@ -1,8 +1,8 @@
 // Measuring build: the consumer loops' timestamps (ffi/kernel_timeline.cuh's layout and events;
-// tools/kernel_timeline.py reads them). Configure with -DJZYFA_MEASURE=timeline: CMake force-includes
-// this header into every CUDA translation unit. Each unit has its own array (internal linkage) and
-// registers its reader; a read sums them all (only the units whose kernels ran hold stamps) and
-// zeroes them.
+// tools/kernel_timeline.py reads them). Configure with -DJZYFA_MEASURE=timeline: CMake force-
+// includes this header into every CUDA translation unit. Each unit has its own array (internal
+// linkage) and registers its reader; a read sums them all (only the units whose kernels ran hold
+// stamps) and zeroes them.
 #pragma once
 
 #include <cuda_runtime.h>
