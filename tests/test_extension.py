@@ -34,7 +34,11 @@ def test_extension_registers_its_targets():
     from jzyfa import _jzyfa_ffi
 
     targets = _jzyfa_ffi.registrations()
-    assert set(targets) == {FFI_TARGET, FFI_TARGET_VALUE_OPERAND} == {"jzyfa_attention_fwd", "jzyfa_fp8_value_operand"}
+    assert (
+        set(targets)
+        == {FFI_TARGET, FFI_TARGET_VALUE_OPERAND}
+        == {"jzyfa_attention_fwd", "jzyfa_fp8_value_operand"}
+    )
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"
     calls = _extension.handler_calls()
@@ -52,7 +56,11 @@ BUILT_KERNELS = {
         for mask in ("none", "causal", "window")
         for layout in ("dense", "varlen")
     ),
-    *(("fp8", 128, 128, mask, layout, "fwd") for mask in ("none", "causal", "window") for layout in ("dense", "varlen")),
+    *(
+        ("fp8", 128, 128, mask, layout, "fwd")
+        for mask in ("none", "causal", "window")
+        for layout in ("dense", "varlen")
+    ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
 }
@@ -113,12 +121,23 @@ def test_fp8_key_block_rule(monkeypatch, env):
                         v_transposed=v_transposed, head_dim=head_dim, causal=causal, window_left=window[0],
                         window_right=window[1], seqlen_q=1000, seqlen_k=seq_k,
                     )  # fmt: skip
-                    assert got == (192 if dense_vt and wide else 128), (v_transposed, head_dim, causal, window, seq_k)
+                    assert got == (192 if dense_vt and wide else 128), (
+                        v_transposed,
+                        head_dim,
+                        causal,
+                        window,
+                        seq_k,
+                    )
 
 
 def test_fp8_key_block_without_the_extension(monkeypatch):
     monkeypatch.setattr(_extension, "load_error", lambda: "no extension")
-    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_q=8, seq_k=8) == 128
+    assert (
+        _extension.fp8_key_block(
+            v_transposed=True, head_dim=128, causal=True, window=(-1, 0), seq_q=8, seq_k=8
+        )
+        == 128
+    )
 
 
 def test_fp8_key_block_asks_the_extension(monkeypatch):
@@ -133,12 +152,30 @@ def test_fp8_key_block_asks_the_extension(monkeypatch):
     monkeypatch.setattr(_extension, "load_error", lambda: None)
     fake = types.SimpleNamespace(registrations=dict, fp8_key_block=fp8_key_block)
     monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, fake)
-    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4) == 192
+    assert (
+        _extension.fp8_key_block(
+            v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4
+        )
+        == 192
+    )
     assert calls == [
-        dict(v_transposed=True, head_dim=128, causal=True, window_left=5, window_right=0, seqlen_q=3, seqlen_k=4)
+        dict(
+            v_transposed=True,
+            head_dim=128,
+            causal=True,
+            window_left=5,
+            window_right=0,
+            seqlen_q=3,
+            seqlen_k=4,
+        )
     ]
     monkeypatch.setitem(sys.modules, _extension.EXTENSION_MODULE, types.SimpleNamespace(registrations=dict))
-    assert _extension.fp8_key_block(v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4) == 128
+    assert (
+        _extension.fp8_key_block(
+            v_transposed=True, head_dim=128, causal=True, window=(5, 0), seq_q=3, seq_k=4
+        )
+        == 128
+    )
 
 
 def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
@@ -160,7 +197,9 @@ def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
     fp8_kernel_key_block((1, 64, 4, 128), (1, 64, 4, 128), causal=False)
     call = dict(head_dim=128, seqlen_q=64, seqlen_k=64)
     assert calls == [
-        dict(call, v_transposed=True, causal=True, window_left=-1, window_right=0, seqlen_q=300, seqlen_k=9000),
+        dict(
+            call, v_transposed=True, causal=True, window_left=-1, window_right=0, seqlen_q=300, seqlen_k=9000
+        ),
         dict(call, v_transposed=True, causal=False, window_left=16, window_right=16),
         dict(call, v_transposed=False, causal=False, window_left=-1, window_right=-1),
     ]
@@ -186,7 +225,6 @@ def test_fp8_layout_rule_asks_the_built_extension(monkeypatch):
     assert layout(16384, window=(1023, 0)) == "staged"  # windowed: neither
     monkeypatch.setenv(FP8_KEY_BLOCK_ENV, "128")
     assert layout(16384) == "staged"
-
 
 
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")

@@ -53,18 +53,18 @@ def info(name: str) -> dict | None:
     fp8 = m["fqk"] is not None
     qk = int(m["fqk"] if fp8 else m["qk"])
     v = 128 if fp8 else int(m["v"])
-    return dict(
-        family="fp8" if fp8 else "16bit",
-        element=None if fp8 else ("bf16" if "bfloat16" in m["element"] else "f16"),
-        qk=qk,
-        v=v,
-        n=int(m["fn"] if fp8 else m["n"]),
-        varlen=m["entry"] == "FwdVarlenKernel",
-        windowed="WindowedArgs" in name,
-        mla=qk != v,
-        lean=fp8 and m["lean"] == "1",
-        staged=fp8 and m["staged"] == "1",
-    )
+    return {
+        "family": "fp8" if fp8 else "16bit",
+        "element": None if fp8 else ("bf16" if "bfloat16" in m["element"] else "f16"),
+        "qk": qk,
+        "v": v,
+        "n": int(m["fn"] if fp8 else m["n"]),
+        "varlen": m["entry"] == "FwdVarlenKernel",
+        "windowed": "WindowedArgs" in name,
+        "mla": qk != v,
+        "lean": fp8 and m["lean"] == "1",
+        "staged": fp8 and m["staged"] == "1",
+    }
 
 
 def select(sass: str, **want) -> dict[str, str]:
@@ -141,7 +141,9 @@ def test_no_spills_and_no_wgmma_serialization(compiled):
     report, _ = compiled
     # C7510-C7519: ptxas serialized the wgmma pipeline or injected a wait or an arrive (C7515 and
     # C7517 when a wgmma group may be in flight across a join or a loop's back edge: docs/fp8.md 10.22).
-    assert not re.search(r"\(C751\d\)", report), "ptxas serialized or waited on the wgmma pipeline:\n" + report
+    assert not re.search(r"\(C751\d\)", report), (
+        "ptxas serialized or waited on the wgmma pipeline:\n" + report
+    )
     assert "C7508" not in report, "ptxas ignored setmaxnreg:\n" + report
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert frames and all(f == ("0", "0", "0") for f in frames), report
@@ -524,7 +526,9 @@ def test_timeline_variant_builds(tmp_path, source):
         assert len(re.findall(r"\bCS2R\b[^;]*SR_CLOCK", text)) >= 8, name
 
 
-def check_variant_changes(compiled, tmp_path, source: str, measure: str, count: int, unchanged) -> dict[str, str]:
+def check_variant_changes(
+    compiled, tmp_path, source: str, measure: str, count: int, unchanged
+) -> dict[str, str]:
     """ffi/<source>.cu built with tools/measure/<measure>.h: no spills, no wgmma serialization, `count`
     kernels; those for which unchanged(name) holds are the default build's, every other one differs from it
     or is new. Returns the variant's SASS per kernel."""
@@ -618,15 +622,21 @@ def test_sass_budget_walks_the_16bit_kernel(compiled):
     assert SASS_BUDGET.budget(path, 128, dtype="bf16")["tensor_cycles"] == 2048
 
 
-def wide_16bit_kernels(compiled, tmp_path, measure: str, count: int, head_dim: int, block_n: int, hgmmas: int):
+def wide_16bit_kernels(
+    compiled, tmp_path, measure: str, count: int, head_dim: int, block_n: int, hgmmas: int
+):
     """The dense head_dim instantiations built with tools/measure/<measure>.h (check_variant_changes: `count`
     kernels, the default ones unchanged): its two wide kernels (bf16, f16) at (head_dim, block_n), S = Q K^T
     in `hgmmas` 64 x block_n HGMMAs each. Returns their SASS per kernel."""
     source = f"instantiations/fwd_16bit_hd{head_dim}_dense"
     default_n = 64 if head_dim > 128 else 128
-    variant = check_variant_changes(compiled, tmp_path, source, measure, count, lambda name: info(name)["n"] == default_n)
+    variant = check_variant_changes(
+        compiled, tmp_path, source, measure, count, lambda name: info(name)["n"] == default_n
+    )
     wide = {name: text for name, text in variant.items() if info(name)["n"] == block_n}
-    assert len(wide) == 2 and all(f"Li{head_dim}ELi{head_dim}ELi{block_n}E" in name for name in wide), list(wide)
+    assert len(wide) == 2 and all(f"Li{head_dim}ELi{head_dim}ELi{block_n}E" in name for name in wide), list(
+        wide
+    )
     for name, text in wide.items():
         assert len(re.findall(rf"\bHGMMA\.64x{block_n}x16\b", text)) == hgmmas, name
     return wide
@@ -639,7 +649,9 @@ def test_16bit_hd256_80_key_variant_builds(compiled, tmp_path):
     consumers at 240 (at 232 they spill); the windowed kernels unchanged."""
     wide = wide_16bit_kernels(compiled, tmp_path, "hd256_80_keys", 4, 256, 80, 48)
     for name, text in wide.items():
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xf0\b", text), f"{name}: consumers not at 240"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xf0\b", text), (
+            f"{name}: consumers not at 240"
+        )
         # ptxas does not hold the producer to its setmaxnreg: what its warps can reach must use R0..R23.
         producer = reachable(text, r"USETMAXREG\.DEALLOC\.CTAPOOL 0x18\b")
         assert producer and max(highest_register(i) for i in producer) < 24, name

@@ -42,7 +42,7 @@ def normalise(body: str) -> str:
     lines = []
     for line in body.splitlines():
         line = re.sub(r"/\*[^*]*\*/", "", line).strip()
-        if not line or line.startswith(".") or line.startswith("-") or line.startswith("="):
+        if not line or line.startswith((".", "-", "=")):
             continue
         lines.append(re.sub(r"\s+", " ", line))
     return "\n".join(lines)
@@ -59,10 +59,7 @@ def kernels(path: str) -> dict[str, str]:
 
 def resources(path: str) -> dict[str, str]:
     text = dump(path, "--dump-resource-usage")
-    return {
-        m.group(1): m.group(2).strip()
-        for m in re.finditer(r"Function (\S+):\n\s*(REG:.*)", text)
-    }
+    return {m.group(1): m.group(2).strip() for m in re.finditer(r"Function (\S+):\n\s*(REG:.*)", text)}
 
 
 def main(argv=None) -> int:
