@@ -6,7 +6,7 @@ takes V as it is ([B, Sk, Hkv, 128], or packed [total_k, Hkv, 128]) and builds e
 in shared memory after its TMA load (ffi/fp8_value_transpose.cuh; tests/test_fp8_value_transpose.py
 simulates it against `fp8_value_operand` below, the layout's definition), or a layout kernel writes
 `fp8_value_operand(v)` to device memory first and the kernel loads its tiles (long calls:
-jzyfa/fp8_primitive.py, `fp8_value_layout`; packed varlen batches by default, through
+jzyfa/plan.py, `fp8_value_layout`; packed varlen batches by default, through
 `fp8_varlen_value_operand` below: `fp8_varlen_value_layout`). The kernel also
 feeds P from registers without moving a byte between lanes: the f32 accumulator of S = Q K^T gives a
 thread, for each row it owns, the key pairs {2t, 2t+1} of every 8-key chunk (t = lane % 4), while the
@@ -70,7 +70,7 @@ def fp8_value_operand(v: jax.Array) -> jax.Array:
     columns; keys past Sk are zeros there too: TMA's fill of rows past the tensor's end, or the appended
     zeros here). One XLA transpose-gather over V (its bytes once); the appended keys are masked in the
     kernel (their probability is 0), and zeros keep 0 * V finite. The "transposed" FP8 path binds
-    `fp8_primitive.fp8_value_operand_p`, which on CUDA runs a kernel of ours (ffi/fp8_value_operand.cu,
+    `primitives.fp8_value_operand_p`, which on CUDA runs a kernel of ours (ffi/fp8_value_operand.cu,
     bitwise this function) and lowers to this function everywhere else.
     """
     if v.ndim != 4:
@@ -94,7 +94,7 @@ def value_from_operand(vt: jax.Array, seq_k: int) -> jax.Array:
 
 
 # Packed variable-length batches (`flash_attention_varlen` with e4m3 inputs), "transposed" source (the
-# default: jzyfa/fp8_varlen_primitive.py). The kernel's key blocks start at each sequence's first key, so
+# default: jzyfa/plan.py, `fp8_varlen_value_layout`). The kernel's key blocks start at each sequence's first key, so
 # each sequence's V^T must start on a 32-key group of its own: sequence s's keys start at column
 # roundup32(cu_seqlens_k[s]) + 32 s. These ranges never overlap (the next one starts at least 32 columns
 # past cu_seqlens_k[s + 1] - 1 + 32 s, this one ends before it), need no prefix sum, and the columns

@@ -179,7 +179,7 @@ def test_fp8_key_block_asks_the_extension(monkeypatch):
 
 
 def test_fp8_kernel_key_block_reads_the_call_from_shapes(monkeypatch):
-    """jzyfa.fp8_primitive.fp8_kernel_key_block (what the GPU tests and tools/fp8_lse_bias.py give the
+    """jzyfa.plan.fp8_key_block (what the GPU tests and tools/fp8_lse_bias.py give the
     emulation as block_n) passes the call's layout, head dim, mask and lengths from q's and k's shapes."""
     calls = []
 
