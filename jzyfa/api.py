@@ -8,11 +8,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jzyfa import _validation, plan, primitives
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize
-from jzyfa.reference import attention_reference
+from jzyfa.reference import attention_delta, attention_reference
 from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
 
 _MASK_KINDS = {_validation.NO_WINDOW: "none", _validation.CAUSAL_WINDOW: "causal"}
@@ -46,44 +47,54 @@ def _problem(q, v, mask: str, layout: str, sizes: plan.CallSizes, softmax_scale:
     return plan.call_problem(config, sizes, softmax_scale)
 
 
-# The backward recomputes through the reference until a backward kernel exists.
+# Names of the residuals the backward reads beside q, k and v: `jax.checkpoint` policies keep or drop
+# them by name (e.g. `jax.checkpoint_policies.save_only_these_names(*RESIDUAL_NAMES)`).
+RESIDUAL_NAMES = ("jzyfa_attention_out", "jzyfa_attention_lse")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable(spec: primitives.FwdSpec, q, k, v, extras):
+def _differentiable(spec: primitives.AttentionSpec, q, k, v, extras):
     return primitives.attention_fwd(q, k, v, *extras, spec=spec)
 
 
 def _differentiable_fwd(spec, q, k, v, extras):
-    return _differentiable(spec, q, k, v, extras), (q, k, v, extras)
-
-
-def _reference_of(spec: primitives.FwdSpec, extras):
-    """The pure-JAX function of (q, k, v) that the 16-bit primitive computes."""
-    if spec.varlen:
-        cu_q, cu_k = extras
-        window = _validation.mask_window(spec.causal, spec.window)
-        return functools.partial(
-            varlen_attention_reference,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=spec.varlen[0],
-            max_seqlen_k=spec.varlen[1],
-            window=window,
-            softmax_scale=spec.softmax_scale,
-        )
-    return functools.partial(
-        attention_reference, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window
+    # Named as they leave, so that a policy that keeps them keeps the outputs the caller uses too.
+    out, lse = (
+        checkpoint_name(x, name) for x, name in zip(_differentiable(spec, q, k, v, extras), RESIDUAL_NAMES)
     )
+    return (out, lse), (q, k, v, extras, out, lse)
 
 
 def _differentiable_bwd(spec, residuals, cotangents):
-    q, k, v, extras = residuals
-    _, vjp = jax.vjp(_reference_of(spec, extras), q, k, v)
+    """The backward primitive on the forward's residuals: no forward is recomputed."""
+    q, k, v, extras, out, lse = residuals
+    dout, dlse = cotangents
+    delta = attention_delta(out, dout, dlse, varlen=spec.varlen is not None)
+    dq, dk, dv = primitives.attention_bwd(q, k, v, dout.astype(out.dtype), lse, delta, *extras, spec=spec)
     # Integer offsets take float0 cotangents.
     zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in extras)
-    return (*vjp(cotangents), zeros)
+    return dq, dk, dv, zeros
 
 
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
+
+
+@jax.custom_jvp
+def _fp8_gradient_refused(x):
+    """x, with the FP8 kernel path's refusal to differentiate on the pure-JAX path too."""
+    return x
+
+
+@_fp8_gradient_refused.defjvp
+def _fp8_gradient_refused_jvp(primals, tangents):
+    del primals, tangents
+    raise TypeError(primitives.FP8_NOT_DIFFERENTIABLE)
+
+
+def _backward_kernel(q, v, mask: str, layout: str) -> bool:
+    """Whether the plan has a backward kernel for this 16-bit call's configuration."""
+    config = plan.Config("16bit", (q.shape[-1], v.shape[-1]), mask, layout, "bwd")
+    return plan.kernel_for(config) is not None
 
 
 def _check_lean_p(lean_p) -> bool:
@@ -152,8 +163,11 @@ def flash_attention(
     path = plan.choose_path(problem, implementation, cpu_primitive=not fp8)
     if path is Path.REFERENCE:
         if fp8:
+            q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
             dequantized = [dequantize(x, d) for x, d in zip((q, k, v), descales)]
-            out, lse = attention_reference(*dequantized, causal=causal, softmax_scale=softmax_scale, window=window)
+            out, lse = attention_reference(
+                *dequantized, causal=causal, softmax_scale=softmax_scale, window=window
+            )
             out = out.astype(jnp.bfloat16)
         else:
             out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
@@ -165,6 +179,7 @@ def flash_attention(
             kernel_required=path is Path.KERNEL_REQUIRED,
             fp8=fp8,
             lean_p=lean_p,
+            backward_kernel=not fp8 and _backward_kernel(q, v, mask, "dense"),
         )
         if fp8:  # FP8 inputs are not differentiated
             out, lse = primitives.attention_fwd(q, k, v, *descales, spec=spec)
@@ -246,6 +261,7 @@ def flash_attention_varlen(
     cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
     if path is Path.REFERENCE:
         if fp8:
+            q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
             out, lse = fp8_varlen_attention_reference(
                 q, k, v, cu_q, cu_k, descales, max_seqlen_q, max_seqlen_k,
                 window=effective_window, softmax_scale=softmax_scale,
@@ -263,6 +279,7 @@ def flash_attention_varlen(
             kernel_required=path is Path.KERNEL_REQUIRED,
             varlen=(max_seqlen_q, max_seqlen_k),
             fp8=fp8,
+            backward_kernel=not fp8 and _backward_kernel(q, v, mask, "varlen"),
         )
         if fp8:
             out, lse = primitives.attention_fwd(q, k, v, cu_q, cu_k, *descales, spec=spec)

@@ -23,7 +23,7 @@ from jzyfa import _extension
 FAMILIES = ("16bit", "fp8")
 MASKS = ("none", "causal", "window")
 LAYOUTS = ("dense", "varlen")
-DIRECTIONS = ("fwd",)
+DIRECTIONS = ("fwd", "bwd")
 MLA_HEAD_DIMS = (192, 128)
 
 
@@ -69,7 +69,11 @@ def config_problem(config: Config) -> str | None:
     """None when the table has `config`, else a sentence saying what the kernels do take."""
     if config in KERNELS:
         return None
-    family_rows = [row for row in KERNELS if row.family == config.family and row.direction == config.direction]
+    family_rows = [
+        row for row in KERNELS if row.family == config.family and row.direction == config.direction
+    ]
+    if not family_rows:
+        return f"jzyfa has no {_DIRECTION_NAMES[config.direction]} kernel for {_family_name(config.family)} inputs"
     dims = sorted({row.head_dims for row in family_rows})
     if config.head_dims not in dims:
         listed = ", ".join(f"{a}/{b}" for a, b in dims)
@@ -88,6 +92,9 @@ def config_problem(config: Config) -> str | None:
         f"the {_family_name(config.family)} kernel at head dims {config.head_dims[0]}/{config.head_dims[1]} "
         f"({config.layout}) takes masks {', '.join(masks)}, not a {config.mask!r} mask"
     )
+
+
+_DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
 def _family_name(family: str) -> str:
@@ -137,12 +144,12 @@ def call_problem(config: Config, sizes: CallSizes, softmax_scale: float) -> str 
         if sizes.total_q == 0 or sizes.total_k == 0:
             return f"the kernels need total_q and total_k >= 1, got {sizes.total_q} and {sizes.total_k}"
         if max(sizes.total_q, sizes.total_k) > KERNEL_MAX_TOKENS:
-            return (
-                f"the kernels take at most {KERNEL_MAX_TOKENS} tokens, got {max(sizes.total_q, sizes.total_k)}"
-            )
+            return f"the kernels take at most {KERNEL_MAX_TOKENS} tokens, got {max(sizes.total_q, sizes.total_k)}"
         tiles = (sizes.batch + 1) * -(-sizes.seq_q // 128) * sizes.heads_q
         if tiles > KERNEL_MAX_TILES:
-            return f"the kernels take (num_seqs + 1) * ceil(max_seqlen_q / 128) * heads_q <= 2^30, got {tiles}"
+            return (
+                f"the kernels take (num_seqs + 1) * ceil(max_seqlen_q / 128) * heads_q <= 2^30, got {tiles}"
+            )
         tokens = sizes.total_q + sizes.total_k
         if config.family == "fp8" and fp8_varlen_value_layout(sizes.seq_q, sizes.heads_q, sizes.heads_kv) == (
             "transposed"
@@ -269,7 +276,7 @@ def _layout_by_rows(rows: int, max_staged_rows: int) -> str:
 def fp8_value_layout(
     seq_q: int, heads_q: int, heads_kv: int, *, seq_k: int, head_dim: int, causal: bool, window
 ) -> str:
-    """"staged" or "transposed" for one shard of a dense FP8 call (the rule above). `window` is the
+    """ "staged" or "transposed" for one shard of a dense FP8 call (the rule above). `window` is the
     mask as the primitive holds it (causal folded in: (-1, 0) causal, (-1, -1) none)."""
     layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
     if layout == "staged" and not _env_choice(FP8_V_LAYOUT_ENV, FP8_V_LAYOUTS):
@@ -320,6 +327,6 @@ def support_matrix_markdown() -> str:
         inputs = {"16bit": "bf16, f16", "fp8": "float8_e4m3fn (bf16 out)"}[family]
         lines.append(
             f"| {inputs} | {dims[0]} / {dims[1]} | {', '.join(layouts)} | {', '.join(masks)} | "
-            f"{'forward' if direction == 'fwd' else 'backward'} |"
+            f"{_DIRECTION_NAMES[direction]} |"
         )
     return "\n".join(lines)

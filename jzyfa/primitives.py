@@ -1,8 +1,10 @@
-"""The attention primitives: one family for every forward configuration (dense or varlen, 16-bit or FP8).
+"""The attention primitives: one family for every configuration (dense or varlen, 16-bit or FP8), forward
+and backward.
 
-Operands are q, k, v and extras: cu_seqlens_q, cu_seqlens_k for packed (varlen) batches, then
-descale_q, descale_k, descale_v for FP8 inputs. One frozen `FwdSpec` carries the static parameters.
-Two primitives, as JAX's own cuDNN attention does it:
+Operands are q, k, v (the backward adds dout, lse, delta) and extras: cu_seqlens_q, cu_seqlens_k for
+packed (varlen) batches, then descale_q, descale_k, descale_v for FP8 inputs. One frozen
+`AttentionSpec` carries the static parameters. Two primitives per direction, as JAX's own cuDNN
+attention does it:
 - `attention_fwd_p`, what programs bind: one abstract eval, one vmap rule, an eager impl. It lowers
   through `jax.experimental.custom_partitioning` (the rule in `jzyfa.sharding`, built from the operand
   list), so a sharded jit splits it over the mesh; on one device that lowering is the per-shard call.
@@ -11,6 +13,10 @@ Two primitives, as JAX's own cuDNN attention does it:
   pure-JAX model of the kernel: the FP8 kernel's emulation for dense FP8 calls (`jzyfa.fp8_emulation`),
   the exact reference otherwise. A call that demanded the kernel (`kernel_required`) refuses to lower
   anywhere but CUDA.
+The backward's pair, `attention_bwd_p` and `attention_bwd_shard_p`, mirrors them: (q, k, v, dout, lse,
+delta, *extras) -> (dq, dk, dv). CUDA lowers the per-shard call to the FFI target `jzyfa_attention_bwd`
+where the plan has a backward kernel for the call (`AttentionSpec.backward_kernel`), and every other
+case to the pure-JAX backward from the same residuals (`jzyfa.reference.attention_bwd_reference`).
 """
 
 from __future__ import annotations
@@ -24,27 +30,34 @@ import numpy as np
 from jax import lax
 from jax._src import dispatch  # No public hook yet; JAX's cuDNN attention registers the same way.
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
 from jzyfa import fp8_layout, plan, sharding
 from jzyfa._validation import NO_WINDOW, Window, mask_window
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.reference import attention_reference
-from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
+from jzyfa.reference import attention_bwd_reference, attention_reference
+from jzyfa.varlen import (
+    fp8_varlen_attention_reference,
+    varlen_attention_bwd_reference,
+    varlen_attention_reference,
+)
 
 FFI_TARGET = "jzyfa_attention_fwd"
+FFI_TARGET_BWD = "jzyfa_attention_bwd"
 FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdSpec:
-    """The forward primitives' static parameters.
+class AttentionSpec:
+    """The attention primitives' static parameters.
 
     The mask is `causal` and `window` combined as in `attention_reference` (causal sets the window's
     right bound to 0); the kernel resolves windows that come down to causal or none to its plain
     instantiations. `varlen` holds (max_seqlen_q, max_seqlen_k) for packed batches. `v_transposed` and
     `key_block` are per-shard choices of the FP8 kernel (`jzyfa.plan`), set by `attention_shard`.
+    `backward_kernel`: the plan has a backward kernel for this configuration, which the backward
+    primitive's CUDA lowering then calls.
     """
 
     softmax_scale: float
@@ -56,6 +69,7 @@ class FwdSpec:
     lean_p: bool = True
     v_transposed: bool = False
     key_block: int = 0
+    backward_kernel: bool = False
 
     @property
     def num_extras(self) -> int:
@@ -71,9 +85,10 @@ def make_spec(
     varlen: tuple[int, int] | None = None,
     fp8: bool = False,
     lean_p: bool = True,
-) -> FwdSpec:
-    """A FwdSpec of plain hashable Python values."""
-    return FwdSpec(
+    backward_kernel: bool = False,
+) -> AttentionSpec:
+    """An AttentionSpec of plain hashable Python values."""
+    return AttentionSpec(
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
         window=(int(window[0]), int(window[1])),
@@ -81,6 +96,7 @@ def make_spec(
         varlen=None if varlen is None else (int(varlen[0]), int(varlen[1])),
         fp8=bool(fp8),
         lean_p=bool(lean_p),
+        backward_kernel=bool(backward_kernel),
     )
 
 
@@ -90,7 +106,7 @@ attention_fwd_shard_p = Primitive("jzyfa_attention_fwd_shard")
 attention_fwd_shard_p.multiple_results = True
 
 
-def attention_fwd(q, k, v, *extras, spec: FwdSpec) -> tuple[jax.Array, jax.Array]:
+def attention_fwd(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
     """Binds the primitive: (out in q's dtype, bf16 for FP8; lse float32). Dense: out [B, Sq, Hq, Dv],
     lse [B, Hq, Sq]; varlen: out [Tq, Hq, Dv], lse [Hq, Tq]. FP8 descales are broadcast to one value
     per (batch or sequence, KV head)."""
@@ -133,7 +149,7 @@ def _vary_alike(*xs: jax.Array) -> list[jax.Array]:
 # ---- abstract eval (both primitives)
 
 
-def _head_dim_v(v, spec: FwdSpec) -> int:
+def _head_dim_v(v, spec: AttentionSpec) -> int:
     """v's head dim: V^T's rows when v is the FP8 kernel's V^T (dense [B, Hkv, Dv, keys], varlen
     [Hkv, Dv, keys])."""
     if spec.v_transposed:
@@ -147,7 +163,7 @@ def _padded_spec(x, rank: int) -> tuple:
     return spec + (None,) * (rank - len(spec))
 
 
-def _abstract_eval(q, k, v, *extras, spec: FwdSpec):
+def _abstract_eval(q, k, v, *extras, spec: AttentionSpec):
     del k, extras
     dtype = jnp.bfloat16 if spec.fp8 else q.dtype
     dv = _head_dim_v(v, spec)
@@ -185,16 +201,37 @@ def _impl(*operands, spec):
 attention_fwd_p.def_impl(_impl)
 
 
+FP8_NOT_DIFFERENTIABLE = (
+    "jzyfa attention on float8_e4m3fn inputs is not differentiable (there is no FP8 backward, and a "
+    "gradient through e4m3 rounding would be wrong or zero); differentiate a bf16/f16 call instead, or "
+    "stop the gradient at the quantized inputs with jax.lax.stop_gradient"
+)
+
+
+def _not_differentiable(primals, tangents, *, spec: AttentionSpec):
+    """16-bit calls are differentiated by jzyfa.api's custom_vjp and never reach this rule; FP8 calls have
+    no backward, and say so rather than fail inside JAX or return a silent zero."""
+    del primals, tangents
+    if spec.fp8:
+        raise TypeError(FP8_NOT_DIFFERENTIABLE)
+    raise TypeError("the jzyfa_attention_fwd primitive is differentiated through jzyfa.flash_attention only")
+
+
+ad.primitive_jvps[attention_fwd_p] = _not_differentiable
+
+
 # ---- the per-shard call and its lowerings
 
 
-def attention_shard(q, k, v, *extras, spec: FwdSpec) -> tuple[jax.Array, jax.Array]:
+def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
     """The call on one device's blocks. FP8: V as it is or as V^T from the layout kernel, by
     `jzyfa.plan`'s rule on the shard's shapes; descales flattened to [B * Hkv] (or [num_seqs * Hkv])."""
     extras = list(extras)
     if spec.fp8:
         if spec.varlen:
-            v_transposed = plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1]) == "transposed"
+            v_transposed = (
+                plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1]) == "transposed"
+            )
             if v_transposed:
                 v = fp8_layout.fp8_varlen_value_operand(v, extras[1], value_operand=fp8_value_operand_p.bind)
         else:
@@ -235,7 +272,7 @@ def refuse_required_kernel(kernel_required: bool) -> None:
         )
 
 
-def _pure_jax_fallback(q, k, v, *extras, spec: FwdSpec):
+def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
     """Off CUDA: the FP8 kernel's emulation for dense FP8 calls, the exact reference otherwise."""
     refuse_required_kernel(spec.kernel_required)
     window = mask_window(spec.causal, spec.window)
@@ -253,7 +290,9 @@ def _pure_jax_fallback(q, k, v, *extras, spec: FwdSpec):
             q, k, v, cu_q, cu_k, descales, max_q, max_k, window=window, softmax_scale=spec.softmax_scale
         )
     if not spec.fp8:
-        return attention_reference(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window)
+        return attention_reference(
+            q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window
+        )
     if spec.v_transposed:
         v = fp8_layout.value_from_operand(v, k.shape[1])
     descales = (d.reshape(k.shape[0], k.shape[2]) for d in extras)
@@ -278,7 +317,7 @@ _ffi_lowering = jax.ffi.ffi_lowering(FFI_TARGET)
 TILE_COUNTER = jax.core.ShapedArray((1,), np.int32)
 
 
-def ffi_attributes(spec: FwdSpec) -> dict:
+def ffi_attributes(spec: AttentionSpec) -> dict:
     """The custom call's attributes; their types are part of the FFI contract (docs/architecture.md)."""
     max_q, max_k = spec.varlen or (0, 0)
     return {
@@ -295,7 +334,7 @@ def ffi_attributes(spec: FwdSpec) -> dict:
     }
 
 
-def _cuda_lowering(ctx, *operands, spec: FwdSpec):
+def _cuda_lowering(ctx, *operands, spec: AttentionSpec):
     ctx = ctx.replace(avals_out=[*ctx.avals_out, TILE_COUNTER])
     out, lse, _ = _ffi_lowering(ctx, *operands, **ffi_attributes(spec))
     return [out, lse]
@@ -307,7 +346,7 @@ mlir.register_lowering(attention_fwd_shard_p, _cuda_lowering, platform="cuda")
 _partitioned_call = sharding.partitioned(attention_shard)
 
 
-def _partitioned(*operands, spec: FwdSpec):
+def _partitioned(*operands, spec: AttentionSpec):
     return _partitioned_call(*operands, spec)
 
 
@@ -317,24 +356,131 @@ mlir.register_lowering(attention_fwd_p, mlir.lower_fun(_partitioned, multiple_re
 dispatch.prim_requires_devices_during_lowering.add(attention_fwd_p)
 
 
-# ---- vmap
+# ---- vmap (both directions)
 
 
-def _batch_rule(args, dims, *, spec: FwdSpec):
+def _batch_rule(primitive, args, dims, *, spec: AttentionSpec):
     """vmap. Dense: the mapped axis folds into the batch axis of every operand (one launch). Varlen:
     packed batches do not fold (their offsets would need rebasing and gaps), so one call per element."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    leading = [jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    leading = [
+        jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims)
+    ]
     if spec.varlen:
-        out, lse = lax.map(lambda ops: attention_fwd_p.bind(*ops, spec=spec), leading)
-        return (out, lse), (0, 0)
+        results = lax.map(lambda ops: primitive.bind(*ops, spec=spec), leading)
+        return tuple(results), (0,) * len(results)
     folded = [x.reshape((size * x.shape[1],) + x.shape[2:]) for x in leading]
-    out, lse = attention_fwd_p.bind(*folded, spec=spec)
+    results = primitive.bind(*folded, spec=spec)
     unfold = lambda y: y.reshape((size, -1) + y.shape[1:])
-    return (unfold(out), unfold(lse)), (0, 0)
+    return tuple(unfold(y) for y in results), (0,) * len(results)
 
 
-batching.primitive_batchers[attention_fwd_p] = _batch_rule
+batching.primitive_batchers[attention_fwd_p] = functools.partial(_batch_rule, attention_fwd_p)
+
+
+# ---- the backward: (q, k, v, dout, lse, delta, *extras) -> (dq, dk, dv)
+
+attention_bwd_p = Primitive("jzyfa_attention_bwd")
+attention_bwd_p.multiple_results = True
+attention_bwd_shard_p = Primitive("jzyfa_attention_bwd_shard")
+attention_bwd_shard_p.multiple_results = True
+
+
+def attention_bwd(
+    q, k, v, dout, lse, delta, *extras, spec: AttentionSpec
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Binds the backward primitive: gradients of a 16-bit call's (out, lse) from its residuals. dout is
+    out's cotangent; delta float32, lse's shape: rowsum(dout * out) minus lse's cotangent
+    (`jzyfa.reference.attention_delta`). Results have the shapes and dtypes of q, k, v."""
+    if spec.fp8:
+        raise TypeError("attention_bwd: FP8 calls have no backward")
+    if len(extras) != spec.num_extras:
+        raise TypeError(f"attention_bwd takes {spec.num_extras} extra operands for {spec}, got {len(extras)}")
+    extras = [jnp.asarray(cu, jnp.int32) for cu in extras]
+    dq, dk, dv = attention_bwd_p.bind(*_vary_alike(q, k, v, dout, lse, delta, *extras), spec=spec)
+    return dq, dk, dv
+
+
+def _bwd_abstract_eval(q, k, v, *_, spec: AttentionSpec):
+    """dq, dk, dv: q's, k's and v's types (shardings and varying axes included)."""
+    del spec
+    return tuple(x.update(weak_type=False) for x in (q, k, v))
+
+
+attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)
+attention_bwd_shard_p.def_abstract_eval(_bwd_abstract_eval)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _bwd_impl(*operands, spec):
+    return attention_bwd_p.bind(*operands, spec=spec)
+
+
+attention_bwd_p.def_impl(_bwd_impl)
+
+
+def attention_bwd_shard(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):
+    """The backward on one device's blocks."""
+    dq, dk, dv = attention_bwd_shard_p.bind(q, k, v, dout, lse, delta, *extras, spec=spec)
+    return dq, dk, dv
+
+
+def _pure_jax_backward(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):
+    """The backward from the residuals in pure JAX: the CPU lowering, and CUDA's where no backward kernel
+    serves the call."""
+    refuse_required_kernel(spec.kernel_required and spec.backward_kernel)
+    window = mask_window(spec.causal, spec.window)
+    if spec.varlen:
+        return varlen_attention_bwd_reference(
+            q, k, v, dout, lse, delta, *extras, *spec.varlen, window=window, softmax_scale=spec.softmax_scale
+        )
+    return attention_bwd_reference(q, k, v, dout, lse, delta, softmax_scale=spec.softmax_scale, window=window)
+
+
+_pure_jax_backward_lowering = mlir.lower_fun(_pure_jax_backward, multiple_results=True)
+_ffi_lowering_bwd = jax.ffi.ffi_lowering(FFI_TARGET_BWD)
+# The backward custom call's fourth result: the two persistent kernels' tile counters (dK/dV, then dQ),
+# zeroed by the launch; the primitive drops it.
+BWD_TILE_COUNTERS = jax.core.ShapedArray((2,), np.int32)
+
+
+def ffi_attributes_bwd(spec: AttentionSpec) -> dict:
+    """The backward custom call's attributes: the forward's mask, scale and varlen ones."""
+    keys = (
+        "softmax_scale",
+        "causal",
+        "window_left",
+        "window_right",
+        "varlen",
+        "max_seqlen_q",
+        "max_seqlen_k",
+    )
+    attributes = ffi_attributes(spec)
+    return {key: attributes[key] for key in keys}
+
+
+def _cuda_lowering_bwd(ctx, *operands, spec: AttentionSpec):
+    if not spec.backward_kernel:
+        return _pure_jax_backward_lowering(ctx, *operands, spec=spec)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, BWD_TILE_COUNTERS])
+    dq, dk, dv, _ = _ffi_lowering_bwd(ctx, *operands, **ffi_attributes_bwd(spec))
+    return [dq, dk, dv]
+
+
+mlir.register_lowering(attention_bwd_shard_p, _pure_jax_backward_lowering)
+mlir.register_lowering(attention_bwd_shard_p, _cuda_lowering_bwd, platform="cuda")
+
+_partitioned_bwd_call = sharding.partitioned(attention_bwd_shard, direction="bwd")
+
+
+def _partitioned_bwd(*operands, spec: AttentionSpec):
+    return _partitioned_bwd_call(*operands, spec)
+
+
+mlir.register_lowering(attention_bwd_p, mlir.lower_fun(_partitioned_bwd, multiple_results=True))
+dispatch.prim_requires_devices_during_lowering.add(attention_bwd_p)
+batching.primitive_batchers[attention_bwd_p] = functools.partial(_batch_rule, attention_bwd_p)
 
 
 # ---- V into the FP8 kernel's operand layout

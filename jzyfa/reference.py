@@ -1,7 +1,11 @@
-"""Exact attention in pure JAX: the CPU lowering of the kernel, the "xla" path, and the backward.
+"""Exact attention in pure JAX: the CPU lowering of the kernels, the "xla" path, and the backward.
 
 Inputs are upcast to float32 and the softmax and both products run in float32 at full precision, so
 this is the yardstick the kernels are measured against (up to the final cast to the input dtype).
+
+The backward (`attention_bwd_reference`) works from the forward's residuals as the backward kernels do:
+P = exp(scale * q k^T - lse), dP = dO V^T, dS = P (dP - delta) with delta = rowsum(dO * O) (minus the
+lse's own cotangent), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO; no forward is recomputed.
 """
 
 from __future__ import annotations
@@ -144,3 +148,117 @@ def _attention_by_query_chunks(q, k, v, window: Window, softmax_scale: float, ro
     out = jnp.moveaxis(out, 0, 1).reshape(batch, count * rows, heads_q, -1)[:, :seq_q]
     lse = jnp.moveaxis(lse, 0, 2).reshape(batch, heads_q, count * rows)[..., :seq_q]
     return out, lse
+
+
+def masked_attention_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    mask: jax.Array | None,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward's core: (dq, dk, dv) in float32 from the residuals of `masked_attention`.
+
+    q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv], dout [B, Sq, Hq, Dv]; lse and delta float32
+    [B, Hq, Sq]; mask as in `masked_attention`. Rows with lse = -inf (they saw no key) contribute
+    nothing and get dq = 0. dk and dv sum over the query heads that share a KV head.
+    """
+    batch, seq_q, heads_q, head_dim = q.shape
+    heads_kv, value_dim = k.shape[2], v.shape[3]
+    group = heads_q // heads_kv
+    qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_kv, group, head_dim)
+    dof = dout.astype(jnp.float32).reshape(batch, seq_q, heads_kv, group, value_dim)
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    rows = lambda x: x.reshape(batch, heads_kv, group, seq_q, 1)  # [B, Hq, Sq] -> the scores' rows
+
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=_HIGHEST) * softmax_scale
+    # exp(s - (-inf)) would be inf: rows that saw no key subtract +inf instead and get p = 0.
+    lse_rows = rows(lse)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse_rows), lse_rows, jnp.inf))
+    if mask is not None:
+        probs = jnp.where(mask, probs, 0.0)
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", probs, dof, precision=_HIGHEST)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, vf, precision=_HIGHEST)
+    ds = probs * (dp - rows(delta))
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf, precision=_HIGHEST) * softmax_scale
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qf, precision=_HIGHEST) * softmax_scale
+    return dq.reshape(batch, seq_q, heads_q, head_dim), dk, dv
+
+
+def attention_bwd_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: Window | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) in the dtypes of q, k, v, from the residuals of `attention_reference`.
+
+    dout is the cotangent of out [B, Sq, Hq, Dv]; lse the forward's float32 [B, Hq, Sq]; delta float32
+    [B, Hq, Sq] is rowsum(dout * out) minus the cotangent of lse (`attention_delta`). Masks as in
+    `attention_reference`. Past CHUNK_SCORE_ENTRIES it runs over chunks of query rows, accumulating dk
+    and dv in float32 in chunk order, so it never holds the whole score matrix.
+    """
+    batch, seq_q, heads_q, _ = q.shape
+    seq_k = k.shape[1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = mask_window(causal, window)
+    rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
+    if rows >= seq_q:
+        mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
+        grads = masked_attention_bwd(q, k, v, dout, lse, delta, mask, softmax_scale)
+    else:
+        grads = _attention_bwd_by_query_chunks(q, k, v, dout, lse, delta, window, softmax_scale, rows)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+
+def _attention_bwd_by_query_chunks(
+    q, k, v, dout, lse, delta, window: Window, softmax_scale: float, rows: int
+):
+    """masked_attention_bwd over chunks of `rows` query rows (lax.scan, dk and dv carried in float32)."""
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    count = -(-seq_q // rows)
+    pad_rows = count * rows - seq_q
+
+    def chunks(x, axis, fill=0.0):  # the seq_q axis split into [count, ..., rows, ...], count leading
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad_rows)
+        x = jnp.pad(x, widths, constant_values=fill)
+        x = x.reshape(x.shape[:axis] + (count, rows) + x.shape[axis + 1 :])
+        return jnp.moveaxis(x, axis, 0)
+
+    # Padded rows get lse = -inf: they contribute nothing (and their dq is cut off below).
+    xs = (jnp.arange(count), chunks(q, 1), chunks(dout, 1), chunks(lse, 2, -jnp.inf), chunks(delta, 2))
+
+    def one_chunk(carry, x):
+        dk, dv = carry
+        index, q_chunk, dout_chunk, lse_chunk, delta_chunk = x
+        query_pos = index * rows + jnp.arange(rows)[:, None] + (seq_k - seq_q)
+        mask = None if window == NO_WINDOW else window_visible(query_pos, jnp.arange(seq_k)[None, :], window)
+        dq_chunk, dk_chunk, dv_chunk = masked_attention_bwd(
+            q_chunk, k, v, dout_chunk, lse_chunk, delta_chunk, mask, softmax_scale
+        )
+        return (dk + dk_chunk, dv + dv_chunk), dq_chunk
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq = lax.scan(one_chunk, zeros, xs)
+    dq = jnp.moveaxis(dq, 0, 1).reshape((q.shape[0], count * rows) + q.shape[2:])[:, :seq_q]
+    return dq, dk, dv
+
+
+def attention_delta(out: jax.Array, dout: jax.Array, dlse: jax.Array, *, varlen: bool = False) -> jax.Array:
+    """The backward's per-row term: rowsum(dout * out) in float32, minus lse's cotangent (d lse / d s is
+    the row's probabilities, so it enters dS exactly as -delta does). Dense: out, dout [B, Sq, Hq, Dv] ->
+    [B, Hq, Sq]; varlen: [Tq, Hq, Dv] -> [Hq, Tq]; dlse has that shape."""
+    spec = "thd,thd->ht" if varlen else "bqhd,bqhd->bhq"
+    rowsum = jnp.einsum(spec, out.astype(jnp.float32), dout.astype(jnp.float32), precision=_HIGHEST)
+    return rowsum - dlse.astype(jnp.float32)

@@ -24,42 +24,52 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule, custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jzyfa._validation import NO_WINDOW, mask_window
-from jzyfa.query_chunks import attend_query_chunk, attend_window_chunk
+from jzyfa.query_chunks import attend_query_chunk, attend_window_chunk, window_key_range
 
 Axes = tuple[str, ...]
-# shard_kernel(q, k, v, *extras, spec) -> (out, lse) on local blocks (jzyfa.primitives.attention_shard).
-ShardKernel = Callable[..., tuple[jax.Array, jax.Array]]
+# shard_kernel(q, k, v, *extras, spec) -> (out, lse) on local blocks (jzyfa.primitives.attention_shard), or
+# the backward's shard_kernel(q, k, v, dout, lse, delta, *extras, spec) -> (dq, dk, dv)
+# (jzyfa.primitives.attention_bwd_shard).
+ShardKernel = Callable[..., tuple[jax.Array, ...]]
 
 
-def rule_for(spec) -> SdyShardingRule:
-    """The Shardy rule of a call with this FwdSpec's operands.
+def rule_for(spec, direction: str = "fwd") -> SdyShardingRule:
+    """The Shardy rule of a call with this AttentionSpec's operands, forward or backward.
 
     Query heads (hq) and KV heads (h) are separate factors. The exact relation, hq = (h, group) with h
     major, is a compound factor, but then Shardy may split h over a sub-axis (4 devices, 2 KV heads),
     which custom_partitioning cannot hand to `partition` as a NamedSharding; so `partition` ties them
-    instead. v's and out's head dim (dv) is a factor of its own (MLA: 192 for q/k, 128 for v).
+    instead. v's and out's head dim (dv) is a factor of its own (MLA: 192 for q/k, 128 for v). The
+    backward's operands are q, k, v, dout (out's mapping), lse and delta (lse's); its results dq, dk, dv
+    map as q, k, v.
     """
     if spec.varlen:
-        operands = [ArrayMapping("tq", "hq", "d"), ArrayMapping("tk", "h", "d"), ArrayMapping("tk", "h", "dv")]
-        operands += [ArrayMapping("n1"), ArrayMapping("n1")]
+        q, k, v = ArrayMapping("tq", "hq", "d"), ArrayMapping("tk", "h", "d"), ArrayMapping("tk", "h", "dv")
+        out, lse = ArrayMapping("tq", "hq", "dv"), ArrayMapping("hq", "tq")
+        offsets = [ArrayMapping("n1"), ArrayMapping("n1")]
         descale = ArrayMapping("n", "h")
-        results = (ArrayMapping("tq", "hq", "dv"), ArrayMapping("hq", "tq"))
         replicated = ("d", "tk", "dv", "n1", "tq")
     else:
-        operands = [
+        q, k, v = (
             ArrayMapping("b", "sq", "hq", "d"),
             ArrayMapping("b", "sk", "h", "d"),
             ArrayMapping("b", "sk", "h", "dv"),
-        ]
+        )
+        out, lse = ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")
+        offsets = []
         descale = ArrayMapping("b", "h")
-        results = (ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq"))
         replicated = ("d", "sk", "dv")
+    if direction == "fwd":
+        operands, results = [q, k, v, *offsets], (out, lse)
+    else:
+        operands, results = [q, k, v, out, lse, lse, *offsets], (q, k, v)
     if spec.fp8:
         operands += [descale] * 3
         if spec.varlen:
@@ -136,7 +146,9 @@ def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads
     head_shards = size(heads_q)
     if heads % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
         heads_q = ()
-    return ShardPlan(spec.varlen is not None, batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0)
+    return ShardPlan(
+        spec.varlen is not None, batch, seq_q, heads_q, kv_heads_split=heads_kv % size(heads_q) == 0
+    )
 
 
 def local_kv_head(plan: ShardPlan, mesh: jax.sharding.Mesh, heads_kv: int) -> jax.Array:
@@ -188,6 +200,68 @@ def per_shard_attention(shard_kernel: ShardKernel, plan: ShardPlan, mesh, *, seq
     return run
 
 
+def per_shard_attention_bwd(
+    shard_kernel: ShardKernel, plan: ShardPlan, mesh, *, seq_q: int, heads_kv: int, spec
+):
+    """The backward each device runs on its blocks: dq of its rows; dk and dv summed over the devices
+    that share them. Sequence shards see different key ranges (their own causal offset or window) and
+    add their dk, dv over the sequence axes; with more query-head shards than KV heads, the shards of one
+    KV head add theirs over the head axes. Sums run in float32 (one collective each)."""
+    window = mask_window(spec.causal, spec.window)
+
+    def backward(q, k, v, dout, lse, delta, *extras, window):
+        causal = window == (-1, 0)
+        local = dataclasses.replace(spec, causal=causal, window=NO_WINDOW if causal else window)
+        return shard_kernel(q, k, v, dout, lse, delta, *extras, spec=local)
+
+    def sequence_shard(shard: int, chunk: int, extras):
+        """The branch of sequence shard `shard`: only the keys its rows reach, padded back to all keys."""
+
+        def grads(q, k, v, dout, lse, delta):
+            seq_k = k.shape[1]
+            begin, end, local = window_key_range(shard * chunk, chunk, seq_q, seq_k, window)
+            if end <= begin:  # its rows see no key
+                return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+            keys = slice(begin, end)
+            dq, dk, dv = backward(q, k[:, keys], v[:, keys], dout, lse, delta, *extras, window=local)
+            widths = ((0, 0), (begin, seq_k - end), (0, 0), (0, 0))
+            return dq, jnp.pad(dk, widths), jnp.pad(dv, widths)
+
+        return grads
+
+    def run(q, k, v, dout, lse, delta, *extras):
+        summed_over = ()
+        if not plan.kv_heads_split:
+            kv_head = local_kv_head(plan, mesh, heads_kv)
+            axis = plan.kv_head_axis()
+            k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis) for x in (k, v))
+            summed_over += plan.heads_q
+        if not plan.seq_q or window == NO_WINDOW:
+            dq, dk, dv = shard_kernel(q, k, v, dout, lse, delta, *extras, spec=spec)
+        else:
+            branches = [
+                sequence_shard(s, q.shape[1], extras)
+                for s in range(math.prod(mesh.shape[a] for a in plan.seq_q))
+            ]
+            dq, dk, dv = lax.switch(lax.axis_index(plan.seq_q), branches, q, k, v, dout, lse, delta)
+            summed_over = plan.seq_q + summed_over
+        if not summed_over:
+            return dq, dk, dv
+        if not plan.kv_heads_split:  # this shard's KV head in place among all of them, zeros elsewhere
+            place = lambda g: lax.dynamic_update_slice_in_dim(
+                jnp.zeros(g.shape[:axis] + (heads_kv,) + g.shape[axis + 1 :], jnp.float32),
+                g.astype(jnp.float32),
+                kv_head,
+                axis,
+            )
+        else:
+            place = lambda g: g.astype(jnp.float32)
+        dk_sum, dv_sum = lax.psum((place(dk), place(dv)), summed_over)
+        return dq, dk_sum.astype(dk.dtype), dv_sum.astype(dv.dtype)
+
+    return run
+
+
 def _plan_from_shapes(mesh, arg_shapes, spec) -> ShardPlan:
     q, k = arg_shapes[:2]
     if not isinstance(q.sharding, NamedSharding):
@@ -199,10 +273,14 @@ def _plan_from_shapes(mesh, arg_shapes, spec) -> ShardPlan:
     return plan_for(mesh, q.sharding.spec, q.shape, heads_kv, spec)
 
 
-def _shardings(mesh, plan: ShardPlan, spec):
+def _shardings(mesh, plan: ShardPlan, spec, direction: str):
+    """(result shardings, operand shardings) of the per-shard call."""
     named = lambda p: NamedSharding(mesh, p)
-    results = (named(plan.q_spec()), named(plan.lse_spec()))
-    operands = [named(plan.q_spec()), named(plan.kv_spec()), named(plan.kv_spec())]
+    q, kv, lse = named(plan.q_spec()), named(plan.kv_spec()), named(plan.lse_spec())
+    if direction == "fwd":
+        results, operands = (q, lse), [q, kv, kv]
+    else:  # dout has q's sharding (its head dim is replicated like q's), delta lse's
+        results, operands = (q, kv, kv), [q, kv, kv, q, lse, lse]
     if spec.varlen:
         operands += [named(P(None))] * 2
     if spec.fp8:
@@ -210,24 +288,41 @@ def _shardings(mesh, plan: ShardPlan, spec):
     return results, tuple(operands)
 
 
-def _infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
+def _infer_sharding_from_operands(direction, spec, mesh, arg_shapes, result_shape):
     del result_shape
-    return _shardings(mesh, _plan_from_shapes(mesh, arg_shapes, spec), spec)[0]
+    return _shardings(mesh, _plan_from_shapes(mesh, arg_shapes, spec), spec, direction)[0]
 
 
-def partition(shard_kernel: ShardKernel, spec, mesh, arg_shapes, result_shape):
+def without_context_mesh(run: Callable) -> Callable:
+    """`run` traced with no context mesh. The partitioner traces the per-shard computation while the
+    caller's `jax.set_mesh` is still in effect; under a mesh of Explicit axes the local ops would then
+    carry that mesh's shardings into a module that is compiled for one device, which XLA refuses
+    ("No registered implementation for untyped custom call to Sharding")."""
+
+    @functools.wraps(run)
+    def local(*args):
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return run(*args)
+
+    return local
+
+
+_PER_SHARD = {"fwd": per_shard_attention, "bwd": per_shard_attention_bwd}
+
+
+def partition(shard_kernel: ShardKernel, direction: str, spec, mesh, arg_shapes, result_shape):
     """The partitioner's callback: the per-shard computation and the shardings it needs."""
     del result_shape  # Derived from q's sharding, which the rule ties it to.
     plan = _plan_from_shapes(mesh, arg_shapes, spec)
     q, k = arg_shapes[:2]
     heads_kv = k.shape[1] if spec.varlen else k.shape[2]
-    run = per_shard_attention(shard_kernel, plan, mesh, seq_q=q.shape[1], heads_kv=heads_kv, spec=spec)
-    results, operands = _shardings(mesh, plan, spec)
-    return mesh, run, results, operands
+    run = _PER_SHARD[direction](shard_kernel, plan, mesh, seq_q=q.shape[1], heads_kv=heads_kv, spec=spec)
+    results, operands = _shardings(mesh, plan, spec, direction)
+    return mesh, without_context_mesh(run), results, operands
 
 
-def partitioned(shard_kernel: ShardKernel):
-    """shard_kernel wrapped for the partitioner; call it as f(q, k, v, *extras, spec). One
+def partitioned(shard_kernel: ShardKernel, direction: str = "fwd"):
+    """shard_kernel wrapped for the partitioner; call it as f(*operands, spec). One
     custom_partitioning per operand list, since the rule depends on it."""
 
     @functools.cache
@@ -240,11 +335,11 @@ def partitioned(shard_kernel: ShardKernel):
 
         def rule(spec, mesh, operand_types, result_types):
             del mesh, operand_types, result_types
-            return rule_for(spec)
+            return rule_for(spec, direction)
 
         fn.def_partition(
-            partition=functools.partial(partition, shard_kernel),
-            infer_sharding_from_operands=_infer_sharding_from_operands,
+            partition=functools.partial(partition, shard_kernel, direction),
+            infer_sharding_from_operands=functools.partial(_infer_sharding_from_operands, direction),
             sharding_rule=rule,
         )
         return fn

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jzyfa._validation import Window
 from jzyfa.quantize import dequantize_varlen
-from jzyfa.reference import masked_attention, window_visible
+from jzyfa.reference import masked_attention, masked_attention_bwd, window_visible
 
 
 def _pad(x: jax.Array, starts: jax.Array, max_len: int) -> jax.Array:
@@ -49,6 +49,16 @@ def _token_slots(cu_seqlens: jax.Array, total: int, max_len: int) -> tuple[jax.A
     return seq, jnp.clip(pos, 0, max_len - 1), valid
 
 
+def _slot_visibility(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, window: Window):
+    """[num_seqs, max_q, max_k]: which key of its slot each query row of a slot sees (bottom-right
+    alignment per sequence; keys past the sequence's end are never seen)."""
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    query_pos = jnp.arange(max_seqlen_q)[None, :, None] + (lens_k - lens_q)[:, None, None]
+    key_idx = jnp.arange(max_seqlen_k)[None, None, :]
+    return window_visible(query_pos, key_idx, window) & (key_idx < lens_k[:, None, None])
+
+
 def varlen_attention_reference(
     q: jax.Array,
     k: jax.Array,
@@ -69,12 +79,7 @@ def varlen_attention_reference(
     and lse = -inf. Every sequence must be at most max_seqlen_q / max_seqlen_k long.
     """
     starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
-    lens_q = cu_seqlens_q[1:] - starts_q
-    lens_k = cu_seqlens_k[1:] - starts_k
-
-    query_pos = jnp.arange(max_seqlen_q)[None, :, None] + (lens_k - lens_q)[:, None, None]
-    key_idx = jnp.arange(max_seqlen_k)[None, None, :]
-    visible = window_visible(query_pos, key_idx, window) & (key_idx < lens_k[:, None, None])
+    visible = _slot_visibility(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     out_pad, lse_pad = masked_attention(
         _pad(q, starts_q, max_seqlen_q),
         _pad(k, starts_k, max_seqlen_k),
@@ -118,3 +123,49 @@ def fp8_varlen_attention_reference(
         softmax_scale=softmax_scale,
     )
     return out.astype(jnp.bfloat16), lse
+
+
+def varlen_attention_bwd_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    dout: jax.Array,
+    lse: jax.Array,
+    delta: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    window: Window,
+    softmax_scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) in the dtypes of q, k, v for a packed call of `varlen_attention_reference`, from its
+    residuals: dout [total_q, Hq, Dv], lse and delta float32 [Hq, total_q] (`attention_delta`). Tokens
+    outside every sequence get zero gradients."""
+    starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
+    lens_q = cu_seqlens_q[1:] - starts_q
+    # Slot rows past a sequence's end hold the next sequence's tokens: they must not reach dk and dv.
+    rows_valid = jnp.arange(max_seqlen_q)[None, :, None] < lens_q[:, None, None]
+    visible = _slot_visibility(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window) & rows_valid
+    per_row = lambda x: jnp.swapaxes(_pad(x.T, starts_q, max_seqlen_q), 1, 2)  # [Hq, Tq] -> [N, Hq, max_q]
+    dq_pad, dk_pad, dv_pad = masked_attention_bwd(
+        _pad(q, starts_q, max_seqlen_q),
+        _pad(k, starts_k, max_seqlen_k),
+        _pad(v, starts_k, max_seqlen_k),
+        _pad(dout, starts_q, max_seqlen_q),
+        per_row(lse),
+        per_row(delta),
+        visible[:, None, None],
+        softmax_scale,
+    )
+
+    def unpad(grad_pad, cu_seqlens, total, max_len, like):
+        seq, pos, valid = _token_slots(cu_seqlens, total, max_len)
+        return jnp.where(valid[:, None, None], grad_pad[seq, pos], 0).astype(like.dtype)
+
+    return (
+        unpad(dq_pad, cu_seqlens_q, q.shape[0], max_seqlen_q, q),
+        unpad(dk_pad, cu_seqlens_k, k.shape[0], max_seqlen_k, k),
+        unpad(dv_pad, cu_seqlens_k, v.shape[0], max_seqlen_k, v),
+    )

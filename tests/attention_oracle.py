@@ -171,3 +171,38 @@ def naive_varlen_f64(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool, softm
         )
         out[rows], lse[:, rows] = o[0], l[0]
     return out, lse
+
+
+def naive_attention_grads_f64(q, k, v, dout, dlse=None, *, causal: bool, softmax_scale=None, window=None):
+    """Gradients of sum(out * dout) + sum(lse * dlse) in float64 from the definition, one score matrix per
+    batch row and head: (dq, dk, dv) as NumPy. Shapes as `naive_attention_f64`; dout like out, dlse like
+    lse (None: zero). Rows that see no key contribute nothing."""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    batch, seq_q, heads_q, head_dim = q.shape
+    seq_k, heads_kv = k.shape[1], k.shape[2]
+    dlse = np.zeros((batch, heads_q, seq_q)) if dlse is None else np.asarray(dlse, np.float64)
+    scale = 1 / np.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    visible = visible_f64(seq_q, seq_k, causal=causal, window=window)
+    seen = visible.any(axis=1)
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b in range(batch):
+        for h in range(heads_q):
+            kv = h // (heads_q // heads_kv)
+            scores = np.where(visible, q[b, :, h] @ k[b, :, kv].T * scale, -np.inf)[seen]
+            probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+            probs /= probs.sum(axis=1, keepdims=True)  # d lse / d score = probs; d out / d probs = v
+            d_out, keys, values = dout[b, seen, h], k[b, :, kv], v[b, :, kv]
+            d_probs = d_out @ values.T
+            d_scores = probs * (
+                d_probs - (d_probs * probs).sum(axis=1, keepdims=True) + dlse[b, h, seen][:, None]
+            )
+            dq[b, seen, h] = d_scores @ keys * scale
+            dk[b, :, kv] += d_scores.T @ q[b, seen, h] * scale
+            dv[b, :, kv] += probs.T @ d_out
+    return dq, dk, dv
+
+
+def relative_l2(x, ref) -> float:
+    """||x - ref|| / ||ref|| in float64."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))

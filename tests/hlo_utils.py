@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
-# An instruction's opcode follows its result shape: `%name = bf16[2,8]{1,0} all-gather(...)`;
-# async forms (GPU) are `all-gather-start(...)`.
-_OPCODE = re.compile(r"=\s*\S+\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# An instruction's opcode follows its result shape: `%name = bf16[2,8]{1,0} all-gather(...)`, or a tuple
+# of shapes for combined collectives, `(f32[2]{0}, f32[2]{0}) all-reduce(...)`; async forms (GPU) are
+# `all-gather-start(...)`.
+_OPCODE = re.compile(r"=\s*(?:\([^)]*\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 
 
 def collective_counts(hlo_text: str) -> dict[str, int]:

@@ -87,8 +87,8 @@ def operand_shapes(call: str) -> list[str]:
     return re.findall(r"\w+\[[\d,]*\]", operands)
 
 
-def bound_specs(fn, *args) -> list[primitives.FwdSpec]:
-    """The FwdSpec of every attention_fwd_p the traced program binds (in nested jaxprs too)."""
+def bound_specs(fn, *args) -> list[primitives.AttentionSpec]:
+    """The AttentionSpec of every attention_fwd_p the traced program binds (in nested jaxprs too)."""
     found = []
 
     def walk(jaxpr):
@@ -349,7 +349,8 @@ def test_gradients_lower_the_forward_kernel_only(rng):
         def loss(q, k=k, v=v):
             return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True, implementation="kernel"))
 
-        assert len(kernel_calls(jax.value_and_grad(loss), q)) == 1  # the backward is the reference's
+        # The backward is the pure-JAX one from residuals until the plan has a backward kernel.
+        assert len(kernel_calls(jax.value_and_grad(loss), q)) == 1
 
 
 # ---- launch limits
@@ -534,8 +535,8 @@ def test_varlen_gradients_through_the_primitive_are_the_reference_ones(rng):
 
     got = jax.jit(jax.grad(loss_kernel_path, argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(loss_reference, argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, atol=1e-6)
+    for g, w in zip(got, want):  # the backward from residuals: float32 rounding apart
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
 
 
 # ---- sequence sharding with windows
@@ -592,7 +593,7 @@ def test_sequence_shards_lower_to_shifted_windows_for_cuda():
     kv = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))
     spec = primitives.make_spec(softmax_scale=0.125, causal=False, window=(8, 0))
     _, run, (out_sharding, lse_sharding), arg_shardings = sharding.partition(
-        primitives.attention_shard, spec, mesh, (q, kv, kv), None
+        primitives.attention_shard, "fwd", spec, mesh, (q, kv, kv), None
     )
     per_shard = jax.shard_map(
         run,

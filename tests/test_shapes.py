@@ -169,7 +169,8 @@ def test_kernel_refuses_v_head_dim_it_lacks(rng):
     # A head dim the kernels have for q/k, another for v: not a row of jzyfa.plan.KERNELS.
     q, k, v = random_qkv(rng, seq_q=8, head_dim=128, head_dim_v=64)
     with pytest.raises(
-        ValueError, match=r"cannot serve this call: the 16-bit \(bf16, f16\) kernels take head dims .*got 128/64"
+        ValueError,
+        match=r"cannot serve this call: the 16-bit \(bf16, f16\) kernels take head dims .*got 128/64",
     ):
         jzyfa.flash_attention(q, k, v, implementation="kernel")
 
@@ -214,8 +215,8 @@ def test_mla_through_the_primitive_vmap_and_grad(rng):
     reference = functools.partial(jzyfa.attention_reference, causal=True, softmax_scale=0.1)
     grads = jax.jit(jax.grad(functools.partial(loss, mla_primitive()), argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2)))(q, k, v)
-    for g, w in zip(grads, want):
-        np.testing.assert_array_equal(g, w)
+    for g, w in zip(grads, want):  # the backward from residuals: float32 rounding apart
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
 
 
 def test_mla_through_the_primitive_sharded_over_batch_and_heads(rng):

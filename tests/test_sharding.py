@@ -172,7 +172,7 @@ def test_grad_of_sharded_call_matches_unsharded(rng):
     spec = NamedSharding(mesh, P("data", None, "tensor"))
     grads = jax.grad(loss, argnums=(0, 1, 2))
     sharded = jax.jit(grads, in_shardings=(spec,) * 3, out_shardings=(spec,) * 3)
-    # The forward is partitioned by the rule, the reference backward by Shardy: neither communicates.
+    # Forward and backward are partitioned by their rules: neither communicates.
     assert collective_counts(compiled_hlo(sharded, q, k, v)) == NO_COLLECTIVES
     for got, want in zip(sharded(q, k, v), jax.jit(grads)(q, k, v)):  # f16 gradients: a few ulps apart
         np.testing.assert_allclose(
@@ -223,7 +223,7 @@ def test_per_shard_program_lowers_to_the_kernel_for_cuda(q_spec, kv_spec, local_
     kv = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, kv_spec))
     spec = primitives.make_spec(softmax_scale=0.125, causal=True)
     _, run, (out_sharding, lse_sharding), arg_shardings = sharding.partition(
-        primitives.attention_shard, spec, mesh, (q, kv, kv), None
+        primitives.attention_shard, "fwd", spec, mesh, (q, kv, kv), None
     )
     per_shard = jax.shard_map(
         run,

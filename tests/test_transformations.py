@@ -1,7 +1,7 @@
 """vmap over several leading axes, grad and vjp through the custom_vjp, and their compositions.
 
-The backward recomputes through the pure-JAX reference until a backward kernel exists, so gradients
-must equal autodiff of the reference exactly (the forward's rounding never reaches them).
+Gradients come from the backward primitive, which works from the forward's residuals (out in the
+inputs' dtype, lse): they must agree with autodiff of the float32 reference to within that rounding.
 """
 
 import functools
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_oracle import random_qkv
+from attention_oracle import random_qkv, relative_l2
 
 import jzyfa
 from jzyfa.primitives import FFI_TARGET
@@ -19,6 +19,9 @@ from jzyfa.primitives import FFI_TARGET
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 F16 = jnp.float16
+# Gradients from the backward primitive (residuals: out in f16, lse) and from differentiating the float32
+# reference agree to within the f16 rounding of their results and of out.
+F16_GRAD_AGREEMENT = 1e-3
 
 
 @pytest.fixture(autouse=True)
@@ -92,11 +95,11 @@ def test_vjp_matches_autodiff_of_the_reference(rng, seq_q, seq_k, heads_q, heads
     for got, want, x in zip(ours, theirs, (q, k, v)):
         assert got.dtype == x.dtype and got.shape == x.shape
         assert np.all(np.isfinite(np.asarray(got, np.float32)))
-        np.testing.assert_array_equal(got, want)
+        assert relative_l2(got, want) < F16_GRAD_AGREEMENT
 
 
 def test_per_example_gradients(rng):
-    """vmap of grad: the forward is batched into one call, the backward through the reference."""
+    """vmap of grad: the forward and the backward are each batched into one call."""
     q, k, v = random_qkv(rng, batch=1, seq_q=16, seq_k=16, heads_q=4, heads_kv=2, dtype=F16)
     qs, ks, vs = (stacked(x, rng, 4) for x in (q, k, v))
 
@@ -110,10 +113,10 @@ def test_per_example_gradients(rng):
     got = jax.jit(per_example)(qs, ks, vs)
     want = jax.jit(jax.vmap(jax.grad(theirs, argnums=(0, 1, 2))))(qs, ks, vs)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+        assert relative_l2(g, w) < F16_GRAD_AGREEMENT
 
 
-# --- varlen: vmap maps one call per element (lax.map), grad through the reference ------------------
+# --- varlen: vmap maps one call per element (lax.map), grad through the backward primitive ------------------
 
 LENGTHS_Q, LENGTHS_K = [5, 0, 11], [7, 3, 11]
 
@@ -177,4 +180,4 @@ def test_varlen_grad_matches_autodiff_of_the_reference(rng, varlen_primitive):
     got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
     want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+        assert relative_l2(g, w) < F16_GRAD_AGREEMENT
