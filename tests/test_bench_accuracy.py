@@ -45,7 +45,7 @@ def test_attention_float64_hand_computed():
 @pytest.mark.parametrize("seq_q,seq_k", [(40, 40), (7, 33), (33, 7)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_float64_in_blocks_matches_the_oracle(rng, monkeypatch, seq_q, seq_k, causal):
-    monkeypatch.setattr(float64, "_ROWS_BUDGET", 5 * seq_k)  # blocks of 5 rows
+    monkeypatch.setattr(float64, "ROWS_BUDGET", 5 * seq_k)  # blocks of 5 rows
     q, k, v = (rng.standard_normal((s, 8)) for s in (seq_q, seq_k, seq_k))
     expected_out, expected_lse = naive_attention_f64(
         q[None, :, None], k[None, :, None], v[None, :, None], causal=causal, softmax_scale=0.4

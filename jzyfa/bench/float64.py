@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-_ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
+ROWS_BUDGET = 2**22  # float64 score entries per block of query rows (32 MB)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def attention_float64(
     offset = seq_k - seq_q  # row i sits at position i + offset
     out = np.zeros((seq_q, v.shape[1]), np.float64)
     lse = np.full(seq_q, -np.inf)
-    rows_per_block = max(1, min(seq_q, _ROWS_BUDGET // max(seq_k, 1)))
+    rows_per_block = max(1, min(seq_q, ROWS_BUDGET // max(seq_k, 1)))
     for start in range(0, seq_q, rows_per_block):
         stop = min(seq_q, start + rows_per_block)
         first = max(0, start + offset - left) if left >= 0 else 0

@@ -142,6 +142,7 @@ class Peer:
     no_window: str | None = None  # sliding windows: "<this> has none"
     one_head_dim: str | None = None  # v's own head dim (MLA): "v's head dim Dv != q's and k's D: <this>"
     top_left: str | None = None  # bottom-right causal alignment: "<this> aligns the causal mask top-left"
+    no_backward: str | None = None  # why --direction bwd / fwd+bwd do not time it (jzyfa.bench.directions)
     needs_gpu = False  # "needs a CUDA GPU (...)" on other backends
 
     def supports(self, problem: Problem) -> str | None:
@@ -487,6 +488,7 @@ class Pallas(Peer):
     no_varlen = "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
     no_window, top_left = "Pallas attention_mgpu", "Pallas attention"
     one_head_dim = "Pallas attention_mgpu takes one head dim for q, k and v"
+    no_backward = "Pallas attention_mgpu's backward has no causal mask and needs its own block sizes (not wired)"
     needs_gpu = True
 
     def _supports(self, problem: Problem) -> str | None:

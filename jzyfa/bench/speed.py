@@ -67,6 +67,7 @@ import numpy as np
 from absl import app, flags
 
 from jzyfa import plan
+from jzyfa.bench import directions as _directions
 from jzyfa.bench import float64, peers
 from jzyfa.bench import inputs as realistic_inputs
 from jzyfa.bench import timing as _timing
@@ -106,6 +107,14 @@ flags.DEFINE_integer(
     None,
     "v's (and the output's) head dimension Dv where it differs from --head_dim: MLA is --head_dim 192 "
     "--v_head_dim 128. Peers with one head dim for q, k and v say so. Default: --head_dim.",
+)
+flags.DEFINE_string(
+    "direction",
+    "fwd",
+    "Comma-separated directions to time: fwd (O from q, k, v), bwd (dq, dk, dv from the forward's "
+    "residuals and dout, the pullback alone), fwd+bwd (both in one program, as a training step runs). "
+    "Backward rows are named '<impl> bwd' / '<impl> fwd+bwd', count 2.5x / 3.5x the forward's FLOPs and "
+    "are checked against float64 gradients; JAX peers on 16-bit inputs only (jzyfa.bench.directions).",
 )
 flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned); --nocausal for none.")
 flags.DEFINE_string(
@@ -498,6 +507,7 @@ class Options:
     cupti_mem_mb: int
     max_rel_err: float | None  # None: by compute dtype (DEFAULT_MAX_REL_ERR)
     peer_options: peers.Options = dataclasses.field(default_factory=peers.Options)
+    seed: int = 0  # of the backward's cotangents
 
 
 def _torch_sync(_out=None) -> None:
@@ -513,13 +523,17 @@ def measure_peer(
     ref: Reference,
     opts: Options,
     monitor: _timing.ClockMonitor,
+    direction: str = "fwd",
+    grad_ref: _directions.GradientReference | None = None,
 ) -> dict[str, Any]:
-    """Checks one implementation on one problem, then times it. Never raises."""
+    """Checks one implementation on one problem in one direction (the forward's output against `ref`,
+    the backward's gradients against `grad_ref`), then times it. Never raises."""
     compute_dtype = peer.compute_dtype(problem)
     max_rel_err = opts.max_rel_err if opts.max_rel_err is not None else DEFAULT_MAX_REL_ERR[compute_dtype]
     result: dict[str, Any] = {
-        "impl": peer.name,
+        "impl": peer.name if direction == "fwd" else f"{peer.name} {direction}",
         "peer": peer.name,
+        "direction": direction,
         "description": peer.description,
         "notes": peer.notes or None,
         "framework": peer.framework,
@@ -533,7 +547,7 @@ def measure_peer(
         "varlen": None if problem.seqlens is None else [list(p) for p in problem.seqlens],
         "dtype": problem.dtype,
         "compute_dtype": compute_dtype,
-        "flops": problem.flops,
+        "flops": problem.flops * _directions.FLOP_FACTORS[direction],
         "input_sets": len(sets),
         "status": None,
         "message": None,
@@ -550,6 +564,7 @@ def measure_peer(
         "kernel_unavailable": None,  # why there is no kernel time, when CUPTI failed
         "wall": None,  # wall-clock summary
         "wall_tflops": None,
+        "memory_mb": None,  # what XLA holds for one call: arguments, results, temporaries (JAX peers)
     }
     torch_peer = peer.framework == "torch"
     sync = _torch_sync if torch_peer else jax.block_until_ready
@@ -557,24 +572,42 @@ def measure_peer(
     try:
         if (reason := peer.supports(problem)) is not None:
             raise Unsupported(reason)
+        if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
+            raise Unsupported(reason)
         built = peer.build(problem, opts.peer_options)
         result["path"] = built.path
         if built.path == "xla-fallback":  # never timed under the kernel's name
-            result["impl"] = f"{peer.name}[xla-fallback]"
-        args = [peer.arguments(problem, s) for s in sets]
-        fn = built.fn if torch_peer else jax.jit(built.fn)
+            result["impl"] = result["impl"].replace(peer.name, f"{peer.name}[xla-fallback]", 1)
+        douts = (
+            [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))]
+            if direction != "fwd"
+            else []
+        )
+        timed_fn, args = _directions.timed_call(
+            built.fn, [peer.arguments(problem, s) for s in sets], douts, direction
+        )
+        fn = timed_fn if torch_peer else jax.jit(timed_fn)
         raw = fn(*args[0])
         sync(raw)
-        out = peer.decode(raw, args[0])
+        if direction == "fwd":
+            out = peer.decode(raw, args[0])
+        else:
+            err = _directions.gradient_error(raw, grad_ref, problem.heads_q, problem.heads_kv)
         del raw
+        if not torch_peer:
+            memory = _directions.memory_bytes(timed_fn, args[0])
+            result["memory_mb"] = None if memory is None else memory / 2**20
     except Unsupported as e:
         result.update(status="unsupported", message=str(e))
         return result
     except Exception as e:  # noqa: BLE001 - reported, and the run goes on
         result.update(status="error", message=short_error(e), traceback=traceback.format_exc(limit=8))
         return result
-    err = relative_error(out, ref)
-    del out
+    if direction == "fwd":
+        err = relative_error(out, ref)
+        del out
+    else:
+        result.update({k: v for k, v in err.items() if k.startswith("d")})
     result.update(rel_err=err["rel_l2"], max_abs_err=err["max_abs"])
     result["err_ok"] = bool(err["finite"] and err["rel_l2"] <= max_rel_err)
 
@@ -588,10 +621,11 @@ def measure_peer(
             result["kernel"] = kernel.summary()
         elif opts.cupti:
             try:
-                out_bytes = _out_bytes(problem) * len(args)  # one chunk iteration's outputs
+                # one chunk iteration's outputs (the gradients: q's, k's and v's sizes)
+                out_bytes = (_out_bytes(problem) if direction == "fwd" else problem.set_bytes) * len(args)
                 max_chunk = max(2, int(opts.cupti_mem_mb * 2**20 // out_bytes))
                 kernel = _timing.cupti_kernel_time(
-                    built.fn,
+                    timed_fn,
                     args,
                     min_samples=opts.iters,
                     min_seconds=opts.min_time_s,
@@ -614,10 +648,10 @@ def measure_peer(
     primary = result["kernel"] or result["wall"]
     result["timing_source"] = primary["source"]
     result["median_ms"] = primary["median_ms"]
-    result["tflops"] = problem.flops / (primary["median_ms"] * 1e-3) / 1e12
+    result["tflops"] = result["flops"] / (primary["median_ms"] * 1e-3) / 1e12
     result["sm_clock_mhz"] = primary["sm_clock"]["median_mhz"]
     result["board_power_w"] = primary["sm_clock"].get("median_watts")
-    result["wall_tflops"] = problem.flops / (result["wall"]["median_ms"] * 1e-3) / 1e12
+    result["wall_tflops"] = result["flops"] / (result["wall"]["median_ms"] * 1e-3) / 1e12
     result["status"] = "ok" if result["err_ok"] else "bad"
     if not result["err_ok"]:
         result["message"] = f"relative error {err['rel_l2']:.3g} > {max_rel_err:g}"
@@ -678,6 +712,7 @@ TABLE_COLUMNS = [
     "SM MHz",
     "W",
     "rel err",
+    "mem MB",
     "status",
 ]
 
@@ -707,6 +742,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
                 fmt(r["sm_clock_mhz"], ".0f"),
                 fmt(r.get("board_power_w"), ".0f"),
                 fmt(r["rel_err"], ".2e"),
+                fmt(r.get("memory_mb"), ".0f"),
                 status,
             ]
         )
@@ -907,7 +943,7 @@ def write_plot(
         ylabel = "TFLOP/s (FLOPs of the visible pairs)"
     axes[0][0].set_ylabel(ylabel)
     fig.suptitle(
-        f"{env.get('device', '')}: attention forward, {config['dtype']}, head dim {_head_dims_text(config)}, "
+        f"{env.get('device', '')}: attention {'/'.join(config.get('direction') or ['fwd'])}, {config['dtype']}, head dim {_head_dims_text(config)}, "
         f"{_heads_text(config)}, {_mask_text(config)} ({env.get('date', '')[:10]})",
         fontsize="medium",
     )
@@ -938,6 +974,7 @@ def resolve_config() -> dict[str, Any]:
         "v_head_dim",
         "causal",
         "window",
+        "direction",
         "dtype",
         "inputs",
         "impls",
@@ -965,6 +1002,7 @@ def resolve_config() -> dict[str, Any]:
             "--varlen and --shapes were both given: --varlen replaces --shapes (one packed batch of "
             "those sequence lengths); give one of them"
         )
+    config["direction"] = _directions.parse_directions(config["direction"])  # ValueError naming --direction
     seqlens = parse_varlen(config["varlen"])  # ValueError naming --varlen, before any work
     config["varlen"] = None if seqlens is None else [list(p) for p in seqlens]
     if smoke:
@@ -1058,7 +1096,9 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
         cupti_mem_mb=config["cupti_mem_mb"],
         max_rel_err=config["max_rel_err"],
         peer_options=peers.Options(allow_xla_fallback=config["allow_xla_fallback"]),
+        seed=config["seed"],
     )
+    run_directions = config.get("direction") or ["fwd"]
     if opts.cupti and (reason := _timing.cupti_available()) is not None:
         _log(f"no CUPTI kernel time ({reason}); timing wall clock only")
         opts.cupti = False
@@ -1066,7 +1106,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    total = len(kinds) * len(problems) * len(impl_names)
+    total = len(kinds) * len(problems) * len(impl_names) * len(run_directions)
     done = 0
     try:
         for kind in kinds:
@@ -1077,7 +1117,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                 except realistic_inputs.ModelInputsUnavailable as e:
                     skipped[kind] = str(e)
                     _log(f"{kind} inputs skipped: {e}")
-                    done += len(problems) * len(impl_names)
+                    done += len(problems) * len(impl_names) * len(run_directions)
                     break
                 ref = compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, config["ref_pairs"])
                 checked = (
@@ -1089,13 +1129,25 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                     f"{kind} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
                     f"reference on {checked} in {ref.seconds:.1f} s"
                 )
+                grad_ref = None
+                if any(d != "fwd" for d in run_directions) and not problem.varlen:
+                    dout = _directions.cotangent(problem, 0, config["seed"])
+                    grad_ref = _directions.gradient_reference(
+                        problem, sets[0].q, sets[0].k, sets[0].v, dout, config["ref_pairs"]
+                    )
+                    _log(
+                        f"gradients checked on {len(grad_ref.groups)} (batch, kv head) groups, {grad_ref.seconds:.1f} s"
+                    )
                 for name in impl_names:
-                    done += 1
-                    result = measure_peer(peers.PEERS[name], problem, sets, ref, opts, monitor)
-                    result["inputs"] = kind
-                    result["reference_pairs"] = len(ref.batches)
-                    results.append(result)
-                    _log(f"[{done}/{total}] " + progress_line(result))
+                    for direction in run_directions:
+                        done += 1
+                        result = measure_peer(
+                            peers.PEERS[name], problem, sets, ref, opts, monitor, direction, grad_ref
+                        )
+                        result["inputs"] = kind
+                        result["reference_pairs"] = len(ref.batches)
+                        results.append(result)
+                        _log(f"[{done}/{total}] " + progress_line(result))
                 del sets
                 gc.collect()
     finally:

@@ -1,0 +1,87 @@
+"""`python -m jzyfa.bench --direction`: the backward and forward+backward timing functions, their FLOPs,
+the float64 gradient reference, and a smoke run (CPU: jzyfa's primitive path and jax.nn's XLA path)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import naive_attention_grads_f64, random_qkv
+from bench_helpers import ON_GPU
+from test_bench import resolve_config
+
+from jzyfa.bench import directions, peers, speed
+from jzyfa.bench.problem import Problem
+
+
+@pytest.mark.parametrize(
+    "seq_q,seq_k,window",
+    [(40, 40, (-1, 0)), (24, 56, (-1, 0)), (56, 24, (-1, 0)), (33, 47, (-1, -1)), (48, 48, (6, 2))],
+)
+def test_float64_gradients_match_the_oracle(rng, seq_q, seq_k, window):
+    q, k, v = (np.asarray(x, np.float64)[0, :, 0] for x in random_qkv(rng, seq_q=seq_q, seq_k=seq_k, heads_q=1,
+                                                                       head_dim=16, dtype=jnp.float32))  # fmt: skip
+    dout = rng.standard_normal((seq_q, 16))
+    got = directions.attention_grads_float64(q, k, v, dout, 0.3, window=window)
+    causal, oracle_window = window == (-1, 0), None if window in ((-1, 0), (-1, -1)) else window
+    want = naive_attention_grads_f64(q[None, :, None], k[None, :, None], v[None, :, None], dout[None, :, None],
+                                     causal=causal, softmax_scale=0.3, window=oracle_window)  # fmt: skip
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w[0, :, 0], rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_reference_sums_dk_dv_over_each_kv_heads_group(rng):
+    problem = Problem(2, 32, 32, 4, 2, 64, True, "bf16", None)
+    q, k, v = random_qkv(rng, batch=2, seq_q=32, heads_q=4, heads_kv=2, dtype=jnp.float32)
+    dout = directions.cotangent(problem, 0, seed=0).astype(jnp.float32)
+    ref = directions.gradient_reference(problem, q, k, v, dout, requested=0)
+    assert ref.groups == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    exact = naive_attention_grads_f64(q, k, v, dout, causal=True, softmax_scale=problem.softmax_scale)
+    err = directions.gradient_error(exact, ref, heads_q=4, heads_kv=2)
+    assert err["rel_l2"] < 1e-12 and err["finite"]
+    wrong = (exact[0], exact[1] * 1.01, exact[2])
+    assert directions.gradient_error(wrong, ref, heads_q=4, heads_kv=2)["dk_rel_l2"] == pytest.approx(0.01)
+
+
+def test_backward_timing_functions_return_the_gradients(rng):
+    forward = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    q, k, v = random_qkv(rng, seq_q=16, heads_q=2, dtype=jnp.float32)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    want = jax.vjp(forward, q, k, v)[1](dout)
+    for direction in ("bwd", "fwd+bwd"):
+        fn, args = directions.timed_call(forward, [(q, k, v)], [dout], direction)
+        for got, w in zip(jax.jit(fn)(*args[0]), want):
+            np.testing.assert_allclose(got, w, rtol=1e-6, atol=1e-6)
+    fn, args = directions.timed_call(forward, [(q, k, v)], [], "fwd")
+    assert fn is forward and args == [(q, k, v)]
+
+
+def test_parse_directions():
+    assert directions.parse_directions("fwd+bwd, bwd,bwd") == ["fwd+bwd", "bwd"]
+    with pytest.raises(ValueError, match="--direction: unknown"):
+        directions.parse_directions("backward")
+
+
+def test_who_is_not_differentiated_says_why():
+    dense = Problem(1, 64, 64, 2, 2, 64, True, "bf16", None)
+    assert directions.no_backward_reason(peers.PEERS["jzyfa"], dense) is None
+    assert directions.no_backward_reason(peers.PEERS["cudnn"], dense) is None
+    assert "not differentiable" in directions.no_backward_reason(peers.PEERS["jzyfa_fp8"], dense)
+    assert "JAX peers only" in directions.no_backward_reason(peers.PEERS["flash_attn3"], dense)
+    assert "causal" in directions.no_backward_reason(peers.PEERS["pallas"], dense)
+
+
+def test_smoke_run_times_every_direction():
+    config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
+                             "--direction", "fwd,bwd,fwd+bwd", "--kv_heads", "2"])  # fmt: skip
+    report = speed.run(config)
+    rows = {r["impl"]: r for r in report["results"]}
+    assert list(rows) == ["jzyfa", "jzyfa bwd", "jzyfa fwd+bwd", "xla", "xla bwd", "xla fwd+bwd"]
+    forward_flops = rows["jzyfa"]["flops"]
+    for name, r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["rel_err"] < 2e-2
+        assert r["flops"] == forward_flops * directions.FLOP_FACTORS[r["direction"]]
+        if not ON_GPU:
+            assert r["memory_mb"] > 0
+    assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
+    assert "mem MB" in speed.format_plain(report["results"])
