@@ -7,8 +7,11 @@ import contextlib
 import functools
 import re
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
+import jax.test_util
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_grads_f64, offsets, random_qkv, relative_l2
@@ -18,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
 
 import jzyfa
-from jzyfa import plan, primitives
+from jzyfa import api, plan, primitives
 from jzyfa import reference as reference_module
 from jzyfa.api import RESIDUAL_NAMES
 from jzyfa.reference import attention_bwd_reference, attention_delta, attention_reference
@@ -374,3 +377,64 @@ def test_long_sequences_backward_holds_no_score_matrix():
     if memory is None:
         pytest.skip("this backend reports no memory analysis")
     assert memory.temp_size_in_bytes < 8 * 2**30, memory.temp_size_in_bytes / 2**30
+
+
+# ---- numerical checks of the primitive's gradients (float32 through the primitive itself)
+
+
+def _primitive_attention(causal: bool, window=(-1, -1), scale: float = 0.125):
+    """(q, k, v) -> (out, lse) through the custom_vjp and the backward primitive, any float dtype."""
+    spec = primitives.make_spec(softmax_scale=scale, causal=causal, window=window)
+    return lambda q, k, v: api._differentiable(spec, q, k, v, ())
+
+
+def test_check_grads_of_the_primitive(rng):
+    q, k, v = random_qkv(rng, seq_q=12, seq_k=20, heads_q=4, heads_kv=2, head_dim=8, dtype=jnp.float32)
+    attention = _primitive_attention(causal=True)
+    weights = jnp.asarray(rng.standard_normal((1, 4, 12)), jnp.float32)
+    loss = lambda q, k, v: (attention(q, k, v)[0], attention(q, k, v)[1] * weights)
+    jax.test_util.check_grads(loss, (q, k, v), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(
+    seq_q=st.integers(1, 70),
+    seq_k=st.integers(1, 70),
+    heads_kv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 3]),
+    mask=st.sampled_from(["none", "causal", "window"]),
+    left=st.integers(0, 20),
+    right=st.integers(0, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_backward_primitive_matches_float64_property(seq_q, seq_k, heads_kv, group, mask, left, right, seed):
+    """Any lengths (Sq != Sk both ways, rows that see no key), GQA/MQA ratios and masks."""
+    rng = np.random.default_rng(seed)
+    heads_q = heads_kv * group
+    q, k, v, dout, dlse = _float32_case(
+        rng, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv, head_dim=8
+    )
+    window = {"none": (-1, -1), "causal": (-1, 0), "window": (left, right)}[mask]
+    attention = _primitive_attention(causal=mask == "causal", window=window if mask == "window" else (-1, -1))
+
+    def loss(q, k, v):
+        out, lse = attention(q, k, v)
+        return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * dlse)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    exact = naive_attention_grads_f64(
+        q,
+        k,
+        v,
+        dout,
+        dlse,
+        causal=mask == "causal",
+        softmax_scale=0.125,
+        window=window if mask == "window" else None,
+    )
+    for got, want in zip(grads, exact):
+        assert np.all(np.isfinite(np.asarray(got)))
+        if np.linalg.norm(want) > 0:
+            assert relative_l2(got, want) < 1e-4
+        else:
+            np.testing.assert_array_equal(np.asarray(got), 0)
