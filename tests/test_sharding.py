@@ -1,5 +1,6 @@
-"""The attention primitive under a sharded jit on 8 CPU devices (Auto mesh axes): numerics and the
-collectives in compiled HLO.
+"""The attention primitive under a sharded jit on 8 CPU devices (Auto mesh axes; the batch, head and
+packed-head cases also with Explicit axes, inside jax.set_mesh and not): numerics and the collectives in
+compiled HLO.
 
 Batch and head sharding must need no collective at all; a sequence-sharded q stays local while K and V
 are all-gathered (16-bit dense). Dense inputs are f16, so the primitive (not the pure-JAX path) is what
@@ -20,7 +21,7 @@ from attention_oracle import offsets, random_fp8_packed, random_fp8_qkv, random_
 from hlo_utils import collective_counts, collective_result_shapes, custom_call_lines
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from mesh_utils import cpu_mesh
+from mesh_utils import MESH_KINDS, cpu_mesh, mesh_of_kind
 
 import jzyfa
 from jzyfa import primitives, sharding
@@ -92,15 +93,16 @@ BATCH_AND_HEADS = [
 ]
 
 
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
 @pytest.mark.parametrize("mesh_shape,axes,q_spec,kv_spec,heads_q,heads_kv,causal", BATCH_AND_HEADS)
 def test_batch_and_head_sharding_needs_no_collective(
-    rng, mesh_shape, axes, q_spec, kv_spec, heads_q, heads_kv, causal
+    rng, mesh_shape, axes, q_spec, kv_spec, heads_q, heads_kv, causal, mesh_kind
 ):
-    mesh = cpu_mesh(mesh_shape, axes)
     q, k, v = random_qkv(rng, batch=8, seq_q=24, seq_k=40, heads_q=heads_q, heads_kv=heads_kv, dtype=F16)
-    fn = sharded_attention(mesh, q_spec, kv_spec, causal=causal)
-    assert collective_counts(compiled_hlo(fn, q, k, v)) == NO_COLLECTIVES
-    out, lse = fn(q, k, v)
+    with mesh_of_kind(mesh_kind, mesh_shape, axes) as mesh:
+        fn = sharded_attention(mesh, q_spec, kv_spec, causal=causal)
+        assert collective_counts(compiled_hlo(fn, q, k, v)) == NO_COLLECTIVES
+        out, lse = fn(q, k, v)
     assert_close_to_reference((out, lse), jzyfa.attention_reference(q, k, v, causal=causal))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, q_spec), 4)
 
@@ -272,21 +274,22 @@ FP8_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
 @pytest.mark.parametrize("shape, axes, q_spec, kv_spec, d_spec, heads_q, heads_kv", FP8_LAYOUTS)
 def test_fp8_batch_and_head_sharding_match_unsharded(
-    rng, shape, axes, q_spec, kv_spec, d_spec, heads_q, heads_kv
+    rng, shape, axes, q_spec, kv_spec, d_spec, heads_q, heads_kv, mesh_kind
 ):
-    mesh = cpu_mesh(shape, axes)
     batch = 8 if "data" in axes else 1
     (q8, k8, v8), (dq, dk, dv) = random_fp8_qkv(
         rng, batch=batch, seq_q=64, heads_q=heads_q, heads_kv=heads_kv, granularity="head"
     )
-    shardings = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, d_spec, d_spec, d_spec)]
-    sharded = jax.jit(fp8_call, in_shardings=shardings)
-    hlo = compiled_hlo(sharded, q8, k8, v8, dq, dk, dv)
-    if heads_kv % np.prod([mesh.shape[a] for a in axes if a == "model"] or [1]) == 0:
-        assert collective_counts(hlo) == NO_COLLECTIVES
-    got = sharded(q8, k8, v8, dq, dk, dv)
+    with mesh_of_kind(mesh_kind, shape, axes) as mesh:
+        shardings = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, d_spec, d_spec, d_spec)]
+        sharded = jax.jit(fp8_call, in_shardings=shardings)
+        hlo = compiled_hlo(sharded, q8, k8, v8, dq, dk, dv)
+        if heads_kv % np.prod([mesh.shape[a] for a in axes if a == "model"] or [1]) == 0:
+            assert collective_counts(hlo) == NO_COLLECTIVES
+        got = sharded(q8, k8, v8, dq, dk, dv)
     want = jax.jit(fp8_call)(q8, k8, v8, dq, dk, dv)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
@@ -339,19 +342,19 @@ VARLEN_HEADS = [
 ]
 
 
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (False, (4, 0))])
 @pytest.mark.parametrize("mesh_shape,axes,q_spec,kv_spec,heads_q,heads_kv", VARLEN_HEADS)
 def test_varlen_head_sharding_needs_no_collective(
-    rng, mesh_shape, axes, q_spec, kv_spec, heads_q, heads_kv, causal, window
+    rng, mesh_shape, axes, q_spec, kv_spec, heads_q, heads_kv, causal, window, mesh_kind
 ):
-    mesh = cpu_mesh(mesh_shape, axes)
-    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     (q, k, v), cu_q, cu_k = packed_f16(rng, heads_q, heads_kv)
-    shardings = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, P(), P())]
-    call = functools.partial(varlen_call, causal=causal, window=window)
-    sharded = jax.jit(call, in_shardings=shardings)
-    assert collective_counts(compiled_hlo(sharded, q, k, v, cu_q, cu_k)) == NO_COLLECTIVES
-    out, lse = sharded(q, k, v, cu_q, cu_k)
+    with mesh_of_kind(mesh_kind, mesh_shape, axes) as mesh:
+        shardings = [NamedSharding(mesh, s) for s in (q_spec, kv_spec, kv_spec, P(), P())]
+        call = functools.partial(varlen_call, causal=causal, window=window)
+        sharded = jax.jit(call, in_shardings=shardings)
+        assert collective_counts(compiled_hlo(sharded, q, k, v, cu_q, cu_k)) == NO_COLLECTIVES
+        out, lse = sharded(q, k, v, cu_q, cu_k)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, q_spec), 3)
     assert lse.sharding.is_equivalent_to(NamedSharding(mesh, P("tensor")), 2)
     want = jax.jit(call)(q, k, v, cu_q, cu_k)
