@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from attention_oracle import random_qkv
 from hlo_utils import COLLECTIVES, collective_counts, collective_result_shapes, custom_call_lines
-from mesh_utils import cpu_mesh
+from mesh_utils import MESH_KINDS, cpu_mesh, mesh_of_kind
 
 import jzyfa
 from jzyfa import sequence_layout
@@ -142,10 +142,16 @@ def test_with_batch_or_head_sharding(rng, strategy, other_axis, option):
     assert collective_counts(hlo) == dict(NONE, **expected)
 
 
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
 @pytest.mark.parametrize("strategy", ["allgather", "ring"])
-def test_grad_matches_reference(rng, strategy):
+def test_grad_matches_reference(rng, strategy, mesh_kind):
+    """Through shard_map and the backward primitive (the ring's merges send lse cotangents into it)."""
     shards = 2  # the backward of every shard's branch compiles too: keep it small
-    mesh = cpu_mesh((shards,), ("seq",))
+    with mesh_of_kind(mesh_kind, (shards,), ("seq",)) as mesh:
+        _check_context_parallel_grad(rng, strategy, mesh, shards)
+
+
+def _check_context_parallel_grad(rng, strategy, mesh, shards):
     q, k, v = random_qkv(rng, seq_q=32, heads_q=4, heads_kv=2, dtype=F16)
     weights = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
 
@@ -162,7 +168,9 @@ def test_grad_matches_reference(rng, strategy):
         return jzyfa.from_balanced_layout(out, shards)
 
     reference = lambda q, k, v: jzyfa.attention_reference(q, k, v, causal=True)[0]
-    got = jax.jit(jax.grad(functools.partial(loss, context_parallel), argnums=(0, 1, 2)))(q, k, v)
+    grads = jax.grad(functools.partial(loss, context_parallel), argnums=(0, 1, 2))
+    assert "jzyfa_attention_bwd" in str(jax.make_jaxpr(grads)(q, k, v))
+    got = jax.jit(grads)(q, k, v)
     want = jax.jit(jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):  # f16 gradients of magnitude ~2: a few ulps apart
         assert g.dtype == F16
