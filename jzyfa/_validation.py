@@ -130,6 +130,28 @@ def check_implementation(implementation) -> None:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
+PRECISIONS = (None, "fp8")
+
+
+def check_precision(precision, rotate, dtype, descales_given: bool) -> None:
+    """`precision` (None: the inputs' own; "fp8": quantize 16-bit inputs to e4m3 inside the call) and
+    `rotate` (a Hadamard rotation of q and k before that quantization)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(rotate, (bool, np.bool_)):
+        raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
+    if precision is None:
+        if rotate:
+            raise ValueError("rotate=True rotates q and k before quantizing them: it needs precision='fp8'")
+        return
+    if is_fp8(dtype) or descales_given:
+        raise ValueError(
+            f"precision={precision!r} quantizes bf16/f16/float32 q, k, v inside the call; got "
+            f"{jnp.dtype(dtype).name} inputs{' with descales' if descales_given else ''}. Pass the unquantized "
+            "inputs without descales, or pre-quantized float8_e4m3fn inputs with descales and precision=None"
+        )
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     """The static scale the kernel is compiled with: 1/sqrt(head_dim) by default."""
     if softmax_scale is None:

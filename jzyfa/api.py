@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jzyfa import _validation, plan, primitives
 from jzyfa.plan import Path
-from jzyfa.quantize import dequantize
+from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_delta, attention_reference
 from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
 
@@ -97,6 +97,16 @@ def _backward_kernel(q, v, mask: str, layout: str) -> bool:
     return plan.kernel_for(config) is not None
 
 
+def _quantize_in_call(q, k, v, *, rotate: bool):
+    """precision="fp8": e4m3 q, k, v with [batch, heads_kv] power-of-two descales (q's shared by each
+    KV head's query group), q and k Hadamard-rotated first when asked."""
+    if rotate:
+        q, k = hadamard_rotate(q, k)
+    heads_kv = k.shape[2]
+    (q8, dq), (k8, dk), (v8, dv) = (fp8_quantize(x, "head", kv_heads=heads_kv) for x in (q, k, v))
+    return q8, k8, v8, {"descale_q": dq, "descale_k": dk, "descale_v": dv}
+
+
 def _check_lean_p(lean_p) -> bool:
     if not isinstance(lean_p, (bool, np.bool_)):
         raise TypeError(f"lean_p must be a bool, got {type(lean_p).__name__}")
@@ -117,6 +127,8 @@ def flash_attention(
     descale_k: jax.Array | None = None,
     descale_v: jax.Array | None = None,
     lean_p: bool = True,
+    precision: str | None = None,
+    rotate: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(scale * q k^T) v, per batch and head.
 
@@ -142,11 +154,26 @@ def flash_attention(
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
       lean_p: FP8 kernel only: each probability's e4m3 code from one FFMA (True, the default) or
         exp2 rounded to e4m3 (False). See docs/fp8.md.
+      precision: None computes in the inputs' precision. "fp8" quantizes bf16/f16/float32 q, k, v to
+        e4m3 inside the call (`fp8_quantize`, one power-of-two descale per batch and KV head, on the
+        device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable.
+      rotate: with precision="fp8", rotate q and k by one Hadamard matrix with random signs
+        (`hadamard_rotate`, seed 0) before quantizing: q k^T is unchanged, outliers are spread.
 
     Returns:
       out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
     """
     _validation.check_qkv(q, k, v)
+    given = (descale_q, descale_k, descale_v)
+    _validation.check_precision(precision, rotate, q.dtype, any(d is not None for d in given))
+    if precision == "fp8":
+        q8, k8, v8, descales = _quantize_in_call(q, k, v, rotate=rotate)
+        options = {"causal": causal, "window": window, "softmax_scale": softmax_scale, "return_lse": return_lse}
+        result = flash_attention(
+            q8, k8, v8, **options, implementation=implementation, lean_p=lean_p, **descales
+        )
+        out, lse = result if return_lse else (result, None)
+        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
@@ -205,6 +232,8 @@ def flash_attention_varlen(
     descale_q: jax.Array | None = None,
     descale_k: jax.Array | None = None,
     descale_v: jax.Array | None = None,
+    precision: str | None = None,
+    rotate: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a packed batch of sequences of different lengths (flash-attention's varlen).
 
@@ -226,6 +255,8 @@ def flash_attention_varlen(
         others: shape () or (1,), or [num_seqs, heads_kv] (one per sequence and KV head; for q, one
         per group of query heads sharing a KV head). The values used are x_fp8 * descale. FP8 varlen
         calls use lean P.
+      precision, rotate: as in `flash_attention`; "fp8" quantizes with one descale per KV head over
+        the whole packed batch.
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse). Queries
@@ -233,6 +264,19 @@ def flash_attention_varlen(
       out = 0 and lse = -inf.
     """
     _validation.check_packed_qkv(q, k, v)
+    given = (descale_q, descale_k, descale_v)
+    _validation.check_precision(precision, rotate, q.dtype, any(d is not None for d in given))
+    if precision == "fp8":
+        q8, k8, v8, descales = _quantize_in_call(q[None], k[None], v[None], rotate=rotate)
+        num_seqs = jnp.shape(cu_seqlens_q)[0] - 1
+        descales = {name: jnp.broadcast_to(d, (num_seqs, k.shape[1])) for name, d in descales.items()}
+        result = flash_attention_varlen(
+            q8[0], k8[0], v8[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            causal=causal, window=window, softmax_scale=softmax_scale, return_lse=return_lse,
+            implementation=implementation, **descales,
+        )  # fmt: skip
+        out, lse = result if return_lse else (result, None)
+        return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     _validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
