@@ -130,6 +130,20 @@ def check_implementation(implementation) -> None:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
+def check_sinks(sinks, heads_q: int) -> None:
+    """None, or a floating [heads_q] array of sink logits (one per query head)."""
+    if sinks is None:
+        return
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(f"sinks must be None or an array of shape [heads_q], got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(
+            f"sinks must have shape [heads_q] = ({heads_q},), one logit per query head, got {tuple(sinks.shape)}"
+        )
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks must be a floating array, got {jnp.dtype(sinks.dtype).name}")
+
+
 PRECISIONS = (None, "fp8")
 
 

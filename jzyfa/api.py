@@ -11,6 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jzyfa import _validation, plan, primitives
+from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_delta, attention_reference
@@ -129,6 +130,7 @@ def flash_attention(
     lean_p: bool = True,
     precision: str | None = None,
     rotate: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(scale * q k^T) v, per batch and head.
 
@@ -159,16 +161,30 @@ def flash_attention(
         device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable.
       rotate: with precision="fp8", rotate q and k by one Hadamard matrix with random signs
         (`hadamard_rotate`, seed 0) before quantizing: q k^T is unchanged, outliers are spread.
+      sinks: None, or one sink logit per query head, [heads_q] (gpt-oss): every row's softmax also
+        spans that logit with a zero value. Applied exactly to the kernel's (out, lse)
+        (`jzyfa.merge.add_attention_sinks`); differentiable, the sinks included.
 
     Returns:
       out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
     """
     _validation.check_qkv(q, k, v)
+    _validation.check_sinks(sinks, q.shape[2])
+    if sinks is not None:
+        options = {name: value for name, value in locals().items() if name not in ("q", "k", "v", "sinks")}
+        out, lse = flash_attention(q, k, v, **{**options, "return_lse": True})
+        out, lse = add_attention_sinks(out, lse, sinks)
+        return (out, lse) if return_lse else out
     given = (descale_q, descale_k, descale_v)
     _validation.check_precision(precision, rotate, q.dtype, any(d is not None for d in given))
     if precision == "fp8":
         q8, k8, v8, descales = _quantize_in_call(q, k, v, rotate=rotate)
-        options = {"causal": causal, "window": window, "softmax_scale": softmax_scale, "return_lse": return_lse}
+        options = {
+            "causal": causal,
+            "window": window,
+            "softmax_scale": softmax_scale,
+            "return_lse": return_lse,
+        }
         result = flash_attention(
             q8, k8, v8, **options, implementation=implementation, lean_p=lean_p, **descales
         )
@@ -234,6 +250,7 @@ def flash_attention_varlen(
     descale_v: jax.Array | None = None,
     precision: str | None = None,
     rotate: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a packed batch of sequences of different lengths (flash-attention's varlen).
 
@@ -257,6 +274,7 @@ def flash_attention_varlen(
         calls use lean P.
       precision, rotate: as in `flash_attention`; "fp8" quantizes with one descale per KV head over
         the whole packed batch.
+      sinks: as in `flash_attention`.
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse). Queries
@@ -264,6 +282,12 @@ def flash_attention_varlen(
       out = 0 and lse = -inf.
     """
     _validation.check_packed_qkv(q, k, v)
+    _validation.check_sinks(sinks, q.shape[1])
+    if sinks is not None:
+        options = {name: value for name, value in locals().items() if name not in ("q", "k", "v", "sinks")}
+        out, lse = flash_attention_varlen(q, k, v, **{**options, "return_lse": True})
+        out, lse = add_attention_sinks(out, lse, sinks, packed=True)
+        return (out, lse) if return_lse else out
     given = (descale_q, descale_k, descale_v)
     _validation.check_precision(precision, rotate, q.dtype, any(d is not None for d in given))
     if precision == "fp8":

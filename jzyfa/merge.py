@@ -29,3 +29,19 @@ def merge_attention_states(
     out = per_row(weight_a) * out_a.astype(jnp.float32) + per_row(weight_b) * out_b.astype(jnp.float32)
     lse = jnp.where(seen, shift + jnp.log(safe_total), -jnp.inf)
     return out.astype(out_a.dtype), lse
+
+
+def add_attention_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array, *, packed: bool = False):
+    """Attention with a sink logit per query head (gpt-oss): each row's softmax also spans one more
+    logit, `sinks[h]`, whose value is zero. That is a merge with a part that saw one key: the row's
+    weight becomes exp(lse - logaddexp(lse, sink)) and its lse logaddexp(lse, sink), exact, so any
+    kernel serves sinks and gradients reach them (and the kernel's lse) through these two formulas.
+
+    Dense: out [B, Sq, H, D], lse [B, H, Sq]; packed: out [T, H, D], lse [H, T]; sinks [H]. Rows that
+    saw no key give out = 0 and lse = sink.
+    """
+    sink = sinks.astype(jnp.float32)[:, None]  # [H, 1]: broadcasts over lse's last (row) axis
+    new_lse = jnp.logaddexp(lse, sink)
+    weight = jnp.exp(lse - new_lse)  # exp(-inf) = 0 where the row saw no key
+    weight = weight.T if packed else jnp.swapaxes(weight, 1, 2)  # out's layout, [..., rows, H]
+    return (out.astype(jnp.float32) * weight[..., None]).astype(out.dtype), new_lse
