@@ -144,6 +144,21 @@ def check_sinks(sinks, heads_q: int) -> None:
         raise TypeError(f"sinks must be a floating array, got {jnp.dtype(sinks.dtype).name}")
 
 
+def check_softcap(softcap) -> float | None:
+    """None, or a static finite float > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+        softcap, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"softcap must be None or a static positive float, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"softcap must be a finite float > 0 (scores are capped to c * tanh(s / c)), got {softcap}"
+        )
+    return float(softcap)
+
+
 PRECISIONS = (None, "fp8")
 
 

@@ -40,10 +40,14 @@ def _family_problem(dtype) -> tuple[str, str | None]:
     return "16bit", f"the kernels take bf16, f16 or float8_e4m3fn inputs, got {jnp.dtype(dtype).name}"
 
 
-def _problem(q, v, mask: str, layout: str, sizes: plan.CallSizes, softmax_scale: float) -> str | None:
+def _problem(
+    q, v, mask: str, layout: str, sizes: plan.CallSizes, softmax_scale: float, softcap: float | None
+) -> str | None:
     family, problem = _family_problem(q.dtype)
     if problem:
         return problem
+    if softcap is not None:
+        return "the kernels have no softcap (the tanh cap of the scores); the pure-JAX path serves it"
     config = plan.Config(family, (q.shape[-1], v.shape[-1]), mask, layout)
     return plan.call_problem(config, sizes, softmax_scale)
 
@@ -131,6 +135,7 @@ def flash_attention(
     precision: str | None = None,
     rotate: bool = False,
     sinks: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(scale * q k^T) v, per batch and head.
 
@@ -164,6 +169,8 @@ def flash_attention(
       sinks: None, or one sink logit per query head, [heads_q] (gpt-oss): every row's softmax also
         spans that logit with a zero value. Applied exactly to the kernel's (out, lse)
         (`jzyfa.merge.add_attention_sinks`); differentiable, the sinks included.
+      softcap: None, or a static c > 0 capping each scaled score s to c * tanh(s / c) (Gemma 2).
+        The kernels have none: such calls take the pure-JAX path ("kernel" raises).
 
     Returns:
       out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
@@ -184,6 +191,7 @@ def flash_attention(
             "window": window,
             "softmax_scale": softmax_scale,
             "return_lse": return_lse,
+            "softcap": softcap,
         }
         result = flash_attention(
             q8, k8, v8, **options, implementation=implementation, lean_p=lean_p, **descales
@@ -195,12 +203,13 @@ def flash_attention(
     _validation.check_implementation(implementation)
     lean_p = _check_lean_p(lean_p)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    softcap = _validation.check_softcap(softcap)
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
     fp8 = descales is not None
 
     mask, kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
     sizes = plan.CallSizes("dense", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-    problem = _problem(q, v, mask, "dense", sizes, softmax_scale)
+    problem = _problem(q, v, mask, "dense", sizes, softmax_scale, softcap)
     # On a CPU backend 16-bit calls still bind the primitive (its lowering there is the reference), so
     # the same program lowers for CUDA; FP8 calls take the exact pure-JAX path there.
     path = plan.choose_path(problem, implementation, cpu_primitive=not fp8)
@@ -209,11 +218,13 @@ def flash_attention(
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
             dequantized = [dequantize(x, d) for x, d in zip((q, k, v), descales)]
             out, lse = attention_reference(
-                *dequantized, causal=causal, softmax_scale=softmax_scale, window=window
+                *dequantized, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
             )
             out = out.astype(jnp.bfloat16)
         else:
-            out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
+            out, lse = attention_reference(
+                q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
+            )
     else:
         spec = primitives.make_spec(
             softmax_scale=softmax_scale,
@@ -251,6 +262,7 @@ def flash_attention_varlen(
     precision: str | None = None,
     rotate: bool = False,
     sinks: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention over a packed batch of sequences of different lengths (flash-attention's varlen).
 
@@ -274,7 +286,7 @@ def flash_attention_varlen(
         calls use lean P.
       precision, rotate: as in `flash_attention`; "fp8" quantizes with one descale per KV head over
         the whole packed batch.
-      sinks: as in `flash_attention`.
+      sinks, softcap: as in `flash_attention`.
 
     Returns:
       out [total_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse). Queries
@@ -297,7 +309,7 @@ def flash_attention_varlen(
         result = flash_attention_varlen(
             q8[0], k8[0], v8[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             causal=causal, window=window, softmax_scale=softmax_scale, return_lse=return_lse,
-            implementation=implementation, **descales,
+            implementation=implementation, softcap=softcap, **descales,
         )  # fmt: skip
         out, lse = result if return_lse else (result, None)
         return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
@@ -308,6 +320,7 @@ def flash_attention_varlen(
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
     softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    softcap = _validation.check_softcap(softcap)
     num_seqs = cu_seqlens_q.shape[0] - 1
     descales = _validation.check_descales(
         q,
@@ -324,7 +337,7 @@ def flash_attention_varlen(
     sizes = plan.CallSizes(
         "varlen", num_seqs, max_seqlen_q, max_seqlen_k, q.shape[1], k.shape[1], q.shape[0], k.shape[0]
     )
-    problem = _problem(q, v, mask, "varlen", sizes, softmax_scale)
+    problem = _problem(q, v, mask, "varlen", sizes, softmax_scale, softcap)
     path = plan.choose_path(problem, implementation, cpu_primitive=False)
     cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
     if path is Path.REFERENCE:
@@ -332,12 +345,12 @@ def flash_attention_varlen(
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
             out, lse = fp8_varlen_attention_reference(
                 q, k, v, cu_q, cu_k, descales, max_seqlen_q, max_seqlen_k,
-                window=effective_window, softmax_scale=softmax_scale,
+                window=effective_window, softmax_scale=softmax_scale, softcap=softcap,
             )  # fmt: skip
         else:
             out, lse = varlen_attention_reference(
                 q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                window=effective_window, softmax_scale=softmax_scale,
+                window=effective_window, softmax_scale=softmax_scale, softcap=softcap,
             )  # fmt: skip
     else:
         spec = primitives.make_spec(

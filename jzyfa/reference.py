@@ -48,12 +48,18 @@ def causal_mask(seq_q: int, seq_k: int) -> jax.Array:
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None, softmax_scale: float
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    softmax_scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The shared core: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out, lse).
 
     mask: None, or bool broadcastable to [B, 1, 1, Sq, Sk] (True where a query sees a key). out is
     [B, Sq, Hq, Dv] in q's dtype; lse float32 [B, Hq, Sq]. Rows that see no key give 0 and -inf.
+    softcap: None, or c > 0 capping each scaled score s to c * tanh(s / c) (Gemma 2).
     """
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv, value_dim = k.shape[2], v.shape[3]
@@ -64,6 +70,8 @@ def masked_attention(
     kf = k.astype(jnp.float32)
     vf = v.astype(jnp.float32)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=_HIGHEST) * softmax_scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     if mask is not None:
         scores = jnp.where(mask, scores, -jnp.inf)
 
@@ -91,6 +99,7 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     window: Window | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Returns (out, lse) for q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv].
 
@@ -98,6 +107,7 @@ def attention_reference(
     [B, Sq, Hq, Dv] in q's dtype; lse is float32 [B, Hq, Sq], natural log. `causal` and `window`
     mask as in `jzyfa.flash_attention` (bottom-right alignment; causal sets the window's right bound
     to 0). Rows that see no key give out = 0 and lse = -inf. softmax_scale defaults to 1/sqrt(D).
+    softcap: None, or c > 0 capping each scaled score s to c * tanh(s / c) before the softmax.
     """
     batch, seq_q, heads_q, _ = q.shape
     seq_k = k.shape[1]
@@ -107,8 +117,8 @@ def attention_reference(
     rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
     if rows >= seq_q:
         mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
-        return masked_attention(q, k, v, mask, softmax_scale)
-    return _attention_by_query_chunks(q, k, v, window, softmax_scale, rows)
+        return masked_attention(q, k, v, mask, softmax_scale, softcap)
+    return _attention_by_query_chunks(q, k, v, window, softmax_scale, rows, softcap)
 
 
 # Score entries (float32) one step of the reference may hold: 2^28 = 1 GiB. Larger problems run over
@@ -122,7 +132,7 @@ def _rows_per_chunk(batch: int, heads_q: int, seq_q: int, seq_k: int) -> int:
     return max(1, min(seq_q, CHUNK_SCORE_ENTRIES // per_row))
 
 
-def _attention_by_query_chunks(q, k, v, window: Window, softmax_scale: float, rows: int):
+def _attention_by_query_chunks(q, k, v, window: Window, softmax_scale: float, rows: int, softcap=None):
     """attention_reference over chunks of `rows` query rows (lax.map; each chunk checkpointed).
 
     Every row sees the same keys in the same order as in one call, so the chunks compute exactly
@@ -141,7 +151,7 @@ def _attention_by_query_chunks(q, k, v, window: Window, softmax_scale: float, ro
         # masks; they are cut off below).
         query_pos = index * rows + jnp.arange(rows)[:, None] + (seq_k - seq_q)
         mask = None if window == NO_WINDOW else window_visible(query_pos, jnp.arange(seq_k)[None, :], window)
-        return masked_attention(q_chunk, k, v, mask, softmax_scale)
+        return masked_attention(q_chunk, k, v, mask, softmax_scale, softcap)
 
     out, lse = lax.map(one_chunk, (jnp.arange(count), chunks))
     # out [count, B, rows, Hq, Dv] -> [B, Sq, Hq, Dv]; lse [count, B, Hq, rows] -> [B, Hq, Sq]

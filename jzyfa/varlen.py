@@ -70,6 +70,7 @@ def varlen_attention_reference(
     *,
     window: Window,
     softmax_scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [total_q, Hq, Dv] in q's dtype, lse float32 [Hq, total_q]) for packed q, k, v.
 
@@ -86,6 +87,7 @@ def varlen_attention_reference(
         _pad(v, starts_k, max_seqlen_k),
         visible[:, None, None],  # [num_seqs, 1 (kv heads), 1 (group), max_q, max_k]
         softmax_scale,
+        softcap,
     )
 
     seq, pos, valid = _token_slots(cu_seqlens_q, q.shape[0], max_seqlen_q)
@@ -106,6 +108,7 @@ def fp8_varlen_attention_reference(
     *,
     window: Window,
     softmax_scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The FP8 (e4m3) varlen call's pure-JAX path: q, k and v dequantized (descales of shape (), (1,) or
     [num_seqs, Hkv]), exact attention as `varlen_attention_reference`, out in bf16."""
@@ -121,6 +124,7 @@ def fp8_varlen_attention_reference(
         max_seqlen_k,
         window=window,
         softmax_scale=softmax_scale,
+        softcap=softcap,
     )
     return out.astype(jnp.bfloat16), lse
 

@@ -488,7 +488,9 @@ class Pallas(Peer):
     no_varlen = "Pallas attention_mgpu takes dense [B, S, H, D] batches only"
     no_window, top_left = "Pallas attention_mgpu", "Pallas attention"
     one_head_dim = "Pallas attention_mgpu takes one head dim for q, k and v"
-    no_backward = "Pallas attention_mgpu's backward has no causal mask and needs its own block sizes (not wired)"
+    no_backward = (
+        "Pallas attention_mgpu's backward has no causal mask and needs its own block sizes (not wired)"
+    )
     needs_gpu = True
 
     def _supports(self, problem: Problem) -> str | None:
