@@ -159,6 +159,31 @@ def check_softcap(softcap) -> float | None:
     return float(softcap)
 
 
+def check_seqlens(seqlens_q, seqlens_k, q_batch_seq: tuple[int, int], seq_k: int) -> tuple:
+    """() when neither is given, else (seqlens_q, seqlens_k) as int32 [batch] arrays, a missing one
+    filled with the full length."""
+    if seqlens_q is None and seqlens_k is None:
+        return ()
+    batch, seq_q = q_batch_seq
+    lengths = []
+    for name, value, full in (("seqlens_q", seqlens_q, seq_q), ("seqlens_k", seqlens_k, seq_k)):
+        if value is None:
+            lengths.append(jnp.full((batch,), full, jnp.int32))
+            continue
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(
+                f"{name} must be None or an int array of shape [batch], got {type(value).__name__}"
+            )
+        if tuple(value.shape) != (batch,):
+            raise ValueError(
+                f"{name} must have shape [batch] = ({batch},), one length per sequence, got {tuple(value.shape)}"
+            )
+        if not jnp.issubdtype(value.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {jnp.dtype(value.dtype).name}")
+        lengths.append(jnp.asarray(value, jnp.int32))
+    return tuple(lengths)
+
+
 PRECISIONS = (None, "fp8")
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jzyfa import _validation, plan, primitives
+from jzyfa import _validation, padded, plan, primitives
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
@@ -96,6 +96,50 @@ def _fp8_gradient_refused_jvp(primals, tangents):
     raise TypeError(primitives.FP8_NOT_DIFFERENTIABLE)
 
 
+def _dense_reference(q, k, v, lengths, descales, *, causal, window, softmax_scale, softcap):
+    """The pure-JAX path of a dense call: exact attention (of the dequantized values for FP8 inputs,
+    bf16 out), through the packed reference for padded batches."""
+    if descales is not None:
+        if lengths:
+            packed = functools.partial(fp8_varlen_packed, window=_validation.mask_window(causal, window),
+                                       softmax_scale=softmax_scale, softcap=softcap, max_lengths=(q.shape[1], k.shape[1]))  # fmt: skip
+            return padded.attention(packed, q, k, v, *lengths, *descales)
+        q, k, v = (dequantize(x, d) for x, d in zip((q, k, v), descales))
+        out, lse = attention_reference(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
+        )
+        return out.astype(jnp.bfloat16), lse
+    if lengths:
+
+        def packed(q, k, v, cu_q, cu_k):
+            return varlen_attention_reference(
+                q, k, v, cu_q, cu_k, *max_lengths, window=_validation.mask_window(causal, window),
+                softmax_scale=softmax_scale, softcap=softcap,
+            )  # fmt: skip
+
+        max_lengths = (q.shape[1], k.shape[1])
+        return padded.attention(packed, q, k, v, *lengths)
+    return attention_reference(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
+    )
+
+
+def fp8_varlen_packed(q, k, v, cu_q, cu_k, *descales, window, softmax_scale, softcap, max_lengths):
+    """The FP8 packed reference with its descales as positional operands (`jzyfa.padded.attention`)."""
+    return fp8_varlen_attention_reference(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        descales,
+        *max_lengths,
+        window=window,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+    )
+
+
 def _backward_kernel(q, v, mask: str, layout: str) -> bool:
     """Whether the plan has a backward kernel for this 16-bit call's configuration."""
     config = plan.Config("16bit", (q.shape[-1], v.shape[-1]), mask, layout, "bwd")
@@ -136,6 +180,8 @@ def flash_attention(
     rotate: bool = False,
     sinks: jax.Array | None = None,
     softcap: float | None = None,
+    seqlens_q: jax.Array | None = None,
+    seqlens_k: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention, softmax(scale * q k^T) v, per batch and head.
 
@@ -171,6 +217,12 @@ def flash_attention(
         (`jzyfa.merge.add_attention_sinks`); differentiable, the sinks included.
       softcap: None, or a static c > 0 capping each scaled score s to c * tanh(s / c) (Gemma 2).
         The kernels have none: such calls take the pure-JAX path ("kernel" raises).
+      seqlens_q, seqlens_k: None, or int [batch] device arrays (never read by the host): right-padded
+        batches, sequence b holding its first seqlens_q[b] queries and seqlens_k[b] keys (values
+        clipped to [0, seq]; a missing one means all). Keys past a length are never seen, the mask is
+        bottom-right aligned per sequence (query t at t + seqlens_k[b] - seqlens_q[b]), and padded
+        query rows give out = 0 and lse = -inf. Served by the packed (varlen) kernels
+        (`jzyfa.padded`).
 
     Returns:
       out [batch, seq_q, heads_q, head_dim_v] in q's dtype (bf16 for FP8 inputs), or (out, lse).
@@ -192,6 +244,8 @@ def flash_attention(
             "softmax_scale": softmax_scale,
             "return_lse": return_lse,
             "softcap": softcap,
+            "seqlens_q": seqlens_q,
+            "seqlens_k": seqlens_k,
         }
         result = flash_attention(
             q8, k8, v8, **options, implementation=implementation, lean_p=lean_p, **descales
@@ -207,24 +261,28 @@ def flash_attention(
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
     fp8 = descales is not None
 
+    lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
+
     mask, kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
-    sizes = plan.CallSizes("dense", q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-    problem = _problem(q, v, mask, "dense", sizes, softmax_scale, softcap)
+    (batch, seq_q, heads_q, _), (_, seq_k, heads_kv, _) = q.shape, k.shape
+    if lengths:  # the packed kernels serve padded batches: 2 * batch sequences (jzyfa.padded)
+        layout = "varlen"
+        sizes = plan.CallSizes(
+            layout, 2 * batch, seq_q, seq_k, heads_q, heads_kv, batch * seq_q, batch * seq_k
+        )
+    else:
+        layout = "dense"
+        sizes = plan.CallSizes(layout, batch, seq_q, seq_k, heads_q, heads_kv)
+    problem = _problem(q, v, mask, layout, sizes, softmax_scale, softcap)
     # On a CPU backend 16-bit calls still bind the primitive (its lowering there is the reference), so
     # the same program lowers for CUDA; FP8 calls take the exact pure-JAX path there.
     path = plan.choose_path(problem, implementation, cpu_primitive=not fp8)
     if path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
-            dequantized = [dequantize(x, d) for x, d in zip((q, k, v), descales)]
-            out, lse = attention_reference(
-                *dequantized, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
-            )
-            out = out.astype(jnp.bfloat16)
-        else:
-            out, lse = attention_reference(
-                q, k, v, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap
-            )
+        reference = functools.partial(_dense_reference, causal=causal, window=window, softmax_scale=softmax_scale,
+                                      softcap=softcap)  # fmt: skip
+        out, lse = reference(q, k, v, lengths, descales)
     else:
         spec = primitives.make_spec(
             softmax_scale=softmax_scale,
@@ -233,12 +291,13 @@ def flash_attention(
             kernel_required=path is Path.KERNEL_REQUIRED,
             fp8=fp8,
             lean_p=lean_p,
-            backward_kernel=not fp8 and _backward_kernel(q, v, mask, "dense"),
+            backward_kernel=not fp8 and _backward_kernel(q, v, mask, layout),
+            seqlens=bool(lengths),
         )
         if fp8:  # FP8 inputs are not differentiated
-            out, lse = primitives.attention_fwd(q, k, v, *descales, spec=spec)
+            out, lse = primitives.attention_fwd(q, k, v, *lengths, *descales, spec=spec)
         else:
-            out, lse = _differentiable(spec, q, k, v, ())
+            out, lse = _differentiable(spec, q, k, v, lengths)
     return (out, lse) if return_lse else out
 
 

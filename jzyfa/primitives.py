@@ -2,7 +2,8 @@
 and backward.
 
 Operands are q, k, v (the backward adds dout, lse, delta) and extras: cu_seqlens_q, cu_seqlens_k for
-packed (varlen) batches, then descale_q, descale_k, descale_v for FP8 inputs. One frozen
+packed (varlen) batches, or seqlens_q, seqlens_k for padded dense ones (`jzyfa.padded`: per shard they
+run as a packed call), then descale_q, descale_k, descale_v for FP8 inputs. One frozen
 `AttentionSpec` carries the static parameters. Two primitives per direction, as JAX's own cuDNN
 attention does it:
 - `attention_fwd_p`, what programs bind: one abstract eval, one vmap rule, an eager impl. It lowers
@@ -33,7 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
-from jzyfa import fp8_layout, plan, sharding
+from jzyfa import fp8_layout, padded, plan, sharding
 from jzyfa._validation import NO_WINDOW, Window, mask_window
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.reference import attention_bwd_reference, attention_reference
@@ -57,7 +58,8 @@ class AttentionSpec:
     instantiations. `varlen` holds (max_seqlen_q, max_seqlen_k) for packed batches. `v_transposed` and
     `key_block` are per-shard choices of the FP8 kernel (`jzyfa.plan`), set by `attention_shard`.
     `backward_kernel`: the plan has a backward kernel for this configuration, which the backward
-    primitive's CUDA lowering then calls.
+    primitive's CUDA lowering then calls. `seqlens`: a dense call with per-sequence lengths (extras
+    seqlens_q, seqlens_k), computed per shard as a packed call of 2 * batch sequences (`jzyfa.padded`).
     """
 
     softmax_scale: float
@@ -70,10 +72,15 @@ class AttentionSpec:
     v_transposed: bool = False
     key_block: int = 0
     backward_kernel: bool = False
+    seqlens: bool = False
 
     @property
     def num_extras(self) -> int:
-        return 2 * bool(self.varlen) + 3 * self.fp8
+        return 2 * bool(self.varlen) + 2 * self.seqlens + 3 * self.fp8
+
+    def as_packed(self, seq_q: int, seq_k: int) -> AttentionSpec:
+        """The packed call a padded dense one runs per shard (`jzyfa.padded`)."""
+        return dataclasses.replace(self, seqlens=False, varlen=(seq_q, seq_k))
 
 
 def make_spec(
@@ -86,6 +93,7 @@ def make_spec(
     fp8: bool = False,
     lean_p: bool = True,
     backward_kernel: bool = False,
+    seqlens: bool = False,
 ) -> AttentionSpec:
     """An AttentionSpec of plain hashable Python values."""
     return AttentionSpec(
@@ -97,6 +105,7 @@ def make_spec(
         fp8=bool(fp8),
         lean_p=bool(lean_p),
         backward_kernel=bool(backward_kernel),
+        seqlens=bool(seqlens),
     )
 
 
@@ -113,8 +122,8 @@ def attention_fwd(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax
     if len(extras) != spec.num_extras:
         raise TypeError(f"attention_fwd takes {spec.num_extras} extra operands for {spec}, got {len(extras)}")
     extras = list(extras)
-    if spec.varlen:
-        extras[:2] = [jnp.asarray(cu, jnp.int32) for cu in extras[:2]]
+    if spec.varlen or spec.seqlens:
+        extras[:2] = [jnp.asarray(lengths, jnp.int32) for lengths in extras[:2]]
     if spec.fp8:
         per_head = (extras[0].shape[0] - 1, k.shape[1]) if spec.varlen else (k.shape[0], k.shape[2])
         extras[-3:] = [_per_head_descale(d, per_head) for d in extras[-3:]]
@@ -225,7 +234,11 @@ ad.primitive_jvps[attention_fwd_p] = _not_differentiable
 
 def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
     """The call on one device's blocks. FP8: V as it is or as V^T from the layout kernel, by
-    `jzyfa.plan`'s rule on the shard's shapes; descales flattened to [B * Hkv] (or [num_seqs * Hkv])."""
+    `jzyfa.plan`'s rule on the shard's shapes; descales flattened to [B * Hkv] (or [num_seqs * Hkv]).
+    Padded dense calls run as packed ones."""
+    if spec.seqlens:
+        packed = spec.as_packed(q.shape[1], k.shape[1])
+        return padded.attention(functools.partial(attention_shard, spec=packed), q, k, v, *extras)
     extras = list(extras)
     if spec.fp8:
         if spec.varlen:
@@ -421,7 +434,12 @@ attention_bwd_p.def_impl(_bwd_impl)
 
 
 def attention_bwd_shard(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):
-    """The backward on one device's blocks."""
+    """The backward on one device's blocks (padded dense calls as packed ones)."""
+    if spec.seqlens:
+        packed = spec.as_packed(q.shape[1], k.shape[1])
+        return padded.backward(
+            functools.partial(attention_bwd_shard, spec=packed), q, k, v, dout, lse, delta, *extras
+        )
     dq, dk, dv = attention_bwd_shard_p.bind(q, k, v, dout, lse, delta, *extras, spec=spec)
     return dq, dk, dv
 

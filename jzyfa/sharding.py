@@ -63,7 +63,7 @@ def rule_for(spec, direction: str = "fwd") -> SdyShardingRule:
             ArrayMapping("b", "sk", "h", "dv"),
         )
         out, lse = ArrayMapping("b", "sq", "hq", "dv"), ArrayMapping("b", "hq", "sq")
-        offsets = []
+        offsets = [ArrayMapping("b"), ArrayMapping("b")] if spec.seqlens else []  # seqlens_q, seqlens_k
         descale = ArrayMapping("b", "h")
         replicated = ("d", "sk", "dv")
     if direction == "fwd":
@@ -140,8 +140,9 @@ def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads
         batch, seq_q, heads_q = (_axes(e) for e in entries[:3])
         heads = q_shape[2]
         # Uneven splits are padded: harmless for batch rows, wrong for causal offsets and head groups.
-        # FP8 calls gather a sharded q sequence (their chunks' no-key rows are not wired for e4m3).
-        if spec.fp8 or q_shape[1] % size(seq_q):
+        # FP8 calls gather a sharded q sequence (their chunks' no-key rows are not wired for e4m3), and so
+        # do padded ones (each sequence's length holds for its whole row).
+        if spec.fp8 or spec.seqlens or q_shape[1] % size(seq_q):
             seq_q = ()
     head_shards = size(heads_q)
     if heads % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
@@ -283,6 +284,8 @@ def _shardings(mesh, plan: ShardPlan, spec, direction: str):
         results, operands = (q, kv, kv), [q, kv, kv, q, lse, lse]
     if spec.varlen:
         operands += [named(P(None))] * 2
+    if spec.seqlens:
+        operands += [named(P(_entry(plan.batch)))] * 2
     if spec.fp8:
         operands += [named(plan.descale_spec())] * 3
     return results, tuple(operands)

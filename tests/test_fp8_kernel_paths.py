@@ -127,8 +127,8 @@ def operand_shapes(call: str) -> list[str]:
     return re.findall(r"\w+\[[\d,]*\]", operands)
 
 
-def bound_specs(fn, *args) -> list[primitives.FwdSpec]:
-    """The FwdSpec of every attention_fwd_p the traced program binds (in nested jaxprs too)."""
+def bound_specs(fn, *args) -> list[primitives.AttentionSpec]:
+    """The AttentionSpec of every attention_fwd_p the traced program binds (in nested jaxprs too)."""
     found = []
 
     def walk(jaxpr):
@@ -748,7 +748,7 @@ def test_abstract_evals_and_vmap_keep_v_head_dim(monkeypatch, layout, v_shape):
     base = fp8_spec(scale=0.1, causal=True)
     vt = spec((2, 2, 128, 512))
     for v, v_transposed in ((V, False), (vt, True)):
-        shard_spec = primitives.FwdSpec(**{**base.__dict__, "v_transposed": v_transposed})
+        shard_spec = primitives.AttentionSpec(**{**base.__dict__, "v_transposed": v_transposed})
         avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in (Q, K, v, d, d, d)]
         shard_out, shard_lse = primitives.attention_fwd_shard_p.abstract_eval(*avals, spec=shard_spec)[0]
         assert shard_out.shape == (2, 300, 8, 128) and shard_lse.shape == (2, 8, 300)
