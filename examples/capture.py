@@ -28,14 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/lm.py and its neighbours
-import lm  # noqa: E402
-import prefill  # noqa: E402
-import stdlib_text  # noqa: E402
+import lm
+import prefill
+import stdlib_text
 
 
 def capture_qkv(config: prefill.Config, params: dict, tokens: jax.Array, attention: str = "jzyfa") -> list:
     """[(q, k, v) of layer 0, ...]: the arrays each layer's attention receives in lm.apply."""
-    x = jnp.asarray(params["embed"], jnp.bfloat16)[tokens]
+    bf16 = jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16), params)  # as lm.apply casts them
+    x = bf16["embed"][tokens]
     captured = []
 
     def recording_attention(q, k, v):
@@ -43,7 +44,7 @@ def capture_qkv(config: prefill.Config, params: dict, tokens: jax.Array, attenti
         return lm.attention_fn(attention)(q, k, v)
 
     for index in range(config.layers):
-        layer = jax.tree.map(lambda w: w[index].astype(jnp.bfloat16), params["layers"])
+        layer = {name: weights[index] for name, weights in bf16["layers"].items()}
         x = prefill.transformer_block(x, layer, config, recording_attention)
     return captured
 
@@ -55,8 +56,13 @@ def save_captured(path: str | pathlib.Path, captured: list, config: prefill.Conf
             key = f"layer{index}_{name}"
             arrays[key] = np.asarray(jnp.asarray(array, jnp.bfloat16)).view(np.uint16)
             shapes[key] = list(arrays[key].shape)
-    header = {"layers": len(captured), "seq": int(captured[0][0].shape[1]), "dtype": "bfloat16",
-              "shapes": shapes, "config": dataclasses.asdict(config)}
+    header = {
+        "layers": len(captured),
+        "seq": int(captured[0][0].shape[1]),
+        "dtype": "bfloat16",
+        "shapes": shapes,
+        "config": dataclasses.asdict(config),
+    }
     with open(path, "wb") as file:  # a file object, so numpy does not append ".npz" to the name
         np.savez(file, header=np.array(json.dumps(header)), **arrays)
 
@@ -77,11 +83,15 @@ def load_captured(path: str | pathlib.Path) -> list[tuple[np.ndarray, np.ndarray
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--checkpoint", type=pathlib.Path, required=True, help="written by train.py --save")
     parser.add_argument("--seq", type=int, default=4096, help="held-out bytes (tokens) to run")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="the .npz to write")
-    parser.add_argument("--attention", choices=lm.ATTENTIONS, default="jzyfa", help="attention between layers")
+    parser.add_argument(
+        "--attention", choices=lm.ATTENTIONS, default="jzyfa", help="attention between layers"
+    )
     args = parser.parse_args(argv)
 
     config, params = lm.load_checkpoint(args.checkpoint)
@@ -92,8 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     captured = jax.jit(capture_qkv, static_argnums=(0, 3))(config, params, tokens, args.attention)
     save_captured(args.out, captured, config)
     header = read_header(args.out)
-    print(f"wrote q, k, v of {header['layers']} layers at seq {header['seq']} to {args.out}: "
-          f"q {header['shapes']['layer0_q']}, k and v {header['shapes']['layer0_k']} bf16")
+    print(
+        f"wrote q, k, v of {header['layers']} layers at seq {header['seq']} to {args.out}: "
+        f"q {header['shapes']['layer0_q']}, k and v {header['shapes']['layer0_k']} bf16"
+    )
     return header
 
 

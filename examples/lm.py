@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the model of examples/prefill.py
-import prefill  # noqa: E402
+import prefill
 
-import jzyfa  # noqa: E402
+import jzyfa
 
 VOCAB = 256  # bytes
 ATTENTIONS = ("jzyfa", "cudnn", "xla")
@@ -95,5 +95,7 @@ def load_checkpoint(path: str | pathlib.Path) -> tuple[prefill.Config, dict]:
     """(model config, float32 parameters) of a file that save_checkpoint wrote."""
     with np.load(path, allow_pickle=False) as archive:
         config = prefill.Config(**json.loads(str(archive["config"])))
-        params = _unflatten({name.removeprefix("params/"): archive[name] for name in archive.files if name != "config"})
+        params = _unflatten(
+            {name.removeprefix("params/"): archive[name] for name in archive.files if name != "config"}
+        )
     return config, params

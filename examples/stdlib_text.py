@@ -35,7 +35,9 @@ def stdlib_sources(root: pathlib.Path | None = None) -> list[pathlib.Path]:
     """The standard library's `*.py` files, sorted by their path relative to the stdlib."""
     root = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
     files = (path for path in root.rglob("*.py") if "site-packages" not in path.relative_to(root).parts)
-    return sorted((path for path in files if path.is_file()), key=lambda path: path.relative_to(root).as_posix())
+    return sorted(
+        (path for path in files if path.is_file()), key=lambda path: path.relative_to(root).as_posix()
+    )
 
 
 def is_held_out(relative_path: str) -> bool:
@@ -60,7 +62,9 @@ def random_windows(data: np.ndarray, rng: np.random.Generator, batch: int, lengt
 def evenly_spaced_windows(data: np.ndarray, count: int, length: int) -> np.ndarray:
     """`count` windows of `length` bytes spread evenly over `data` (the same whatever the seed)."""
     if count * length > len(data):
-        raise ValueError(f"{count} windows of {length} bytes need {count * length} bytes; the data has {len(data)}")
+        raise ValueError(
+            f"{count} windows of {length} bytes need {count * length} bytes; the data has {len(data)}"
+        )
     starts = np.linspace(0, len(data) - length, count).astype(np.int64)
     return data[starts[:, None] + np.arange(length)]
 

@@ -8,26 +8,29 @@ the seed draws both the initial weights and the training windows.
 
     python examples/train.py                                 # --preset cpu: seconds on a CPU
     python examples/train.py --compare xla                   # the same run with jax.nn's XLA attention
-    python examples/train.py --preset h200 --compare cudnn --save lm.npz
-    python examples/train.py --preset h200 --load lm.npz --steps 0   # held-out loss of a checkpoint
+    python examples/train.py --preset h200 --attention cudnn --save lm.npz   # the checkpoint
+    python examples/train.py --preset h200 --compare cudnn --steps 100       # jzyfa next to cuDNN
+    python examples/train.py --preset h200 --load lm.npz --steps 0           # held-out loss of a checkpoint
 
 It prints loss, learning rate, gradient norm, tokens/s and step time every `--log-every` steps, then
 the held-out loss in nats and bits per byte (zlib's bits per byte on the same text for scale). With
 `--compare NAME` it trains the same model on the same windows with the other attention and prints
 the two side by side, with the largest difference between their loss curves.
 
-Preset h200 (an estimate; nothing here has been measured on a GPU): 8 layers, d_model 1024, 8 query
-and 2 KV heads of dim 128, gated MLP 2816: about 88M parameters outside the embeddings. Sequences of
-4096 bytes, 32 a step: 131K tokens a step, half the 256K first planned, because without
-rematerialisation the activations of a 256K-token step would need about 100 GB of the H200's 141 and
-twice the steps in the same time train a model this small further. A step is about 6 x 88M FLOP a
-token in the matmuls plus 3.5 x 8.4M a token a layer in causal attention: about 1.0e14 FLOP, so about
-0.3 s at 300-400 TFLOP/s with cuDNN-speed attention, and 600 steps (79M bytes, about two passes over
-the training split) fit in about 3-4 minutes plus compilation. A byte model starts at ln 256 = 5.5
-nats (8 bits) per byte; after 79M bytes of Python source one of this size should reach around 1.0-1.5
-bits per byte on held-out files, well under zlib's figure. Until jzyfa's backward kernel is in its
-plan, `--attention jzyfa` runs its backward on the pure-JAX path (issue 30 measured it at about 22
-TFLOP/s), which adds about a second a step: use `--steps` to stay in a time budget.
+Preset h200, sized by arithmetic (nothing here has been run on a GPU yet): 8 layers, d_model 1024,
+8 query and 2 KV heads of dim 128, gated MLP 2816: about 88M parameters outside the embeddings.
+Windows of 4096 bytes, 32 a step: 131K tokens a step rather than 256K, because without
+rematerialisation a 256K-token step's activations would take about 100 GB of the H200's 141 GB, and
+twice the optimizer steps in the same time take a model this small further. A step costs about
+6 x 88M FLOP a token in the matmuls plus 3.5 x 8.4M a token a layer in causal attention, about
+1.0e14 FLOP: about 0.3 s at 300-400 TFLOP/s. 600 steps (79M bytes, about 2.6 passes over Python
+3.12's 30 MB training split) should then take about 3 minutes plus compilation with cuDNN attention.
+Expected result: from ln 256 = 5.5 nats (8 bits) per byte down to around 1 bit per byte on the
+held-out files, clearly below zlib's bits per byte on the same text (about 1.6 for Python 3.12's).
+Until jzyfa's backward kernel is in its plan, `--attention jzyfa` differentiates through its pure-JAX
+backward (issue 30 measured forward plus backward at about 22 TFLOP/s), which adds about 1.3 s a step
+at these sizes, so a 600-step jzyfa run would not fit one 10-minute command: train the checkpoint
+with `--attention cudnn`, and compare with jzyfa over fewer `--steps`.
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/lm.py and its neighbours
-import lm  # noqa: E402
-import prefill  # noqa: E402
-import stdlib_text  # noqa: E402
+import lm
+import prefill
+import stdlib_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,17 +68,16 @@ class TrainConfig:
     log_every: int = 10
 
 
+# The model sizes of each preset (Config's batch and seq are the training windows) and how it trains.
+CPU_MODEL = prefill.Config(
+    batch=4, seq=256, layers=2, d_model=256, heads_q=2, heads_kv=1, head_dim=128, mlp=512, vocab=lm.VOCAB
+)
+H200_MODEL = dataclasses.replace(
+    CPU_MODEL, batch=32, seq=4096, layers=8, d_model=1024, heads_q=8, heads_kv=2, mlp=2816
+)
 PRESETS = {
-    "cpu": (
-        prefill.Config(batch=4, seq=256, layers=2, d_model=256, heads_q=2, heads_kv=1, head_dim=128, mlp=512,
-                       vocab=lm.VOCAB),
-        TrainConfig(steps=20, learning_rate=3e-3, warmup=4, eval_batches=2, log_every=5),
-    ),
-    "h200": (
-        prefill.Config(batch=32, seq=4096, layers=8, d_model=1024, heads_q=8, heads_kv=2, head_dim=128,
-                       mlp=2816, vocab=lm.VOCAB),
-        TrainConfig(steps=600, learning_rate=6e-4, warmup=60, eval_batches=8, log_every=20),
-    ),
+    "cpu": (CPU_MODEL, TrainConfig(steps=20, learning_rate=3e-3, warmup=4, eval_batches=2, log_every=5)),
+    "h200": (H200_MODEL, TrainConfig(steps=600, learning_rate=6e-4, warmup=60, eval_batches=8, log_every=20)),
 }
 
 
@@ -88,8 +90,8 @@ def learning_rate(step: jax.Array, train: TrainConfig) -> jax.Array:
 
 
 def adamw_init(params: dict) -> dict:
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return {"step": jnp.zeros((), jnp.int32), "mean": zeros, "square": jax.tree.map(jnp.zeros_like, params)}
+    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    return {"step": jnp.zeros((), jnp.int32), "mean": zeros(params), "square": zeros(params)}
 
 
 def adamw_update(params: dict, grads: dict, state: dict, train: TrainConfig) -> tuple[dict, dict]:
@@ -114,9 +116,11 @@ def clip_by_global_norm(grads: dict, max_norm: float) -> tuple[dict, jax.Array]:
     return jax.tree.map(lambda g: g * scale, grads), norm
 
 
-# Module-level jits with the configs static: a second run of the same sizes (a test, --compare's
-# second model only if the attention is the same) reuses the compiled step.
-@functools.partial(jax.jit, static_argnames=("config", "train", "attention"), donate_argnames=("params", "opt"))
+# Module-level jits with the configs static, so a second run with the same sizes and attention (the
+# tests' reruns) reuses the compiled step.
+@functools.partial(
+    jax.jit, static_argnames=("config", "train", "attention"), donate_argnames=("params", "opt")
+)
 def train_step(params, opt, windows, *, config: prefill.Config, train: TrainConfig, attention: str):
     loss, grads = jax.value_and_grad(lm.next_byte_loss, argnums=1)(config, params, windows, attention)
     grads, grad_norm = clip_by_global_norm(grads, train.clip_norm)
@@ -127,7 +131,9 @@ def train_step(params, opt, windows, *, config: prefill.Config, train: TrainConf
 held_out_loss_step = jax.jit(lm.next_byte_loss, static_argnums=(0, 3))
 
 
-def held_out_loss(config: prefill.Config, params: dict, held_out: np.ndarray, batches: int, attention: str) -> float:
+def held_out_loss(
+    config: prefill.Config, params: dict, held_out: np.ndarray, batches: int, attention: str
+) -> float:
     windows = stdlib_text.evenly_spaced_windows(held_out, batches * config.batch, config.seq + 1)
     losses = [held_out_loss_step(config, params, batch, attention) for batch in np.split(windows, batches)]
     return float(np.mean(jax.device_get(losses)))
@@ -145,15 +151,19 @@ def train(config, train_cfg, corpus, *, attention="jzyfa", seed=0, params=None, 
     for step in range(train_cfg.steps):
         windows = stdlib_text.random_windows(corpus.train, rng, config.batch, config.seq + 1)
         start = time.perf_counter()
-        params, opt, metrics = train_step(params, opt, windows, config=config, train=train_cfg, attention=attention)
+        params, opt, metrics = train_step(
+            params, opt, windows, config=config, train=train_cfg, attention=attention
+        )
         metrics = jax.device_get(metrics)  # waits for the step: the time below is the step's own
         step_times.append(time.perf_counter() - start)
         losses.append(float(metrics["loss"]))
         if step % train_cfg.log_every == 0 or step == train_cfg.steps - 1:
             note = "  (includes compilation)" if step == 0 else ""
-            log(f"[{attention}] step {step:5d}/{train_cfg.steps}  loss {losses[-1]:.4f}  lr {metrics['lr']:.2e}  "
+            log(
+                f"[{attention}] step {step:5d}/{train_cfg.steps}  loss {losses[-1]:.4f}  lr {metrics['lr']:.2e}  "
                 f"|grad| {metrics['grad_norm']:.3f}  {tokens_per_step / step_times[-1]:12,.0f} tokens/s  "
-                f"{1e3 * step_times[-1]:8.1f} ms/step{note}")
+                f"{1e3 * step_times[-1]:8.1f} ms/step{note}"
+            )
     steady = step_times[1:] or step_times  # the first step compiles
     held_out = held_out_loss(config, params, corpus.held_out, train_cfg.eval_batches, attention)
     return {
@@ -174,9 +184,12 @@ def print_comparison(a: dict, b: dict, log_every: int) -> float:
     for step, (loss_a, loss_b) in enumerate(zip(a["losses"], b["losses"])):
         if step % log_every == 0 or step == len(a["losses"]) - 1:
             print(f"{step:6d} {loss_a:14.4f} {loss_b:14.4f} {loss_a - loss_b:12.2e}")
-    for label, key, form in [("tokens/s", "tokens_per_second", ",.0f"), ("median step s", "step_seconds", ".4f"),
-                             ("held-out nats/byte", "held_out_loss", ".4f"),
-                             ("held-out bits/byte", "held_out_bits_per_byte", ".4f")]:
+    for label, key, form in [
+        ("tokens/s", "tokens_per_second", ",.0f"),
+        ("median step s", "step_seconds", ".4f"),
+        ("held-out nats/byte", "held_out_loss", ".4f"),
+        ("held-out bits/byte", "held_out_bits_per_byte", ".4f"),
+    ]:
         print(f"{label:>20} {a[key]:{form}} ({name_a})  {b[key]:{form}} ({name_b})")
     max_diff = max((abs(x - y) for x, y in zip(a["losses"], b["losses"])), default=0.0)
     print(f"max |loss({name_a}) - loss({name_b})| over {len(a['losses'])} steps: {max_diff:.3e}")
@@ -186,23 +199,36 @@ def print_comparison(a: dict, b: dict, log_every: int) -> float:
 def add_dataclass_flags(parser: argparse.ArgumentParser, defaults) -> None:
     for field in dataclasses.fields(defaults):
         flag = "--" + field.name.replace("_", "-")
-        parser.add_argument(flag, type=type(getattr(defaults, field.name)), help=f"overrides the preset's {field.name}")
+        parser.add_argument(
+            flag, type=type(getattr(defaults, field.name)), help=f"overrides the preset's {field.name}"
+        )
 
 
 def from_flags(args: argparse.Namespace, defaults):
-    return dataclasses.replace(defaults, **{
-        f.name: getattr(args, f.name) for f in dataclasses.fields(defaults) if getattr(args, f.name) is not None
-    })
+    return dataclasses.replace(
+        defaults,
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(defaults)
+            if getattr(args, f.name) is not None
+        },
+    )
 
 
 def parse_args(argv: list[str] | None) -> tuple[prefill.Config, TrainConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=PRESETS, default="cpu", help="sizes to start from")
     add_dataclass_flags(parser, PRESETS["cpu"][0])
     add_dataclass_flags(parser, PRESETS["cpu"][1])
     parser.add_argument("--attention", choices=lm.ATTENTIONS, default="jzyfa")
-    parser.add_argument("--compare", choices=lm.ATTENTIONS, help="also train with this attention, side by side")
-    parser.add_argument("--seed", type=int, default=0, help="draws the initial weights and the training windows")
+    parser.add_argument(
+        "--compare", choices=lm.ATTENTIONS, help="also train with this attention, side by side"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="draws the initial weights and the training windows"
+    )
     parser.add_argument("--save", type=pathlib.Path, help="write the trained parameters here (.npz)")
     parser.add_argument("--load", type=pathlib.Path, help="start from this checkpoint (its model sizes win)")
     args = parser.parse_args(argv)
@@ -217,16 +243,20 @@ def main(argv: list[str] | None = None) -> dict:
         loaded_config, params = lm.load_checkpoint(args.load)
         config = dataclasses.replace(loaded_config, batch=config.batch, seq=config.seq)
     corpus = stdlib_text.load_corpus()
-    print(f"{config}\n{train_cfg}\ntext: {corpus.train_files} training files ({len(corpus.train):,} bytes), "
-          f"{corpus.held_out_files} held out ({len(corpus.held_out):,} bytes); "
-          f"zlib -9 takes {stdlib_text.zlib_bits_per_byte(corpus.held_out):.3f} bits per held-out byte")
+    print(
+        f"{config}\n{train_cfg}\ntext: {corpus.train_files} training files ({len(corpus.train):,} bytes), "
+        f"{corpus.held_out_files} held out ({len(corpus.held_out):,} bytes); "
+        f"zlib -9 takes {stdlib_text.zlib_bits_per_byte(corpus.held_out):.3f} bits per held-out byte"
+    )
     print(f"attention {args.attention} on {jax.devices()[0].device_kind}")
     runs = [train(config, train_cfg, corpus, attention=args.attention, seed=args.seed, params=params)]
     if args.compare:
         runs.append(train(config, train_cfg, corpus, attention=args.compare, seed=args.seed, params=params))
     for run in runs:
-        print(f"[{run['attention']}] held-out loss {run['held_out_loss']:.4f} nats/byte, "
-              f"{run['held_out_bits_per_byte']:.4f} bits/byte; {run['tokens_per_second']:,.0f} tokens/s")
+        print(
+            f"[{run['attention']}] held-out loss {run['held_out_loss']:.4f} nats/byte, "
+            f"{run['held_out_bits_per_byte']:.4f} bits/byte; {run['tokens_per_second']:,.0f} tokens/s"
+        )
     result = {"config": config, "train": train_cfg, "runs": runs}
     if args.compare:
         result["max_loss_difference"] = print_comparison(*runs, train_cfg.log_every)
