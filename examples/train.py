@@ -18,11 +18,11 @@ the held-out loss in nats and bits per byte (zlib's bits per byte on the same te
 the two side by side, with the largest difference between their loss curves.
 
 Preset h200, sized by arithmetic (nothing here has been run on a GPU yet): 8 layers, d_model 1024,
-8 query and 2 KV heads of dim 128, gated MLP 2816: about 88M parameters outside the embeddings.
+8 query and 2 KV heads of dim 128, gated MLP 2816: about 90M parameters outside the embeddings.
 Windows of 4096 bytes, 32 a step: 131K tokens a step rather than 256K, because without
 rematerialisation a 256K-token step's activations would take about 100 GB of the H200's 141 GB, and
 twice the optimizer steps in the same time take a model this small further. A step costs about
-6 x 88M FLOP a token in the matmuls plus 3.5 x 8.4M a token a layer in causal attention, about
+6 x 90M FLOP a token in the matmuls plus 3.5 x 8.4M a token a layer in causal attention, about
 1.0e14 FLOP: about 0.3 s at 300-400 TFLOP/s. 600 steps (79M bytes, about 2.6 passes over Python
 3.12's 30 MB training split) should then take about 3 minutes plus compilation with cuDNN attention.
 Expected result: from ln 256 = 5.5 nats (8 bits) per byte down to around 1 bit per byte on the
