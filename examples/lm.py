@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jzyfa
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the model of examples/prefill.py
 import prefill
-
-import jzyfa
 
 VOCAB = 256  # bytes
 ATTENTIONS = ("jzyfa", "cudnn", "xla")

@@ -42,6 +42,7 @@ import math
 import pathlib
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -139,7 +140,16 @@ def held_out_loss(
     return float(np.mean(jax.device_get(losses)))
 
 
-def train(config, train_cfg, corpus, *, attention="jzyfa", seed=0, params=None, log=print) -> dict:
+def train(
+    config: prefill.Config,
+    train_cfg: TrainConfig,
+    corpus: stdlib_text.Corpus,
+    *,
+    attention: str = "jzyfa",
+    seed: int = 0,
+    params: dict | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Trains from `params` (or from weights drawn with `seed`); returns the loss curve, the final
     parameters, throughput and held-out loss."""
     params = lm.init_params(config, jax.random.key(seed)) if params is None else params

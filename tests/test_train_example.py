@@ -97,6 +97,13 @@ def test_checkpoint_loads_back_to_the_same_logits(cli_run, corpus):
     )
 
 
+def test_loaded_checkpoint_evaluates_as_it_was_saved(cli_run):
+    result, checkpoint = cli_run
+    loaded = train.main(FLAGS + ["--load", str(checkpoint), "--steps", "0"])
+    assert loaded["config"] == result["config"] and loaded["runs"][0]["losses"] == []
+    assert loaded["runs"][0]["held_out_loss"] == result["runs"][0]["held_out_loss"]
+
+
 def test_unknown_attention_is_refused():
     with pytest.raises(ValueError, match="attention must be one of"):
         lm.attention_fn("flash")
@@ -124,3 +131,26 @@ def test_capture_writes_what_its_loader_reads(cli_run, tmp_path, capsys):
     # Deeper layers differ from the first: each layer's own inputs were captured.
     assert not np.array_equal(captured[0][0], captured[-1][0])
     assert "wrote q, k, v of 2 layers" in capsys.readouterr().out
+
+
+def test_h200_preset_traces_at_its_full_size():
+    """The GPU preset's step, traced on shapes only (nothing allocated): a preset that cannot run is
+    found here, not on the GPU."""
+    config, train_cfg = train.PRESETS["h200"]
+    assert config.heads_q * config.head_dim == config.d_model and config.head_dim == 128
+    assert config.heads_q % config.heads_kv == 0 and config.vocab == lm.VOCAB
+    params = jax.eval_shape(lambda: lm.init_params(config, jax.random.key(0)))
+    opt = jax.eval_shape(train.adamw_init, params)
+    windows = jax.ShapeDtypeStruct((config.batch, config.seq + 1), jnp.uint8)
+    step = jax.eval_shape(
+        lambda p, o, w: train.train_step(p, o, w, config=config, train=train_cfg, attention="jzyfa"),
+        params,
+        opt,
+        windows,
+    )
+    new_params, _, metrics = step
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), new_params) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), params
+    )
+    assert metrics["loss"].shape == () and metrics["loss"].dtype == jnp.float32
+    assert 80e6 < sum(a.size for a in jax.tree.leaves(params)) < 100e6
