@@ -102,14 +102,18 @@ def project_qkv(x: jax.Array, layer: dict, cfg: Config) -> tuple[jax.Array, jax.
     return rope(q, cfg.rope_base), rope(k, cfg.rope_base), v
 
 
+def transformer_block(x: jax.Array, layer: dict, cfg: Config, attention: AttentionFn) -> jax.Array:
+    """One pre-norm layer: x plus attention of x, then plus the gated MLP of that."""
+    q, k, v = project_qkv(x, layer, cfg)
+    x = x + attention(q, k, v).reshape(x.shape[0], x.shape[1], -1) @ layer["wo"]
+    h = rms_norm(x, layer["mlp_norm"])
+    return x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
+
+
 def forward(params: dict, tokens: jax.Array, cfg: Config, attention: AttentionFn) -> jax.Array:
     """Prefill: tokens [B, S] -> float32 logits [B, S, vocab]."""
     def block(x, layer):
-        q, k, v = project_qkv(x, layer, cfg)
-        x = x + attention(q, k, v).reshape(x.shape[0], x.shape[1], -1) @ layer["wo"]
-        h = rms_norm(x, layer["mlp_norm"])
-        x = x + (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
-        return x, None
+        return transformer_block(x, layer, cfg, attention), None
 
     x, _ = jax.lax.scan(block, params["embed"][tokens], params["layers"])
     return (rms_norm(x, params["final_norm"]) @ params["unembed"]).astype(jnp.float32)
