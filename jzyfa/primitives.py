@@ -201,13 +201,17 @@ attention_fwd_p.def_abstract_eval(_abstract_eval)
 attention_fwd_shard_p.def_abstract_eval(_abstract_eval)
 
 
-# Eager calls compile the primitive alone, once per shape and spec.
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _impl(*operands, spec):
-    return attention_fwd_p.bind(*operands, spec=spec)
+def _eager(primitive: Primitive):
+    """The primitive's impl: eager calls compile it alone, once per shape and spec."""
+
+    @functools.partial(jax.jit, static_argnames=("spec",))
+    def impl(*operands, spec):
+        return primitive.bind(*operands, spec=spec)
+
+    return impl
 
 
-attention_fwd_p.def_impl(_impl)
+attention_fwd_p.def_impl(_eager(attention_fwd_p))
 
 
 FP8_NOT_DIFFERENTIABLE = (
@@ -425,12 +429,7 @@ attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)
 attention_bwd_shard_p.def_abstract_eval(_bwd_abstract_eval)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _bwd_impl(*operands, spec):
-    return attention_bwd_p.bind(*operands, spec=spec)
-
-
-attention_bwd_p.def_impl(_bwd_impl)
+attention_bwd_p.def_impl(_eager(attention_bwd_p))
 
 
 def attention_bwd_shard(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):

@@ -109,14 +109,8 @@ def attention_reference(
     to 0). Rows that see no key give out = 0 and lse = -inf. softmax_scale defaults to 1/sqrt(D).
     softcap: None, or c > 0 capping each scaled score s to c * tanh(s / c) before the softmax.
     """
-    batch, seq_q, heads_q, _ = q.shape
-    seq_k = k.shape[1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    window = mask_window(causal, window)
-    rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
-    if rows >= seq_q:
-        mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
+    softmax_scale, window, rows, mask = _call_setup(q, k, causal, softmax_scale, window)
+    if mask is not False:
         return masked_attention(q, k, v, mask, softmax_scale, softcap)
     return _attention_by_query_chunks(q, k, v, window, softmax_scale, rows, softcap)
 
@@ -125,6 +119,18 @@ def attention_reference(
 # chunks of query rows, each rematerialized in the backward pass, so neither direction ever holds the
 # whole B x H x Sq x Sk matrix (a 16-head 32K x 32K problem would need 64 GiB).
 CHUNK_SCORE_ENTRIES = 2**28
+
+
+def _call_setup(q, k, causal: bool, softmax_scale, window):
+    """(scale, the effective window, query rows per chunk, the mask of a one-chunk call): the mask is
+    False when the call runs over several chunks (each builds its own), else None or [Sq, Sk]."""
+    (batch, seq_q, heads_q, head_dim), seq_k = q.shape, k.shape[1]
+    softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+    window = mask_window(causal, window)
+    rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
+    if rows < seq_q:
+        return softmax_scale, window, rows, False
+    return softmax_scale, window, rows, None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
 
 
 def _rows_per_chunk(batch: int, heads_q: int, seq_q: int, seq_k: int) -> int:
@@ -217,14 +223,8 @@ def attention_bwd_reference(
     `attention_reference`. Past CHUNK_SCORE_ENTRIES it runs over chunks of query rows, accumulating dk
     and dv in float32 in chunk order, so it never holds the whole score matrix.
     """
-    batch, seq_q, heads_q, _ = q.shape
-    seq_k = k.shape[1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    window = mask_window(causal, window)
-    rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
-    if rows >= seq_q:
-        mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
+    softmax_scale, window, rows, mask = _call_setup(q, k, causal, softmax_scale, window)
+    if mask is not False:
         grads = masked_attention_bwd(q, k, v, dout, lse, delta, mask, softmax_scale)
     else:
         grads = _attention_bwd_by_query_chunks(q, k, v, dout, lse, delta, window, softmax_scale, rows)
