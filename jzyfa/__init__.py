@@ -9,6 +9,7 @@ from jzyfa._platform import hopper_unavailable_reason as kernel_unavailable_reas
 from jzyfa._platform import kernel_available
 from jzyfa.api import flash_attention, flash_attention_varlen
 from jzyfa.context_parallel import context_parallel_attention
+from jzyfa.dot_product_attention import dot_product_attention
 from jzyfa.merge import merge_attention_states
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_reference
@@ -19,6 +20,7 @@ __all__ = [
     "balanced_positions",
     "context_parallel_attention",
     "dequantize",
+    "dot_product_attention",
     "extension_loaded",
     "flash_attention",
     "flash_attention_varlen",
