@@ -10,8 +10,9 @@ Mapping, from the definitions. jzyfa: query i sits at p = i + S - T and sees key
 p - left <= j <= p + right (-1: unbounded). jax.nn: query i sees key j iff i - L <= j <= i + R
 (local_window_size=(L, R), an int w meaning (w, w)), and j <= i when causal. Writing d = S - T, the
 jax.nn window is jzyfa's (L + d, R - d); causal is R = 0, with L unbounded. Each side maps when it is
-unbounded (-1 stays -1 only when jax.nn's side is unbounded) or when the shifted bound is >= 0; a
-right bound R - d < 0 (causal with T < S, say) has no jzyfa equivalent and falls back.
+unbounded or when the shifted bound is >= 0. jax.nn reads every integer literally (a side of -1
+excludes the diagonal), jzyfa reads -1 as unbounded: a shifted bound < 0 (causal with T < S, say)
+has no jzyfa equivalent and falls back.
 
 Sequence lengths map to flash_attention's seqlens_q/seqlens_k, whose mask is aligned bottom-right
 per sequence (query t at t + len_k[b] - len_q[b]). Without a causal mask or window the alignment does
@@ -34,10 +35,11 @@ from jzyfa.api import flash_attention
 _JAX_IMPLEMENTATIONS = ("xla", "cudnn")
 
 
-def _shifted(bound: int, shift: int) -> int | None:
-    """jax.nn's window side `bound` (-1 or None: unbounded) as a jzyfa side after adding `shift`;
-    None where jzyfa cannot express it (a bounded side that becomes negative)."""
-    if bound is None or bound < 0:
+def _shifted(bound: int | None, shift: int) -> int | None:
+    """jax.nn's window side `bound` (None: unbounded; any integer is a literal bound, a negative one
+    included) as a jzyfa side after adding `shift`: -1 for unbounded, None where jzyfa cannot express
+    it (a bound that becomes negative, since jzyfa reads -1 as unbounded)."""
+    if bound is None:
         return -1
     value = bound + shift
     return value if value >= 0 else None
@@ -50,7 +52,7 @@ def jzyfa_window(
     False where no mask is needed, None where jzyfa's bottom-right window cannot express it."""
     left, right = (None, None) if local_window_size is None else local_window_size
     if is_causal:
-        right = 0 if right is None or right < 0 else min(right, 0)
+        right = 0 if right is None else min(right, 0)
     if left is None and right is None:
         return False
     d = s - t
@@ -124,9 +126,9 @@ def dot_product_attention(
         lws = (local_window_size,) * 2 if isinstance(local_window_size, int) else local_window_size
         window = jzyfa_window(t, s, is_causal, lws)
         has_lengths = query_seq_lengths is not None or key_value_seq_lengths is not None
-        if window not in (None, False) and has_lengths:
-            if not (query_seq_lengths is key_value_seq_lengths and t == s):
-                window = None
+        same_alignment = query_seq_lengths is key_value_seq_lengths and t == s
+        if window not in (None, False) and has_lengths and not same_alignment:
+            window = None
     if window is None:
         return reference(
             query,
