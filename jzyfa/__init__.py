@@ -10,6 +10,7 @@ from jzyfa._platform import kernel_available
 from jzyfa.api import flash_attention, flash_attention_varlen
 from jzyfa.context_parallel import context_parallel_attention
 from jzyfa.dot_product_attention import dot_product_attention
+from jzyfa.exporting import export_safety_checks
 from jzyfa.merge import merge_attention_states
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_reference
@@ -21,6 +22,7 @@ __all__ = [
     "context_parallel_attention",
     "dequantize",
     "dot_product_attention",
+    "export_safety_checks",
     "extension_loaded",
     "flash_attention",
     "flash_attention_varlen",

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzyfa.plan import surely
 from jzyfa.quantize import FP8_DTYPE
 
 SIXTEEN_BIT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -262,12 +263,13 @@ def canonical_window(window: Window, seq_q: int, seq_k: int) -> Window:
     """The same mask with bounds that exclude no key for these lengths replaced by -1.
 
     Positions run from seq_k - seq_q (row 0) to seq_k - 1 (last row), so a left bound >= seq_k - 1
-    and a right bound >= seq_q - 1 never exclude a key; e.g. (8192, 0) on 4K tokens is causal.
+    and a right bound >= seq_q - 1 never exclude a key; e.g. (8192, 0) on 4K tokens is causal. A
+    comparison symbolic lengths (jax.export) leave undecidable keeps the bound: the same mask.
     """
     left, right = window
-    if left >= seq_k - 1:
+    if surely(lambda: left >= seq_k - 1):
         left = -1
-    if right >= seq_q - 1:
+    if surely(lambda: right >= seq_q - 1):
         right = -1
     return left, right
 

@@ -115,7 +115,7 @@ def attention_reference(
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     window = mask_window(causal, window)
     rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
-    if rows >= seq_q:
+    if rows is seq_q or rows >= seq_q:
         mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
         return masked_attention(q, k, v, mask, softmax_scale, softcap)
     return _attention_by_query_chunks(q, k, v, window, softmax_scale, rows, softcap)
@@ -128,6 +128,10 @@ CHUNK_SCORE_ENTRIES = 2**28
 
 
 def _rows_per_chunk(batch: int, heads_q: int, seq_q: int, seq_k: int) -> int:
+    """Query rows per chunk; all of them (one chunk) for symbolic sizes (jax.export), whose chunk
+    count cannot be decided when tracing."""
+    if any(jax.export.is_symbolic_dim(size) for size in (batch, heads_q, seq_q, seq_k)):
+        return seq_q
     per_row = max(1, batch * heads_q * seq_k)
     return max(1, min(seq_q, CHUNK_SCORE_ENTRIES // per_row))
 
@@ -223,7 +227,7 @@ def attention_bwd_reference(
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     window = mask_window(causal, window)
     rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
-    if rows >= seq_q:
+    if rows is seq_q or rows >= seq_q:
         mask = None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
         grads = masked_attention_bwd(q, k, v, dout, lse, delta, mask, softmax_scale)
     else:
