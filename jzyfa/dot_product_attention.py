@@ -85,37 +85,26 @@ def dot_product_attention(
     """
     reference = functools.partial(
         jax.nn.dot_product_attention,
+        query,
+        key,
+        value,
+        bias,
+        mask,
         scale=scale,
         is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
     )
     if implementation in _JAX_IMPLEMENTATIONS:
-        return reference(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            implementation=implementation,
-        )
+        return reference(implementation=implementation)
     if implementation is not None:
         raise ValueError(
             f"implementation must be None, 'xla' or 'cudnn' (as for jax.nn.dot_product_attention), "
             f"got implementation={implementation!r}; pass None to let jzyfa choose."
         )
     # jax.nn's own checks (shapes, dtypes, lengths, heads) and its output's shape and dtype, abstractly.
-    out_aval = jax.eval_shape(
-        lambda *a: reference(*a[:5], query_seq_lengths=a[5], key_value_seq_lengths=a[6]),
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        query_seq_lengths,
-        key_value_seq_lengths,
-    )
+    out_aval = jax.eval_shape(reference)
     window = None
     if bias is None and mask is None:
         q, k, v = (jnp.asarray(x) for x in (query, key, value))
@@ -130,15 +119,7 @@ def dot_product_attention(
         if window not in (None, False) and has_lengths and not same_alignment:
             window = None
     if window is None:
-        return reference(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-        )
+        return reference()
     out = flash_attention(
         q,
         k,
