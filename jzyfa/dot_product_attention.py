@@ -18,9 +18,7 @@ Sequence lengths map to flash_attention's seqlens_q/seqlens_k, whose mask is ali
 per sequence (query t at t + len_k[b] - len_q[b]). Without a causal mask or window the alignment does
 not matter, so any lengths map. With one, the shift len_k[b] - len_q[b] must be zero for every
 sequence, which is known at trace time only when both lengths are the same array object and T == S;
-otherwise the call falls back. Padded query rows (t >= query_seq_lengths[b]) differ: jax.nn's XLA
-path gives them a softmax over uniformly masked scores (the mean of the values), jzyfa gives 0; only
-the valid rows are the same.
+otherwise the call falls back. Padded query rows (t >= query_seq_lengths[b]) are 0 on both.
 """
 
 from __future__ import annotations
