@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jzyfa.plan import surely
 from jzyfa.quantize import FP8_DTYPE
 
 SIXTEEN_BIT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -109,16 +110,33 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> 
 
 
 def check_max_seqlen(name: str, max_seqlen, cu_seqlens) -> int:
-    """A static positive int, at least every length when the offsets are NumPy (checkable) values."""
+    """A static positive int, at least every length when the offsets are concrete (NumPy, or a
+    jax.Array that is not a tracer). Traced offsets (inside jit) cannot be read at trace time and are
+    not checked: a max_seqlen below a traced sequence's length is the caller's error."""
     if isinstance(max_seqlen, (bool, np.bool_)) or not isinstance(max_seqlen, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(max_seqlen).__name__}")
     if max_seqlen < 1:
         raise ValueError(f"{name} must be >= 1, got {max_seqlen}")
-    if isinstance(cu_seqlens, np.ndarray) and np.diff(cu_seqlens).max() > max_seqlen:
+    offsets = _concrete(cu_seqlens)
+    if offsets is not None and offsets.size > 1 and np.diff(offsets).max() > max_seqlen:
+        cu_name = "cu_seqlens_" + name[-1]
         raise ValueError(
-            f"{name} ({max_seqlen}) is shorter than the longest sequence ({np.diff(cu_seqlens).max()})"
+            f"{name} ({max_seqlen}) is shorter than the longest sequence in {cu_name} "
+            f"({int(np.diff(offsets).max())}); pass {name}={int(np.diff(offsets).max())} or more"
         )
     return int(max_seqlen)
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x's values when concrete: NumPy, or a jax.Array outside a trace (read back from the device:
+    one wait, in eager calls only). None for tracers."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None  # another host holds part of it
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return np.asarray(x)
+    return None
 
 
 def is_fp8(dtype) -> bool:
@@ -262,12 +280,13 @@ def canonical_window(window: Window, seq_q: int, seq_k: int) -> Window:
     """The same mask with bounds that exclude no key for these lengths replaced by -1.
 
     Positions run from seq_k - seq_q (row 0) to seq_k - 1 (last row), so a left bound >= seq_k - 1
-    and a right bound >= seq_q - 1 never exclude a key; e.g. (8192, 0) on 4K tokens is causal.
+    and a right bound >= seq_q - 1 never exclude a key; e.g. (8192, 0) on 4K tokens is causal. A
+    comparison symbolic lengths (jax.export) leave undecidable keeps the bound: the same mask.
     """
     left, right = window
-    if left >= seq_k - 1:
+    if surely(lambda: left >= seq_k - 1):
         left = -1
-    if right >= seq_q - 1:
+    if surely(lambda: right >= seq_q - 1):
         right = -1
     return left, right
 
@@ -298,9 +317,15 @@ def check_descales(
         if jnp.dtype(d.dtype) != jnp.float32:
             raise TypeError(f"{name} must be float32, got {d.dtype}")
         if d.shape not in ((), (1,), per_head_shape):
+            hint = ""
+            if name == "descale_q" and len(d.shape) == 2 and d.shape[1] == q.shape[-2] != per_head_shape[1]:
+                hint = (
+                    f"; a per-query-head descale [.., heads_q={q.shape[-2]}] is not accepted: quantize q with "
+                    f'fp8_quantize(q, "head", kv_heads={per_head_shape[1]}) for one descale per KV group'
+                )
             raise ValueError(
                 f"{name} must have shape (), (1,) or [{per_head_axes}, kv_heads] = {list(per_head_shape)}, "
-                f"got {d.shape}"
+                f"got {tuple(d.shape)}{hint}"
             )
         checked.append(d)
     return tuple(checked)

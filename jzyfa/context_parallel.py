@@ -56,6 +56,11 @@ def context_parallel_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`flash_attention` for q, k, v sharded along the sequence over `mesh` axis `seq_axis`.
 
+    NOTE: by default (layout="balanced") q, k, v and the output are in the BALANCED order, not the
+    natural one: permute inputs with `jzyfa.to_balanced_layout(x, n)` and outputs back with
+    `jzyfa.from_balanced_layout(out, n)`, or pass layout="contiguous" for naturally ordered arrays.
+    Naturally ordered inputs with the default give a permuted (wrong) result, with no error.
+
     Args:
       q: [batch, seq_q, heads_q, head_dim]; k: [batch, seq_k, heads_kv, head_dim]; v: [batch,
         seq_k, heads_kv, head_dim_v] (MLA: head_dim_v may differ); bf16, f16 or float32. Their sequence axes are in `layout` order (for "balanced", as made by

@@ -126,6 +126,18 @@ class CallSizes:
     total_k: int = 0
 
 
+def surely(predicate) -> bool:
+    """predicate() for concrete sizes; False where symbolic sizes (jax.export's shape polymorphism)
+    leave it undecidable, so an undecidable launch limit takes the kernel path (the FFI handler
+    checks the launch limits itself on the concrete sizes)."""
+    try:
+        return bool(predicate())
+    except Exception as error:  # jax's InconclusiveDimensionOperation, not in the public API
+        if any(cls.__name__ == "InconclusiveDimensionOperation" for cls in type(error).__mro__):
+            return False
+        raise
+
+
 def call_problem(config: Config, sizes: CallSizes, softmax_scale: float) -> str | None:
     """None when a kernel serves this validated call, else why not: the table, then the limits."""
     if problem := config_problem(config):
@@ -133,20 +145,20 @@ def call_problem(config: Config, sizes: CallSizes, softmax_scale: float) -> str 
     if not softmax_scale > 0:
         return f"the kernels need softmax_scale > 0, got {softmax_scale}"
     if sizes.layout == "dense":
-        if sizes.batch > KERNEL_MAX_BATCH:
+        if surely(lambda: sizes.batch > KERNEL_MAX_BATCH):
             return f"the kernels take batch <= {KERNEL_MAX_BATCH}, got {sizes.batch}"
-        if sizes.seq_q > KERNEL_MAX_SEQ_Q:
+        if surely(lambda: sizes.seq_q > KERNEL_MAX_SEQ_Q):
             return f"the kernels take seq_q <= {KERNEL_MAX_SEQ_Q}, got {sizes.seq_q}"
-        if sizes.seq_q == 0 or sizes.seq_k == 0:
+        if surely(lambda: sizes.seq_q == 0 or sizes.seq_k == 0):
             return f"the kernels need seq_q and seq_k >= 1, got {sizes.seq_q} and {sizes.seq_k}"
         tokens = sizes.seq_q + sizes.seq_k
     else:
-        if sizes.total_q == 0 or sizes.total_k == 0:
+        if surely(lambda: sizes.total_q == 0 or sizes.total_k == 0):
             return f"the kernels need total_q and total_k >= 1, got {sizes.total_q} and {sizes.total_k}"
-        if max(sizes.total_q, sizes.total_k) > KERNEL_MAX_TOKENS:
+        if surely(lambda: max(sizes.total_q, sizes.total_k) > KERNEL_MAX_TOKENS):
             return f"the kernels take at most {KERNEL_MAX_TOKENS} tokens, got {max(sizes.total_q, sizes.total_k)}"
         tiles = (sizes.batch + 1) * -(-sizes.seq_q // 128) * sizes.heads_q
-        if tiles > KERNEL_MAX_TILES:
+        if surely(lambda: tiles > KERNEL_MAX_TILES):
             return (
                 f"the kernels take (num_seqs + 1) * ceil(max_seqlen_q / 128) * heads_q <= 2^30, got {tiles}"
             )
@@ -155,12 +167,12 @@ def call_problem(config: Config, sizes: CallSizes, softmax_scale: float) -> str 
             "transposed"
         ):
             keys = _varlen_padded_keys(sizes.total_k, sizes.batch)
-            if keys > FP8_VARLEN_MAX_VALUE_KEYS:
+            if surely(lambda: keys > FP8_VARLEN_MAX_VALUE_KEYS):
                 return (
                     "the FP8 varlen kernel takes total_k + 32 * (num_seqs + 1) < 2^31 - 1024 (V^T's "
                     f"columns), got {sizes.total_k} keys"
                 )
-    if config.mask == "window" and tokens > WINDOW_MAX_TOKENS:
+    if config.mask == "window" and surely(lambda: tokens > WINDOW_MAX_TOKENS):
         what = "seq_q + seq_k" if sizes.layout == "dense" else "total_q + total_k"
         return f"the kernels' sliding windows take {what} <= 2^30, got {tokens}"
     return None

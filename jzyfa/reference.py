@@ -128,12 +128,16 @@ def _call_setup(q, k, causal: bool, softmax_scale, window):
     softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     window = mask_window(causal, window)
     rows = _rows_per_chunk(batch, heads_q, seq_q, seq_k)
-    if rows < seq_q:
+    if rows is not seq_q and rows < seq_q:  # `is`: symbolic sizes take one chunk (_rows_per_chunk)
         return softmax_scale, window, rows, False
     return softmax_scale, window, rows, None if window == NO_WINDOW else window_mask(seq_q, seq_k, window)
 
 
 def _rows_per_chunk(batch: int, heads_q: int, seq_q: int, seq_k: int) -> int:
+    """Query rows per chunk; all of them (one chunk) for symbolic sizes (jax.export), whose chunk
+    count cannot be decided when tracing."""
+    if any(jax.export.is_symbolic_dim(size) for size in (batch, heads_q, seq_q, seq_k)):
+        return seq_q
     per_row = max(1, batch * heads_q * seq_k)
     return max(1, min(seq_q, CHUNK_SCORE_ENTRIES // per_row))
 

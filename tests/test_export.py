@@ -26,7 +26,7 @@ from jzyfa.primitives import FFI_TARGET
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 REPO = pathlib.Path(__file__).parent.parent
-CHECKS = [jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET)]
+CHECKS = jzyfa.export_safety_checks()
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +116,57 @@ def test_sharded_program_exports_through_shard_map():
     out = jax.export.deserialize(exported.serialize()).call(q, kv, kv)
     assert out.sharding.is_equivalent_to(sharding, 4)
     np.testing.assert_array_equal(out, fn(q, kv, kv))
+
+
+def test_export_safety_checks_cover_every_ffi_target():
+    from jzyfa.primitives import FFI_TARGET_BWD, FFI_TARGET_VALUE_OPERAND
+
+    want = {
+        jax.export.DisabledSafetyCheck.custom_call(t)
+        for t in (FFI_TARGET, FFI_TARGET_BWD, FFI_TARGET_VALUE_OPERAND)
+    }
+    assert set(jzyfa.export_safety_checks()) == want
+
+
+@pytest.mark.parametrize("platforms", [("cpu",), ("cuda",), ("cpu", "cuda")])
+@pytest.mark.parametrize("window", [None, (5, 0)])
+def test_symbolic_batch_and_sequence(platforms, window):
+    """Symbolic b and s: the plan's launch limits are undecidable at export time and take the kernel
+    path; the CPU branch serializes, reloads and runs at two concrete sizes."""
+    fn = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, window=window))
+    specs = jax.export.symbolic_args_specs(
+        [jax.ShapeDtypeStruct((1, 1, 8, 128), jnp.bfloat16)] * 3, "b, s, 8, 128"
+    )
+    exported = jax.export.export(fn, platforms=platforms, disabled_checks=jzyfa.export_safety_checks())(
+        *specs
+    )
+    assert FFI_TARGET in exported.mlir_module()
+    if "cpu" not in platforms:
+        return
+    reloaded = jax.export.deserialize(exported.serialize())
+    rng = np.random.default_rng(0)
+    for b, s in ((2, 24), (3, 40)):
+        q, k, v = (jnp.asarray(rng.standard_normal((b, s, 8, 128)), jnp.bfloat16) for _ in range(3))
+        got = reloaded.call(q, k, v)
+        want = jzyfa.attention_reference(q, k, v, causal=True, window=window)[0]
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_symbolic_export_gradient():
+    fn = jax.jit(
+        jax.grad(lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True).astype(jnp.float32).sum())
+    )
+    specs = jax.export.symbolic_args_specs(
+        [jax.ShapeDtypeStruct((1, 1, 4, 64), jnp.bfloat16)] * 3, "b, s, 4, 64"
+    )
+    exported = jax.export.export(fn, platforms=("cpu", "cuda"), disabled_checks=jzyfa.export_safety_checks())(
+        *specs
+    )
+    reloaded = jax.export.deserialize(exported.serialize())
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 20, 4, 64)), jnp.bfloat16) for _ in range(3))
+    want = jax.grad(lambda q: jzyfa.attention_reference(q, k, v, causal=True)[0].astype(jnp.float32).sum())(q)
+    got = reloaded.call(q, k, v)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=5e-2, rtol=5e-2
+    )
