@@ -7,12 +7,12 @@
 namespace jzyfa {
 
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdDkdvTile<kHeadDim>::kThreads, 1) BwdDkdvKernel(const BwdArgs args) {
+__global__ void __launch_bounds__(BwdDkdvTile<kHeadDim>::Base::kThreads, 1) BwdDkdvKernel(const BwdArgs args) {
   BwdDkdvTiles<Element, kHeadDim>(args);
 }
 
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdDqTile<kHeadDim>::kThreads, 1) BwdDqKernel(const BwdArgs args) {
+__global__ void __launch_bounds__(BwdDqTile<kHeadDim>::Base::kThreads, 1) BwdDqKernel(const BwdArgs args) {
   BwdDqTiles<Element, kHeadDim>(args);
 }
 

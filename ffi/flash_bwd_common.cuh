@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "sm90_mma.cuh"
+#include "tile_size.h"
 
 namespace jzyfa {
 
@@ -70,6 +71,31 @@ template <int kRows>
 __device__ __forceinline__ void LoadRowFloats(uint32_t dst, const float* src, int valid_rows,
                                               int thread) {
   if (thread >= 0 && thread < kRows) CpAsync4(dst + 4 * thread, thread < valid_rows ? src + thread : src, thread < valid_rows);
+}
+
+// What both backward tiles share: two warpgroups of 64 rows, rows of 64-column slices in the
+// 128-byte swizzle (LoadRowsSw128), the table's sizes.
+template <int kHeadDim>
+struct BwdTileBase {
+  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
+  static constexpr int kThreads = 128 * kBwdWarpgroups;
+  static constexpr int kStages = kSize.stages;
+  static constexpr int kSliceBytes = 64 * 128;           // 64 rows of one 64-column slice
+  static constexpr int kGroupBytes = 64 * kHeadDim * 2;  // 64 rows, every slice
+  static constexpr int kSmemAlign = 1024;                // the swizzle repeats every 1024 bytes
+};
+
+// This thread's place: its warpgroup, and the first of its two accumulator rows in the warpgroup's
+// 64 (the other is 8 further).
+struct BwdThread {
+  int warpgroup = threadIdx.x / 128;
+  int lane = threadIdx.x % 32;
+  int row_in_warpgroup = 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4;
+};
+
+// The dynamic shared memory's first kSmemAlign-aligned address (the launch adds kSmemAlign bytes).
+__device__ __forceinline__ uint32_t AlignedSmemBase(const uint8_t* smem_raw) {
+  return (SmemAddress(smem_raw) + 1023) & ~uint32_t(1023);
 }
 
 // The persistent grid's next tile: one thread claims it, every thread of the CTA reads it.

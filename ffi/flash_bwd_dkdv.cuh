@@ -20,19 +20,17 @@
 namespace jzyfa {
 
 template <int kHeadDim>
-struct BwdDkdvTile {
-  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
-  static constexpr int kThreads = 128 * kBwdWarpgroups;
+struct BwdDkdvTile : BwdTileBase<kHeadDim> {
+  using Base = BwdTileBase<kHeadDim>;
+  using Base::kSize;
+  using Base::kStages;
   static constexpr int kBlockN = kSize.dkdv_block_n;  // keys per tile
   static constexpr int kBlockM = kSize.dkdv_block_m;  // query rows per block
-  static constexpr int kStages = kSize.stages;
-  static constexpr int kSliceBytes = 64 * 128;            // 64 rows of one 64-column slice
-  static constexpr int kGroupBytes = 64 * kHeadDim * 2;   // 64 rows, every slice
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kStageBytes = 2 * kQBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * kStageBytes;
-  static constexpr int kDynamicSmemBytes = kSmemBytes + 1024;
+  static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
   static_assert(kBlockM == 64, "S^T's N and the A fragments assume 64 query rows per block");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
 };
@@ -41,17 +39,16 @@ template <typename Element, int kHeadDim>
 __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
   using Tile = BwdDkdvTile<kHeadDim>;
   constexpr int kBlockM = Tile::kBlockM;
-  constexpr int kThreads = Tile::kThreads;
+  constexpr int kThreads = Tile::Base::kThreads;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int claimed;
-  const uint32_t smem_base = (SmemAddress(smem_raw) + 1023) & ~uint32_t(1023);
+  const uint32_t smem_base = AlignedSmemBase(smem_raw);
   const uint32_t smem_k = smem_base, smem_v = smem_base + Tile::kKVBytes;
   auto smem_stage = [&](int stage) { return smem_base + 2 * Tile::kKVBytes + stage * Tile::kStageBytes; };
   const uint8_t* smem_generic = smem_raw + (smem_base - SmemAddress(smem_raw));
 
-  const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x % 128) / 32;
+  const BwdThread me;
+  const int warpgroup = me.warpgroup, lane = me.lane;
   const int group = args.heads_q / args.heads_kv;
   const int diagonal = args.seqlen_k - args.seqlen_q;
   const int m_blocks = (args.seqlen_q + kBlockM - 1) / kBlockM;
@@ -107,9 +104,9 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       CpAsyncCommit();
     }
     // This thread's keys (rows of S^T): key_row and key_row + 8.
-    const int key_row = key_start + warpgroup * 64 + 16 * warp + lane / 4;
-    const uint32_t my_k = smem_k + warpgroup * Tile::kGroupBytes;
-    const uint32_t my_v = smem_v + warpgroup * Tile::kGroupBytes;
+    const int key_row = key_start + warpgroup * 64 + me.row_in_warpgroup;
+    const uint32_t my_k = smem_k + warpgroup * Tile::Base::kGroupBytes;
+    const uint32_t my_v = smem_v + warpgroup * Tile::Base::kGroupBytes;
 
     for (int it = 0; it < iterations; ++it) {
       const int stage = it % 2;
@@ -123,8 +120,8 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       const int m_start = (m_first + it % m_count) * kBlockM;
 
       float s[kBlockM / 2], dp[kBlockM / 2];
-      IssueQK<Element, kBlockM, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(s, my_k, sq, 0);
-      IssueQK<Element, kBlockM, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(dp, my_v, sdo, 0);
+      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(s, my_k, sq, 0);
+      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(dp, my_v, sdo, 0);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s);
       FenceRegisters(dp);
@@ -151,8 +148,8 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
       PackFragments<Element, kBlockM>(s, p_frag);
       PackFragments<Element, kBlockM>(dp, ds_frag);
-      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::kSliceBytes>(dv, p_frag, sdo);
-      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::kSliceBytes>(dk, ds_frag, sq);
+      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dv, p_frag, sdo);
+      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dk, ds_frag, sq);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(dv);
       FenceRegisters(dk);

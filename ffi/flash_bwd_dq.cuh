@@ -17,19 +17,17 @@
 namespace jzyfa {
 
 template <int kHeadDim>
-struct BwdDqTile {
-  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
-  static constexpr int kThreads = 128 * kBwdWarpgroups;
+struct BwdDqTile : BwdTileBase<kHeadDim> {
+  using Base = BwdTileBase<kHeadDim>;
+  using Base::kSize;
+  using Base::kStages;
   static constexpr int kBlockM = kSize.dq_block_m;  // query rows per tile
   static constexpr int kBlockN = kSize.dq_block_n;  // keys per block
-  static constexpr int kStages = kSize.stages;
-  static constexpr int kSliceBytes = 64 * 128;
-  static constexpr int kGroupBytes = 64 * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKBytes = kBlockN * kHeadDim * 2;
   static constexpr int kStageBytes = 2 * kKBytes;  // K, V
   static constexpr int kSmemBytes = 2 * kQBytes + kStages * kStageBytes;
-  static constexpr int kDynamicSmemBytes = kSmemBytes + 1024;
+  static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
   static_assert(kBlockN == 64, "K's MN-major B operand assumes 64-row slices");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
 };
@@ -38,16 +36,15 @@ template <typename Element, int kHeadDim>
 __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
   using Tile = BwdDqTile<kHeadDim>;
   constexpr int kBlockN = Tile::kBlockN;
-  constexpr int kThreads = Tile::kThreads;
+  constexpr int kThreads = Tile::Base::kThreads;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int claimed;
-  const uint32_t smem_base = (SmemAddress(smem_raw) + 1023) & ~uint32_t(1023);
+  const uint32_t smem_base = AlignedSmemBase(smem_raw);
   const uint32_t smem_q = smem_base, smem_do = smem_base + Tile::kQBytes;
   auto smem_stage = [&](int stage) { return smem_base + 2 * Tile::kQBytes + stage * Tile::kStageBytes; };
 
-  const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x % 32;
-  const int warp = (threadIdx.x % 128) / 32;
+  const BwdThread me;
+  const int warpgroup = me.warpgroup, lane = me.lane;
   const int diagonal = args.seqlen_k - args.seqlen_q;
   const int m_blocks = (args.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   const int n_blocks_all = (args.seqlen_k + kBlockN - 1) / kBlockN;
@@ -94,7 +91,7 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       CpAsyncCommit();
     }
     // This thread's rows: row and row + 8; their lse (log2 domain) and delta.
-    const int row = m_start + warpgroup * 64 + 16 * warp + lane / 4;
+    const int row = m_start + warpgroup * 64 + me.row_in_warpgroup;
     const int64_t lse_row0 = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q;
     float lse_log2[2], delta[2];
 #pragma unroll
@@ -103,8 +100,8 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       lse_log2[h] = valid ? LseLog2(args.lse[lse_row0 + row + 8 * h]) : INFINITY;
       delta[h] = valid ? args.delta[lse_row0 + row + 8 * h] : 0.f;
     }
-    const uint32_t my_q = smem_q + warpgroup * Tile::kGroupBytes;
-    const uint32_t my_do = smem_do + warpgroup * Tile::kGroupBytes;
+    const uint32_t my_q = smem_q + warpgroup * Tile::Base::kGroupBytes;
+    const uint32_t my_do = smem_do + warpgroup * Tile::Base::kGroupBytes;
 
     float dq[kHeadDim / 2];
 #pragma unroll
@@ -118,8 +115,8 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       __syncthreads();
       const uint32_t sk = smem_stage(stage), sv = sk + Tile::kKBytes;
       float s[kBlockN / 2], dp[kBlockN / 2];
-      IssueQK<Element, kBlockN, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(s, my_q, sk, 0);
-      IssueQK<Element, kBlockN, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(dp, my_do, sv, 0);
+      IssueQK<Element, kBlockN, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(s, my_q, sk, 0);
+      IssueQK<Element, kBlockN, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(dp, my_do, sv, 0);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s);
       FenceRegisters(dp);
@@ -142,7 +139,7 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       }
       uint32_t ds_frag[kBlockN / 16][4];
       PackFragments<Element, kBlockN>(dp, ds_frag);
-      IssueRegTimesSmem<Element, kHeadDim, kBlockN, Tile::kSliceBytes>(dq, ds_frag, sk);
+      IssueRegTimesSmem<Element, kHeadDim, kBlockN, Tile::Base::kSliceBytes>(dq, ds_frag, sk);
       ptx::wgmma_wait_group<0>();
       FenceRegisters(dq);
       __syncthreads();

@@ -52,7 +52,7 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   error = StartTileQueue(p.tile_counters, dkdv.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
   if (grid > 0) {
-    dkdv_kernel<<<grid, DkdvTile::kThreads, DkdvTile::kDynamicSmemBytes, stream>>>(dkdv);
+    dkdv_kernel<<<grid, DkdvTile::Base::kThreads, DkdvTile::kDynamicSmemBytes, stream>>>(dkdv);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError("launching the dK/dV kernel", err);
   }
@@ -62,7 +62,7 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   error = StartTileQueue(p.tile_counters + 1, dq.num_tiles, info->sm_count, stream, &grid);
   if (!error.empty()) return error;
   if (grid > 0) {
-    dq_kernel<<<grid, DqTile::kThreads, DqTile::kDynamicSmemBytes, stream>>>(dq);
+    dq_kernel<<<grid, DqTile::Base::kThreads, DqTile::kDynamicSmemBytes, stream>>>(dq);
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return CudaError("launching the dQ kernel", err);
   }
