@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "flash_bwd.h"
 #include "flash_fwd.h"
 #include "fp8_value_operand.h"
 #include "xla/ffi/api/ffi.h"
@@ -219,6 +220,90 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+constexpr const char* kBwdName = "jzyfa_attention_bwd: ";
+
+// The backward handler: q, k, v, dout, lse, delta (+ varlen's cu_seqlens, refused) -> dq, dk, dv,
+// tile counters int32 [2]. Shapes only: no device memory is read.
+ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
+                            ffi::Buffer<ffi::F32> delta, ffi::RemainingArgs extra,
+                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                            ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float softmax_scale,
+                            bool causal, int64_t window_left, int64_t window_right, bool varlen,
+                            int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  auto invalid = [](const std::string& m) { return ffi::Error::InvalidArgument(kBwdName + m); };
+  if (varlen || extra.size() != 0) {
+    return invalid("varlen backward calls are not served yet (dense [B, S, H, D] only)");
+  }
+  const ffi::DataType dtype = q.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return invalid("q must be bf16 or f16");
+  }
+  for (ffi::DataType t : {k.element_type(), v.element_type(), dout.element_type(),
+                          dq->element_type(), dk->element_type(), dv->element_type()}) {
+    if (t != dtype) return invalid("k, v, dout, dq, dk and dv must have the dtype of q");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
+    return invalid("q, k and v must be [batch, seq, heads, head_dim]");
+  }
+  if (kd[0] != qd[0] || kd[3] != qd[3] || !std::equal(vd.begin(), vd.end(), kd.begin())) {
+    return invalid("q " + ShapeString(qd) + ", k " + ShapeString(kd) + " and v " + ShapeString(vd) +
+                   " disagree (v must have k's shape, k q's batch and head_dim)");
+  }
+  auto same = [](ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+  };
+  if (!same(dout.dimensions(), qd) || !same(dq->dimensions(), qd) || !same(dk->dimensions(), kd) ||
+      !same(dv->dimensions(), vd)) {
+    return invalid("dout and dq must have q's shape, dk k's and dv v's");
+  }
+  const int64_t want[3] = {qd[0], qd[2], qd[1]};
+  const ffi::Span<const int64_t> rows(want, 3);
+  if (!same(lse.dimensions(), rows) || !same(delta.dimensions(), rows)) {
+    return invalid("lse " + ShapeString(lse.dimensions()) + " and delta " +
+                   ShapeString(delta.dimensions()) + " must be [batch, heads_q, seq_q] = " +
+                   ShapeString(rows));
+  }
+  if (tile_counters->element_count() != 2) {
+    return invalid("the tile counters scratch result must hold two int32");
+  }
+  BwdParams p;
+  p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse = lse.typed_data();
+  p.delta = delta.typed_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.tile_counters = tile_counters->typed_data();
+  p.batch = qd[0];
+  p.seqlen_q = qd[1];
+  p.seqlen_k = kd[1];
+  p.heads_q = qd[2];
+  p.heads_kv = kd[2];
+  p.head_dim = qd[3];
+  p.softmax_scale = softmax_scale;
+  p.causal = causal;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.varlen = varlen;
+  (void)max_seqlen_q;  // varlen only
+  (void)max_seqlen_k;
+  MaskPlan mask;
+  std::string error = ValidateBwd(p, &mask);
+  if (!error.empty()) return invalid(error);
+  error = CheckDeviceSupport();
+  if (!error.empty()) return invalid(error);
+  error = LaunchBwd(p, mask, stream);
+  if (!error.empty()) return ffi::Error::Internal(kBwdName + error);
+  return ffi::Error::Success();
+}
+
 ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
                                ffi::Result<ffi::AnyBuffer> vt) {
   const std::string name = "jzyfa_fp8_value_operand: ";
@@ -282,6 +367,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, AttentionFwdImpl,
                                   .Attr<bool>("lean_p")        // FP8 only
                                   .Attr<bool>("v_transposed")  // FP8 only
                                   .Attr<int64_t>("key_block"),  // 0: the launch's rule
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, AttentionBwdImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::AnyBuffer>()         // dout
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // lse
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // delta
+                                  .RemainingArgs()               // varlen's (refused)
+                                  .Ret<ffi::AnyBuffer>()         // dq
+                                  .Ret<ffi::AnyBuffer>()         // dk
+                                  .Ret<ffi::AnyBuffer>()         // dv
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counters [2] (scratch)
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int64_t>("window_left")
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<bool>("varlen")
+                                  .Attr<int64_t>("max_seqlen_q")
+                                  .Attr<int64_t>("max_seqlen_k"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,

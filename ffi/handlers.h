@@ -20,6 +20,12 @@ namespace jzyfa {
 // rule; 128 or 192 force it where that instantiation exists).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionFwd);
 
+// Custom-call target "jzyfa_attention_bwd" (docs/architecture.md, "The backward"): q, k, v, dout
+// (16-bit, dense [B, S, H, D]), lse and delta float32 [B, Hq, Sq] -> dq, dk, dv, int32 [2] tile
+// counters. Attributes softmax_scale, causal, window_left, window_right, varlen, max_seqlen_q,
+// max_seqlen_k; varlen, windows and head dims other than 64 and 128 are refused.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBwd);
+
 // Custom-call target "jzyfa_fp8_value_operand": v e4m3 [batch, seq_k, heads_kv, 128] -> vt e4m3
 // [batch, heads_kv, 128, seq_k rounded up to 32], the FP8 kernel's V operand (jzyfa/fp8_layout.py).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8ValueOperand);

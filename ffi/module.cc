@@ -30,6 +30,7 @@ struct Target {
 // Every custom-call target the extension registers.
 const Target kTargets[] = {
     {"jzyfa_attention_fwd", reinterpret_cast<void*>(jzyfa::AttentionFwd)},
+    {"jzyfa_attention_bwd", reinterpret_cast<void*>(jzyfa::AttentionBwd)},
     {"jzyfa_fp8_value_operand", reinterpret_cast<void*>(jzyfa::Fp8ValueOperand)},
 };
 
@@ -80,6 +81,21 @@ NB_MODULE(_jzyfa_ffi, m) {
       "The forward instantiations the library was built with: (family, head_dim_qk, head_dim_v, "
       "mask, layout, direction) tuples, family '16bit' or 'fp8', mask 'none', 'causal' or "
       "'window', layout 'dense' or 'varlen', direction 'fwd' (ffi/tile_size.h, kFwdKernels).");
+  m.def(
+      "bwd_kernels",
+      []() {
+        std::vector<std::tuple<std::string, int, int, std::string, std::string, std::string>> rows;
+        for (const jzyfa::BwdKernelGroup& group : jzyfa::kBwdKernels) {
+          for (jzyfa::MaskKind mask : jzyfa::kMaskKinds) {
+            if ((group.masks & jzyfa::MaskBit(mask)) == 0) continue;
+            rows.emplace_back("16bit", group.head_dim, group.head_dim, MaskName(mask),
+                              group.layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", "bwd");
+          }
+        }
+        return rows;
+      },
+      "The backward instantiations (ffi/tile_size.h, kBwdKernels), in kernels()' row format; not in "
+      "kernels() (the plan) until they pass their GPU tests.");
   m.def(
       "fp8_key_block",
       [](bool v_transposed, int64_t head_dim, bool causal, int64_t window_left,

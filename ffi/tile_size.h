@@ -121,4 +121,49 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
                   block_n > 128 ? 0 : head_dim_qk == 128 ? 7 : 6};
 }
 
+// The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dim,
+// layout) of 16-bit inputs, causal or no mask. module.cc's bwd_kernels() lists them; kernels() (the
+// plan's rows) does not until they pass their GPU tests.
+struct BwdKernelGroup {
+  int head_dim;
+  Layout layout;
+  unsigned masks;
+};
+
+inline constexpr BwdKernelGroup kBwdKernels[] = {
+    {64, Layout::kDense, kCausalOrNone},
+    {128, Layout::kDense, kCausalOrNone},
+};
+
+constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
+  for (const BwdKernelGroup& group : kBwdKernels) {
+    if (group.head_dim == head_dim && group.layout == layout && (group.masks & MaskBit(mask)) != 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// The backward tiles. Both kernels: 2 warpgroups of 64 rows (the wgmma M), no producer warpgroup
+// (the first version loads with cp.async, 2 stages), so each thread may hold up to 255 registers.
+//   dK/dV kernel: 128 keys per tile (64 per warpgroup: dK and dV accumulate in registers, head_dim
+//     / 2 floats each), query blocks of dkdv_block_m rows streamed through the ring.
+//   dQ kernel: 128 query rows per tile (64 per warpgroup: dQ in registers), key blocks of
+//     dq_block_n keys streamed through the ring.
+struct BwdTileSize {
+  int dkdv_block_n;  // keys per dK/dV tile
+  int dkdv_block_m;  // query rows per streamed block: the N of S^T = K Q^T
+  int dq_block_m;    // query rows per dQ tile
+  int dq_block_n;    // keys per streamed block: the N of S = Q K^T
+  int stages;        // ring depth of the streamed blocks
+};
+
+constexpr int kBwdWarpgroups = 2;
+constexpr int kBwdRowsPerWarpgroup = 64;
+
+constexpr BwdTileSize BwdTile16Size(int /*head_dim*/) {
+  return BwdTileSize{kBwdWarpgroups * kBwdRowsPerWarpgroup, 64, kBwdWarpgroups * kBwdRowsPerWarpgroup,
+                     64, 2};
+}
+
 }  // namespace jzyfa

@@ -1,0 +1,60 @@
+// The backward call's validation and dispatch into its head dim's instantiation (kBwdKernels).
+#include "flash_bwd.h"
+
+#include <string>
+
+#include "dispatch.h"
+
+namespace jzyfa {
+namespace {
+
+std::string Str(int64_t x) { return std::to_string(x); }
+
+template <size_t I = 0>
+std::string DispatchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  constexpr size_t kGroups = sizeof(kBwdKernels) / sizeof(kBwdKernels[0]);
+  if constexpr (I == kGroups) {
+    return "no backward kernel for head_dim " + Str(p.head_dim);
+  } else {
+    if (kBwdKernels[I].head_dim == p.head_dim) {
+      return LaunchBwdInstance<kBwdKernels[I].head_dim>(p, mask, stream);
+    }
+    return DispatchBwd<I + 1>(p, mask, stream);
+  }
+}
+
+}  // namespace
+
+std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
+  if (p.varlen) return "varlen backward calls are not served yet (dense [B, S, H, D] only)";
+  if (p.element_type == ElementType::kE4M3) return "FP8 calls have no backward";
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
+    return "heads_q (" + Str(p.heads_q) + ") must be a multiple of heads_kv (" + Str(p.heads_kv) + ")";
+  }
+  std::string error =
+      ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, mask);
+  if (!error.empty()) return error;
+  if (mask->windowed) {
+    return "sliding windows (window_left " + Str(p.window_left) + ", window_right " +
+           Str(p.window_right) + ") are not served by the backward kernels: causal or none only";
+  }
+  if (!HasBwdKernel(static_cast<int>(p.head_dim), mask->kind(), Layout::kDense)) {
+    return "no backward kernel for head_dim " + Str(p.head_dim) + " (served: 64, 128)";
+  }
+  constexpr int64_t kLimit = int64_t{1} << 30;
+  if (p.seqlen_q + p.seqlen_k > kLimit) {
+    return "seqlen_q + seqlen_k must be <= 2^30, got " + Str(p.seqlen_q + p.seqlen_k);
+  }
+  // Tile counts and element offsets in int32 where the kernels keep them.
+  if (p.batch * p.heads_q * (p.seqlen_q + 63) / 64 > kLimit ||
+      p.batch * p.heads_kv * (p.seqlen_k + 63) / 64 > kLimit) {
+    return "too many tiles for the backward kernels' int32 counters";
+  }
+  return "";
+}
+
+std::string LaunchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  return DispatchBwd(p, mask, stream);
+}
+
+}  // namespace jzyfa

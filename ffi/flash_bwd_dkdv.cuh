@@ -1,0 +1,167 @@
+// The backward's dK/dV kernel (16-bit inputs, dense, causal or no mask). A persistent grid claims
+// tiles of 128 keys of one (key block, KV head, batch), key blocks in order (causal: the first key
+// blocks see the most queries: longest first). Two warpgroups own 64 keys each. K and V are loaded
+// once; the query blocks that see the tile (every query head of the KV head's group) stream Q, dO,
+// lse and delta through a 2-stage cp.async ring. Per block, per warpgroup:
+//   S^T = K Q^T, dP^T = V dO^T                     wgmma, both operands in shared memory (M = keys)
+//   P^T = exp2(S^T scale_log2 - lse_log2)          registers; masked keys/queries give 0
+//   dS^T = P^T (dP^T - delta)                      registers
+//   dV += P^T dO, dK += dS^T Q                     wgmma, A = P^T / dS^T from registers
+// dV and dK (fp32 registers, the whole loop) are written once, dK times softmax_scale. GQA sums the
+// query heads inside the tile: no atomics, the result is bitwise deterministic.
+#pragma once
+
+#include <cstdint>
+
+#include "flash_bwd_common.cuh"
+#include "flash_fwd_common.cuh"
+#include "tile_size.h"
+
+namespace jzyfa {
+
+template <int kHeadDim>
+struct BwdDkdvTile : BwdTileBase<kHeadDim> {
+  using Base = BwdTileBase<kHeadDim>;
+  using Base::kSize;
+  using Base::kStages;
+  static constexpr int kBlockN = kSize.dkdv_block_n;  // keys per tile
+  static constexpr int kBlockM = kSize.dkdv_block_m;  // query rows per block
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kStageBytes = 2 * kQBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
+  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * kStageBytes;
+  static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
+  static_assert(kBlockM == 64, "S^T's N and the A fragments assume 64 query rows per block");
+  static_assert(kDynamicSmemBytes <= 227 * 1024);
+};
+
+template <typename Element, int kHeadDim>
+__device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
+  using Tile = BwdDkdvTile<kHeadDim>;
+  constexpr int kBlockM = Tile::kBlockM;
+  constexpr int kThreads = Tile::Base::kThreads;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int claimed;
+  const uint32_t smem_base = AlignedSmemBase(smem_raw);
+  const uint32_t smem_k = smem_base, smem_v = smem_base + Tile::kKVBytes;
+  auto smem_stage = [&](int stage) { return smem_base + 2 * Tile::kKVBytes + stage * Tile::kStageBytes; };
+  const uint8_t* smem_generic = smem_raw + (smem_base - SmemAddress(smem_raw));
+
+  const BwdThread me;
+  const int warpgroup = me.warpgroup, lane = me.lane;
+  const int group = args.heads_q / args.heads_kv;
+  const int diagonal = args.seqlen_k - args.seqlen_q;
+  const int m_blocks = (args.seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
+  const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
+  const Element* q = static_cast<const Element*>(args.q);
+  const Element* dout = static_cast<const Element*>(args.dout);
+
+  for (;;) {
+    const int tile = ClaimTile(&args.tile_counter[0], &claimed);
+    if (tile >= args.num_tiles) break;
+    const int pairs = args.batch * args.heads_kv;
+    const int n_block = tile / pairs;
+    const int batch = (tile % pairs) / args.heads_kv;
+    const int kv_head = tile % args.heads_kv;
+    const int key_start = n_block * Tile::kBlockN;
+    // Causal: the first query that sees key_start is key_start - diagonal.
+    int m_first = 0;
+    if (args.causal) {
+      const int first_query = key_start - diagonal;
+      m_first = first_query <= 0 ? 0 : first_query / kBlockM;
+    }
+    const int m_count = m_first < m_blocks ? m_blocks - m_first : 0;
+    const int iterations = m_count * group;
+
+    float dv[kHeadDim / 2], dk[kHeadDim / 2];
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) dv[i] = dk[i] = 0.f;
+
+    auto load_block = [&](int it, int stage) {
+      const int head = kv_head * group + it / m_count;
+      const int m_start = (m_first + it % m_count) * kBlockM;
+      const int64_t row0 = (static_cast<int64_t>(batch) * args.seqlen_q + m_start) * args.heads_q + head;
+      const int valid = args.seqlen_q - m_start;
+      const uint32_t base = smem_stage(stage);
+      LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base, q + row0 * kHeadDim, q_row_stride, valid);
+      LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base + Tile::kQBytes, dout + row0 * kHeadDim,
+                                                 q_row_stride, valid);
+      const int64_t lse_row = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q + m_start;
+      LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes, args.lse + lse_row, valid, threadIdx.x);
+      LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes + kBlockM * 4, args.delta + lse_row, valid,
+                             threadIdx.x - 128);
+    };
+
+    if (iterations > 0) {
+      const int64_t kv_row0 = (static_cast<int64_t>(batch) * args.seqlen_k + key_start) * args.heads_kv + kv_head;
+      const int valid_keys = args.seqlen_k - key_start;
+      LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
+          smem_k, static_cast<const Element*>(args.k) + kv_row0 * kHeadDim, kv_row_stride, valid_keys);
+      LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
+          smem_v, static_cast<const Element*>(args.v) + kv_row0 * kHeadDim, kv_row_stride, valid_keys);
+      load_block(0, 0);
+      CpAsyncCommit();
+    }
+    // This thread's keys (rows of S^T): key_row and key_row + 8.
+    const int key_row = key_start + warpgroup * 64 + me.row_in_warpgroup;
+    const uint32_t my_k = smem_k + warpgroup * Tile::Base::kGroupBytes;
+    const uint32_t my_v = smem_v + warpgroup * Tile::Base::kGroupBytes;
+
+    for (int it = 0; it < iterations; ++it) {
+      const int stage = it % 2;
+      if (it + 1 < iterations) load_block(it + 1, stage ^ 1);
+      CpAsyncCommit();
+      CpAsyncWait<1>();
+      __syncthreads();
+      const uint32_t sq = smem_stage(stage), sdo = sq + Tile::kQBytes;
+      const float* s_lse = reinterpret_cast<const float*>(smem_generic + (sq - smem_base) + 2 * Tile::kQBytes);
+      const float* s_delta = s_lse + kBlockM;
+      const int m_start = (m_first + it % m_count) * kBlockM;
+
+      float s[kBlockM / 2], dp[kBlockM / 2];
+      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(s, my_k, sq, 0);
+      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(dp, my_v, sdo, 0);
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(s);
+      FenceRegisters(dp);
+
+      const bool needs_mask = key_start + Tile::kBlockN > args.seqlen_k ||
+                              m_start + kBlockM > args.seqlen_q ||
+                              (args.causal && key_start + Tile::kBlockN - 1 > m_start + diagonal);
+#pragma unroll
+      for (int c = 0; c < kBlockM / 8; ++c) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * c + 2 * (lane % 4) + (e & 1);  // query row in the block
+          float p = ptx::ex2_approx(fmaf(s[4 * c + e], args.scale_log2, -LseLog2(s_lse[col])));
+          if (needs_mask) {
+            const int key = key_row + 8 * (e >> 1), query = m_start + col;
+            const bool visible = key < args.seqlen_k && query < args.seqlen_q &&
+                                 (!args.causal || key <= query + diagonal);
+            if (!visible) p = 0.f;
+          }
+          s[4 * c + e] = p;
+          dp[4 * c + e] = p * (dp[4 * c + e] - s_delta[col]);
+        }
+      }
+      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+      PackFragments<Element, kBlockM>(s, p_frag);
+      PackFragments<Element, kBlockM>(dp, ds_frag);
+      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dv, p_frag, sdo);
+      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dk, ds_frag, sq);
+      ptx::wgmma_wait_group<0>();
+      FenceRegisters(dv);
+      FenceRegisters(dk);
+      __syncthreads();  // the stage is free for the load two blocks on
+    }
+
+    const int64_t out_row0 = (static_cast<int64_t>(batch) * args.seqlen_k) * args.heads_kv + kv_head;
+    StoreAccumulator<Element, kHeadDim>(dv, static_cast<Element*>(args.dv) + out_row0 * kHeadDim,
+                                        kv_row_stride, key_row, args.seqlen_k, 1.f);
+    StoreAccumulator<Element, kHeadDim>(dk, static_cast<Element*>(args.dk) + out_row0 * kHeadDim,
+                                        kv_row_stride, key_row, args.seqlen_k, args.scale);
+  }
+}
+
+}  // namespace jzyfa

@@ -1,0 +1,151 @@
+"""The backward custom call `jzyfa_attention_bwd` (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh) on a Hopper
+GPU, called directly through jax.ffi.ffi_call on fresh random inputs against float64 gradients: dq, dk, dv
+within relative L2 2e-2, results written into NaN-filled donated buffers so every element must be
+written; bitwise reruns; and jax.grad of jzyfa.flash_attention through the public path with the
+backward rows added to the plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attention_oracle import naive_attention_f64, naive_attention_grads_f64, random_qkv, relative_l2
+from gpu_utils import assert_bitwise_reruns, requires_hopper
+
+import jax
+import jax.numpy as jnp
+
+pytestmark = [pytest.mark.gpu, requires_hopper]
+
+TOLERANCE = 2e-2
+
+
+def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float):
+    """dq, dk, dv from the custom call (the contract's operands only), written into NaN-filled donated
+    buffers of the results' shapes (the repository's poisoning pattern: XLA reuses a donated buffer of
+    the same shape and dtype for the result)."""
+    from jzyfa import _extension
+
+    assert _extension.extension_loaded()
+    call = jax.ffi.ffi_call(
+        "jzyfa_attention_bwd",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct((2,), jnp.int32),
+        ),
+    )
+
+    def run(q, k, v, dout, lse, delta, dq_poison, dk_poison, dv_poison):
+        del dq_poison, dk_poison, dv_poison
+        dq, dk, dv, _ = call(
+            q, k, v, dout, lse, delta,
+            softmax_scale=np.float32(softmax_scale), causal=causal, window_left=np.int64(-1),
+            window_right=np.int64(-1), varlen=False, max_seqlen_q=np.int64(0), max_seqlen_k=np.int64(0),
+        )  # fmt: skip
+        return dq, dk, dv
+
+    poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in (q, k, v)]
+    return jax.jit(run, donate_argnums=(6, 7, 8))(q, k, v, dout, lse, delta, *poison)
+
+
+def residuals(q, k, v, dout, *, causal: bool, scale: float):
+    """lse (float32, from float64) and delta = rowsum(dout * out) in float64, as the JAX side computes them."""
+    out, lse = naive_attention_f64(q, k, v, causal=causal, softmax_scale=scale)
+    delta = np.einsum("bshd,bshd->bhs", np.asarray(dout, np.float64), out)
+    return jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32)
+
+
+def check(seq_q, seq_k, *, heads_q=2, heads_kv=None, head_dim=128, dtype=jnp.bfloat16, causal=True, batch=1, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
+                         head_dim=head_dim, dtype=dtype)  # fmt: skip
+    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    scale = 1 / np.sqrt(head_dim)
+    lse, delta = residuals(q, k, v, dout, causal=causal, scale=scale)
+    dq, dk, dv = bwd_call(q, k, v, dout, lse, delta, causal=causal, softmax_scale=scale)
+    want = naive_attention_grads_f64(q, k, v, dout, causal=causal, softmax_scale=scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (an element left unwritten?)"
+        if not np.any(ref):
+            np.testing.assert_array_equal(got, 0.0, err_msg=name)
+            continue
+        err = relative_l2(got, ref)
+        assert err < TOLERANCE, f"{name}: relative L2 {err:.3g}"
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+@pytest.mark.parametrize("length", [1, 127, 129, 1000])
+def test_square_lengths(head_dim, dtype, causal, length):
+    check(length, length, head_dim=head_dim, dtype=dtype, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(300, 1000), (1000, 300), (1, 777), (777, 1), (64, 65), (200, 129)])
+def test_unequal_lengths(seq_q, seq_k, causal):
+    """Sq > Sk causal leaves the first Sq - Sk rows seeing no key (lse = -inf, dq = 0)."""
+    check(seq_q, seq_k, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(2, 2), (4, 2), (8, 1), (16, 2), (5, 1)])
+def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
+    check(333, 517, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=2)
+
+
+def test_bitwise_reruns():
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, batch=2, seq_q=700, seq_k=900, heads_q=8, heads_kv=2, head_dim=128)
+    dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    lse, delta = residuals(q, k, v, dout, causal=True, scale=128**-0.5)
+    def fn(*a):
+        return bwd_call(*a, causal=True, softmax_scale=128**-0.5)
+
+    assert_bitwise_reruns(fn, (q, k, v, dout, lse, delta), reruns=10)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+def test_large(causal):
+    """2 x 4096 x 16 heads, hd128: against the float64 gradients of two heads (the oracle is slow)."""
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, batch=2, seq_q=4096, heads_q=16, head_dim=128)
+    dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    scale = 128**-0.5
+    heads = slice(5, 7)
+    qs, ks, vs, ds = (x[:, :, heads] for x in (q, k, v, dout))
+    lse_s, delta_s = residuals(qs, ks, vs, ds, causal=causal, scale=scale)
+    lse = jnp.zeros((2, 16, 4096), jnp.float32).at[:, heads].set(lse_s)
+    delta = jnp.zeros((2, 16, 4096), jnp.float32).at[:, heads].set(delta_s)
+    dq, dk, dv = bwd_call(q, k, v, dout, lse, delta, causal=causal, softmax_scale=scale)
+    want = naive_attention_grads_f64(qs, ks, vs, ds, causal=causal, softmax_scale=scale)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), name
+        assert relative_l2(got[:, :, heads], ref) < TOLERANCE, name
+
+
+def test_public_path_grad(monkeypatch):
+    """jax.grad of jzyfa.flash_attention with the backward rows in the plan lowers to this target."""
+    import jzyfa
+    from jzyfa import plan
+
+    rows = {plan.Config("16bit", (d, d), mask, "dense", "bwd") for d in (64, 128) for mask in ("none", "causal")}
+    monkeypatch.setattr(plan, "KERNELS", plan.KERNELS | rows)
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=128)
+    dout = rng.standard_normal(q.shape)
+
+    def loss(q, k, v):
+        out = jzyfa.flash_attention(q, k, v, causal=True)
+        return jnp.sum(out.astype(jnp.float32) * jnp.asarray(dout, jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    hlo = grad.lower(q, k, v).compile().as_text()
+    assert "jzyfa_attention_bwd" in hlo
+    got = grad(q, k, v)
+    want = naive_attention_grads_f64(q, k, v, dout, causal=True, softmax_scale=128**-0.5)
+    for name, g, ref in zip(("dq", "dk", "dv"), got, want):
+        assert relative_l2(np.asarray(g, np.float64), ref) < TOLERANCE, name
