@@ -34,10 +34,6 @@ std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
   std::string error =
       ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, mask);
   if (!error.empty()) return error;
-  if (mask->windowed) {
-    return "sliding windows (window_left " + Str(p.window_left) + ", window_right " +
-           Str(p.window_right) + ") are not served by the backward kernels: causal or none only";
-  }
   if (!HasBwdKernel(static_cast<int>(p.head_dim), mask->kind(), Layout::kDense)) {
     return "no backward kernel for head_dim " + Str(p.head_dim) + " (served: 64, 128)";
   }

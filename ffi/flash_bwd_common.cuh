@@ -28,8 +28,31 @@ struct BwdArgs {
   int heads_kv;
   float scale;       // softmax_scale
   float scale_log2;  // softmax_scale * log2(e)
-  int causal;        // bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q
+  // The mask, bottom-right aligned: query i at position i + seqlen_k - seqlen_q sees the keys from
+  // position - window_left to position + window_right; kBwdNoBound on an unbounded side (none: both,
+  // causal: right 0).
+  int window_left;
+  int window_right;
 };
+
+// A window side that bounds nothing: more than any distance between a key and a query's position
+// (the handler refuses seqlen_q + seqlen_k > 2^30).
+constexpr int kBwdNoBound = 1 << 30;
+
+// Whether a query at `position` (its row + seqlen_k - seqlen_q) sees `key`.
+__device__ __forceinline__ bool KeyVisible(const BwdArgs& args, int key, int position) {
+  return key - position <= args.window_right && position - key <= args.window_left;
+}
+
+// The first and last index of the blocks of `block` rows (over `count` rows) holding a row in
+// [first, last] (int64: a bound plus kBwdNoBound may pass int32); first > last when none does.
+__device__ __forceinline__ void BlockRange(int64_t first, int64_t last, int count, int block,
+                                           int* first_block, int* last_block) {
+  first = first < 0 ? 0 : first;
+  last = last > count - 1 ? count - 1 : last;
+  *first_block = static_cast<int>(first / block);
+  *last_block = last < first ? static_cast<int>(first / block) - 1 : static_cast<int>(last / block);
+}
 
 __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),

@@ -1,4 +1,4 @@
-// The backward's dK/dV kernel (16-bit inputs, dense, causal or no mask). A persistent grid claims
+// The backward's dK/dV kernel (16-bit inputs, dense; no mask, causal or a sliding window). A persistent grid claims
 // tiles of 128 keys of one (key block, KV head, batch), key blocks in order (causal: the first key
 // blocks see the most queries: longest first). Two warpgroups own 64 keys each. K and V are loaded
 // once; the query blocks that see the tile (every query head of the KV head's group) stream Q, dO,
@@ -51,7 +51,6 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
   const int warpgroup = me.warpgroup, lane = me.lane;
   const int group = args.heads_q / args.heads_kv;
   const int diagonal = args.seqlen_k - args.seqlen_q;
-  const int m_blocks = (args.seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
   const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
   const Element* q = static_cast<const Element*>(args.q);
@@ -65,13 +64,13 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
     const int batch = (tile % pairs) / args.heads_kv;
     const int kv_head = tile % args.heads_kv;
     const int key_start = n_block * Tile::kBlockN;
-    // Causal: the first query that sees key_start is key_start - diagonal.
-    int m_first = 0;
-    if (args.causal) {
-      const int first_query = key_start - diagonal;
-      m_first = first_query <= 0 ? 0 : first_query / kBlockM;
-    }
-    const int m_count = m_first < m_blocks ? m_blocks - m_first : 0;
+    // The query blocks with a row that sees one of the tile's keys (position - window_left <= key <=
+    // position + window_right).
+    int m_first, m_last;
+    BlockRange(int64_t{key_start} - args.window_right - diagonal,
+               int64_t{key_start} + Tile::kBlockN - 1 + args.window_left - diagonal, args.seqlen_q,
+               kBlockM, &m_first, &m_last);
+    const int m_count = m_last - m_first + 1;
     const int iterations = m_count * group;
 
     float dv[kHeadDim / 2], dk[kHeadDim / 2];
@@ -126,9 +125,10 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       FenceRegisters(s);
       FenceRegisters(dp);
 
-      const bool needs_mask = key_start + Tile::kBlockN > args.seqlen_k ||
-                              m_start + kBlockM > args.seqlen_q ||
-                              (args.causal && key_start + Tile::kBlockN - 1 > m_start + diagonal);
+      const int key_last = key_start + Tile::kBlockN - 1;
+      const bool needs_mask = key_last >= args.seqlen_k || m_start + kBlockM > args.seqlen_q ||
+                              key_last - (m_start + diagonal) > args.window_right ||
+                              m_start + kBlockM - 1 + diagonal - key_start > args.window_left;
 #pragma unroll
       for (int c = 0; c < kBlockM / 8; ++c) {
 #pragma unroll
@@ -137,8 +137,8 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
           float p = ptx::ex2_approx(fmaf(s[4 * c + e], args.scale_log2, -LseLog2(s_lse[col])));
           if (needs_mask) {
             const int key = key_row + 8 * (e >> 1), query = m_start + col;
-            const bool visible = key < args.seqlen_k && query < args.seqlen_q &&
-                                 (!args.causal || key <= query + diagonal);
+            const bool visible =
+                key < args.seqlen_k && query < args.seqlen_q && KeyVisible(args, key, query + diagonal);
             if (!visible) p = 0.f;
           }
           s[4 * c + e] = p;

@@ -1,4 +1,4 @@
-// The backward's dQ kernel (16-bit inputs, dense, causal or no mask). A persistent grid claims
+// The backward's dQ kernel (16-bit inputs, dense; no mask, causal or a sliding window). A persistent grid claims
 // tiles of 128 query rows of one (query block, head, batch), the last query blocks first (causal:
 // they see the most keys). Two warpgroups own 64 rows each. Q, dO, lse and delta are loaded once;
 // the key blocks the tile sees stream K and V through a 2-stage cp.async ring. Per block:
@@ -47,7 +47,6 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
   const int warpgroup = me.warpgroup, lane = me.lane;
   const int diagonal = args.seqlen_k - args.seqlen_q;
   const int m_blocks = (args.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
-  const int n_blocks_all = (args.seqlen_k + kBlockN - 1) / kBlockN;
   const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
   const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
   const Element* k = static_cast<const Element*>(args.k);
@@ -63,17 +62,17 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
     const int head = tile % args.heads_q;
     const int kv_head = head / group;
     const int m_start = m_block * Tile::kBlockM;
-    int n_blocks = n_blocks_all;
-    if (args.causal) {
-      const int last_key = m_start + Tile::kBlockM - 1 + diagonal;  // the tile's last row sees it
-      const int visible = last_key < 0 ? 0 : last_key / kBlockN + 1;
-      n_blocks = visible < n_blocks ? visible : n_blocks;
-    }
+    // The key blocks with a key one of the tile's rows sees.
+    int n_first, n_last;
+    BlockRange(int64_t{m_start} + diagonal - args.window_left,
+               int64_t{m_start} + Tile::kBlockM - 1 + diagonal + args.window_right, args.seqlen_k,
+               kBlockN, &n_first, &n_last);
+    const int n_blocks = n_last - n_first + 1;
 
     const int64_t q_row0 = (static_cast<int64_t>(batch) * args.seqlen_q + m_start) * args.heads_q + head;
     const int64_t kv_row0 = static_cast<int64_t>(batch) * args.seqlen_k * args.heads_kv + kv_head;
     auto load_block = [&](int block, int stage) {
-      const int key_start = block * kBlockN;
+      const int key_start = (n_first + block) * kBlockN;
       const int64_t row0 = kv_row0 + static_cast<int64_t>(key_start) * args.heads_kv;
       LoadRowsSw128<kBlockN, kHeadDim, kThreads>(smem_stage(stage), k + row0 * kHeadDim,
                                                  kv_row_stride, args.seqlen_k - key_start);
@@ -120,9 +119,10 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s);
       FenceRegisters(dp);
-      const int key_start = block * kBlockN;
-      const bool needs_mask = key_start + kBlockN > args.seqlen_k ||
-                              (args.causal && key_start + kBlockN - 1 > m_start + diagonal);
+      const int key_start = (n_first + block) * kBlockN, key_last = key_start + kBlockN - 1;
+      const bool needs_mask = key_last >= args.seqlen_k ||
+                              key_last - (m_start + diagonal) > args.window_right ||
+                              m_start + Tile::kBlockM - 1 + diagonal - key_start > args.window_left;
 #pragma unroll
       for (int c = 0; c < kBlockN / 8; ++c) {
 #pragma unroll
@@ -131,7 +131,7 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
           float p = ptx::ex2_approx(fmaf(s[4 * c + e], args.scale_log2, -lse_log2[h]));
           if (needs_mask) {
             const int key = key_start + 8 * c + 2 * (lane % 4) + (e & 1);
-            const bool visible = key < args.seqlen_k && (!args.causal || key <= row + 8 * h + diagonal);
+            const bool visible = key < args.seqlen_k && KeyVisible(args, key, row + 8 * h + diagonal);
             if (!visible) p = 0.f;
           }
           dp[4 * c + e] = p * (dp[4 * c + e] - delta[h]);

@@ -37,7 +37,11 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   args.heads_kv = static_cast<int>(p.heads_kv);
   args.scale = p.softmax_scale;
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  args.causal = mask.causal ? 1 : 0;
+  // The resolved mask as window sides: none (-1, -1), causal (-1, 0) or a window.
+  const bool windowed = mask.windowed;
+  args.window_left = windowed && mask.window_left >= 0 ? mask.window_left : kBwdNoBound;
+  args.window_right = windowed ? (mask.window_right >= 0 ? mask.window_right : kBwdNoBound)
+                               : (mask.causal ? 0 : kBwdNoBound);
 
   const DeviceInfo* info = nullptr;
   std::string error = PrepareLaunch<dkdv_kernel>(DkdvTile::kDynamicSmemBytes, &info);

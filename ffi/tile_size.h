@@ -122,8 +122,7 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
 }
 
 // The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dim,
-// layout) of 16-bit inputs, causal or no mask. module.cc's bwd_kernels() lists them; kernels() (the
-// plan's rows) does not until they pass their GPU tests.
+// layout) of 16-bit inputs and the masks it serves; module.cc's kernels() lists them as "bwd" rows.
 struct BwdKernelGroup {
   int head_dim;
   Layout layout;
@@ -131,8 +130,8 @@ struct BwdKernelGroup {
 };
 
 inline constexpr BwdKernelGroup kBwdKernels[] = {
-    {64, Layout::kDense, kCausalOrNone},
-    {128, Layout::kDense, kCausalOrNone},
+    {64, Layout::kDense, kAllMasks},
+    {128, Layout::kDense, kAllMasks},
 };
 
 constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, requires_hopper]
 TOLERANCE = 2e-2
 
 
-def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float):
+def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, window=(-1, -1)):
     """dq, dk, dv from the custom call (the contract's operands only), written into NaN-filled donated
     buffers of the results' shapes (the repository's poisoning pattern: XLA reuses a donated buffer of
     the same shape and dtype for the result)."""
@@ -39,8 +39,8 @@ def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float):
         del dq_poison, dk_poison, dv_poison
         dq, dk, dv, _ = call(
             q, k, v, dout, lse, delta,
-            softmax_scale=np.float32(softmax_scale), causal=causal, window_left=np.int64(-1),
-            window_right=np.int64(-1), varlen=False, max_seqlen_q=np.int64(0), max_seqlen_k=np.int64(0),
+            softmax_scale=np.float32(softmax_scale), causal=causal, window_left=np.int64(window[0]),
+            window_right=np.int64(window[1]), varlen=False, max_seqlen_q=np.int64(0), max_seqlen_k=np.int64(0),
         )  # fmt: skip
         return dq, dk, dv
 
@@ -48,22 +48,25 @@ def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float):
     return jax.jit(run, donate_argnums=(6, 7, 8))(q, k, v, dout, lse, delta, *poison)
 
 
-def residuals(q, k, v, dout, *, causal: bool, scale: float):
+def residuals(q, k, v, dout, *, causal: bool, scale: float, window=None):
     """lse (float32, from float64) and delta = rowsum(dout * out) in float64, as the JAX side computes them."""
-    out, lse = naive_attention_f64(q, k, v, causal=causal, softmax_scale=scale)
+    out, lse = naive_attention_f64(q, k, v, causal=causal, softmax_scale=scale, window=window)
     delta = np.einsum("bshd,bshd->bhs", np.asarray(dout, np.float64), out)
     return jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32)
 
 
-def check(seq_q, seq_k, *, heads_q=2, heads_kv=None, head_dim=128, dtype=jnp.bfloat16, causal=True, batch=1, seed=0):
+def check(seq_q, seq_k, *, heads_q=2, heads_kv=None, head_dim=128, dtype=jnp.bfloat16, causal=True, batch=1, seed=0,
+          window=None):
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
                          head_dim=head_dim, dtype=dtype)  # fmt: skip
     dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
     scale = 1 / np.sqrt(head_dim)
-    lse, delta = residuals(q, k, v, dout, causal=causal, scale=scale)
-    dq, dk, dv = bwd_call(q, k, v, dout, lse, delta, causal=causal, softmax_scale=scale)
-    want = naive_attention_grads_f64(q, k, v, dout, causal=causal, softmax_scale=scale)
+    lse, delta = residuals(q, k, v, dout, causal=causal, scale=scale, window=window)
+    dq, dk, dv = bwd_call(
+        q, k, v, dout, lse, delta, causal=causal, softmax_scale=scale, window=window or (-1, -1)
+    )
+    want = naive_attention_grads_f64(q, k, v, dout, causal=causal, softmax_scale=scale, window=window)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         got = np.asarray(got, np.float64)
         assert np.isfinite(got).all(), f"{name}: NaN or inf (an element left unwritten?)"
@@ -93,6 +96,18 @@ def test_unequal_lengths(seq_q, seq_k, causal):
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [(2, 2), (4, 2), (8, 1), (16, 2), (5, 1)])
 def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
     check(333, 517, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=2)
+
+
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k", "window"),
+    [(1000, 1000, (100, 50)), (1000, 1000, (0, 0)), (700, 900, (300, -1)), (900, 700, (-1, 200)), (513, 2000, (1, 257))],
+)
+def test_windows(seq_q, seq_k, window, causal, head_dim):
+    """Sliding windows (jzyfa's convention: query i at p = i + Sk - Sq sees keys p - left .. p + right; causal
+    sets right to 0), rows that see no key included (their dq is 0)."""
+    check(seq_q, seq_k, causal=causal, window=window, head_dim=head_dim, heads_q=4, heads_kv=2)
 
 
 def test_bitwise_reruns():

@@ -63,7 +63,7 @@ BUILT_KERNELS = {
     ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
-    *(("16bit", d, d, mask, "dense", "bwd") for d in (64, 128) for mask in ("none", "causal")),
+    *(("16bit", d, d, mask, "dense", "bwd") for d in (64, 128) for mask in ("none", "causal", "window")),
 }
 
 
