@@ -26,7 +26,6 @@ std::string DispatchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t s
 }  // namespace
 
 std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
-  if (p.varlen) return "varlen backward calls are not served yet (dense [B, S, H, D] only)";
   if (p.element_type == ElementType::kE4M3) return "FP8 calls have no backward";
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
     return "heads_q (" + Str(p.heads_q) + ") must be a multiple of heads_kv (" + Str(p.heads_kv) + ")";
@@ -34,8 +33,13 @@ std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
   std::string error =
       ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, mask);
   if (!error.empty()) return error;
-  if (!HasBwdKernel(static_cast<int>(p.head_dim), mask->kind(), Layout::kDense)) {
+  if (!HasBwdKernel(static_cast<int>(p.head_dim), mask->kind(),
+                    p.varlen ? Layout::kVarlen : Layout::kDense)) {
     return "no backward kernel for head_dim " + Str(p.head_dim) + " (served: 64, 128)";
+  }
+  if (p.varlen && (p.seqlen_q < 0 || p.seqlen_k < 0 || p.total_q >= (int64_t{1} << 31) ||
+                   p.total_k >= (int64_t{1} << 31))) {
+    return "varlen: max_seqlen_q and max_seqlen_k must be >= 0 and the token counts below 2^31";
   }
   constexpr int64_t kLimit = int64_t{1} << 30;
   if (p.seqlen_q + p.seqlen_k > kLimit) {

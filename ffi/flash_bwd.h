@@ -1,6 +1,6 @@
 // The backward custom call's parameters, validation and launch (ffi/flash_bwd.cc), and the launch of
 // one head dim's kernels (ffi/launch_bwd.cuh, instantiated per group of kBwdKernels in
-// ffi/instantiations/bwd_16bit_hd*_dense.cu).
+// ffi/instantiations/bwd_16bit_hd*.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -36,6 +36,13 @@ struct BwdParams {
   int64_t window_left = -1;
   int64_t window_right = -1;
   bool varlen = false;
+  // varlen: q, dout, dq [total_q, heads_q, D], k, v, dk, dv [total_k, heads_kv, D], lse and delta
+  // [heads_q, total_q]; sequence s holds tokens cu_seqlens_q[s] .. cu_seqlens_q[s + 1] (likewise k).
+  // batch, seqlen_q and seqlen_k are then num_seqs, max_seqlen_q and max_seqlen_k.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
+  int64_t total_k = 0;
 };
 
 // Why the call cannot run, or "" (sets the resolved mask in *mask).

@@ -21,9 +21,14 @@ struct BwdArgs {
   void* dv;
   int* tile_counter;  // [2], zeroed by the launch: [0] the dK/dV kernel's, [1] the dQ kernel's
   int num_tiles;
-  int batch;
-  int seqlen_q;
+  int batch;     // dense: the batch; varlen: the number of sequences
+  int seqlen_q;  // dense: the lengths; varlen: max_seqlen_q, max_seqlen_k (the tile grid's)
   int seqlen_k;
+  // Varlen (packed [total, heads, head_dim]; null when dense): sequence s holds tokens
+  // cu_seqlens_q[s] .. cu_seqlens_q[s + 1] of q (likewise of k, v); lse and delta are [heads_q, total_q].
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  int total_q;
   int heads_q;
   int heads_kv;
   float scale;       // softmax_scale
@@ -38,6 +43,38 @@ struct BwdArgs {
 // A window side that bounds nothing: more than any distance between a key and a query's position
 // (the handler refuses seqlen_q + seqlen_k > 2^30).
 constexpr int kBwdNoBound = 1 << 30;
+
+// Where one batch row (dense) or sequence (varlen) lives: its first query and key token (rows of
+// [tokens, heads, head_dim]), its lengths, and its lse / delta index of head 0, row 0.
+struct BwdSequence {
+  int64_t q_offset;
+  int64_t k_offset;
+  int len_q;
+  int len_k;
+  int64_t lse_offset;
+  int64_t lse_head_stride;  // what one more head adds to the lse / delta index
+  __device__ __forceinline__ int diagonal() const { return len_k - len_q; }
+};
+
+__device__ __forceinline__ BwdSequence SequenceOf(const BwdArgs& args, int index) {
+  BwdSequence seq;
+  if (args.cu_seqlens_q == nullptr) {
+    seq.q_offset = static_cast<int64_t>(index) * args.seqlen_q;
+    seq.k_offset = static_cast<int64_t>(index) * args.seqlen_k;
+    seq.len_q = args.seqlen_q;
+    seq.len_k = args.seqlen_k;
+    seq.lse_offset = static_cast<int64_t>(index) * args.heads_q * args.seqlen_q;
+    seq.lse_head_stride = args.seqlen_q;
+  } else {
+    seq.q_offset = args.cu_seqlens_q[index];
+    seq.k_offset = args.cu_seqlens_k[index];
+    seq.len_q = max(args.cu_seqlens_q[index + 1] - args.cu_seqlens_q[index], 0);
+    seq.len_k = max(args.cu_seqlens_k[index + 1] - args.cu_seqlens_k[index], 0);
+    seq.lse_offset = seq.q_offset;
+    seq.lse_head_stride = args.total_q;
+  }
+  return seq;
+}
 
 // Whether a query at `position` (its row + seqlen_k - seqlen_q) sees `key`.
 __device__ __forceinline__ bool KeyVisible(const BwdArgs& args, int key, int position) {

@@ -1,6 +1,6 @@
-// The backward's dK/dV kernel (16-bit inputs, dense; no mask, causal or a sliding window). A persistent grid claims
-// tiles of 128 keys of one (key block, KV head, batch), key blocks in order (causal: the first key
-// blocks see the most queries: longest first). Two warpgroups own 64 keys each. K and V are loaded
+// The backward's dK/dV kernel (16-bit inputs, dense or varlen; no mask, causal or a sliding window).
+// A persistent grid claims tiles of 128 keys of one (key block, KV head, batch or sequence), key
+// blocks in order (causal: the first key blocks see the most queries: longest first). Two warpgroups own 64 keys each. K and V are loaded
 // once; the query blocks that see the tile (every query head of the KV head's group) stream Q, dO,
 // lse and delta through a 2-stage cp.async ring. Per block, per warpgroup:
 //   S^T = K Q^T, dP^T = V dO^T                     wgmma, both operands in shared memory (M = keys)
@@ -50,7 +50,6 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
   const BwdThread me;
   const int warpgroup = me.warpgroup, lane = me.lane;
   const int group = args.heads_q / args.heads_kv;
-  const int diagonal = args.seqlen_k - args.seqlen_q;
   const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
   const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
   const Element* q = static_cast<const Element*>(args.q);
@@ -61,14 +60,16 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
     if (tile >= args.num_tiles) break;
     const int pairs = args.batch * args.heads_kv;
     const int n_block = tile / pairs;
-    const int batch = (tile % pairs) / args.heads_kv;
+    const BwdSequence seq = SequenceOf(args, (tile % pairs) / args.heads_kv);
     const int kv_head = tile % args.heads_kv;
     const int key_start = n_block * Tile::kBlockN;
+    if (key_start >= seq.len_k) continue;  // varlen: past this sequence's keys
+    const int diagonal = seq.diagonal();
     // The query blocks with a row that sees one of the tile's keys (position - window_left <= key <=
     // position + window_right).
     int m_first, m_last;
     BlockRange(int64_t{key_start} - args.window_right - diagonal,
-               int64_t{key_start} + Tile::kBlockN - 1 + args.window_left - diagonal, args.seqlen_q,
+               int64_t{key_start} + Tile::kBlockN - 1 + args.window_left - diagonal, seq.len_q,
                kBlockM, &m_first, &m_last);
     const int m_count = m_last - m_first + 1;
     const int iterations = m_count * group;
@@ -80,21 +81,21 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
     auto load_block = [&](int it, int stage) {
       const int head = kv_head * group + it / m_count;
       const int m_start = (m_first + it % m_count) * kBlockM;
-      const int64_t row0 = (static_cast<int64_t>(batch) * args.seqlen_q + m_start) * args.heads_q + head;
-      const int valid = args.seqlen_q - m_start;
+      const int64_t row0 = (seq.q_offset + m_start) * args.heads_q + head;
+      const int valid = seq.len_q - m_start;
       const uint32_t base = smem_stage(stage);
       LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base, q + row0 * kHeadDim, q_row_stride, valid);
       LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base + Tile::kQBytes, dout + row0 * kHeadDim,
                                                  q_row_stride, valid);
-      const int64_t lse_row = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q + m_start;
+      const int64_t lse_row = seq.lse_offset + head * seq.lse_head_stride + m_start;
       LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes, args.lse + lse_row, valid, threadIdx.x);
       LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes + kBlockM * 4, args.delta + lse_row, valid,
                              threadIdx.x - 128);
     };
 
     if (iterations > 0) {
-      const int64_t kv_row0 = (static_cast<int64_t>(batch) * args.seqlen_k + key_start) * args.heads_kv + kv_head;
-      const int valid_keys = args.seqlen_k - key_start;
+      const int64_t kv_row0 = (seq.k_offset + key_start) * args.heads_kv + kv_head;
+      const int valid_keys = seq.len_k - key_start;
       LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
           smem_k, static_cast<const Element*>(args.k) + kv_row0 * kHeadDim, kv_row_stride, valid_keys);
       LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
@@ -126,7 +127,7 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       FenceRegisters(dp);
 
       const int key_last = key_start + Tile::kBlockN - 1;
-      const bool needs_mask = key_last >= args.seqlen_k || m_start + kBlockM > args.seqlen_q ||
+      const bool needs_mask = key_last >= seq.len_k || m_start + kBlockM > seq.len_q ||
                               key_last - (m_start + diagonal) > args.window_right ||
                               m_start + kBlockM - 1 + diagonal - key_start > args.window_left;
 #pragma unroll
@@ -138,7 +139,7 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
           if (needs_mask) {
             const int key = key_row + 8 * (e >> 1), query = m_start + col;
             const bool visible =
-                key < args.seqlen_k && query < args.seqlen_q && KeyVisible(args, key, query + diagonal);
+                key < seq.len_k && query < seq.len_q && KeyVisible(args, key, query + diagonal);
             if (!visible) p = 0.f;
           }
           s[4 * c + e] = p;
@@ -156,11 +157,11 @@ __device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
       __syncthreads();  // the stage is free for the load two blocks on
     }
 
-    const int64_t out_row0 = (static_cast<int64_t>(batch) * args.seqlen_k) * args.heads_kv + kv_head;
+    const int64_t out_row0 = seq.k_offset * args.heads_kv + kv_head;
     StoreAccumulator<Element, kHeadDim>(dv, static_cast<Element*>(args.dv) + out_row0 * kHeadDim,
-                                        kv_row_stride, key_row, args.seqlen_k, 1.f);
+                                        kv_row_stride, key_row, seq.len_k, 1.f);
     StoreAccumulator<Element, kHeadDim>(dk, static_cast<Element*>(args.dk) + out_row0 * kHeadDim,
-                                        kv_row_stride, key_row, args.seqlen_k, args.scale);
+                                        kv_row_stride, key_row, seq.len_k, args.scale);
   }
 }
 

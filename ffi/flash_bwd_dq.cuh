@@ -1,7 +1,8 @@
-// The backward's dQ kernel (16-bit inputs, dense; no mask, causal or a sliding window). A persistent grid claims
-// tiles of 128 query rows of one (query block, head, batch), the last query blocks first (causal:
-// they see the most keys). Two warpgroups own 64 rows each. Q, dO, lse and delta are loaded once;
-// the key blocks the tile sees stream K and V through a 2-stage cp.async ring. Per block:
+// The backward's dQ kernel (16-bit inputs, dense or varlen; no mask, causal or a sliding window). A
+// persistent grid claims tiles of 128 query rows of one (query block, head, batch or sequence), the
+// last query blocks first (causal: they see the most keys). Two warpgroups own 64 rows each. Q, dO,
+// lse and delta are loaded once; the key blocks the tile sees stream K and V through a 2-stage
+// cp.async ring. Per block:
 //   S = Q K^T, dP = dO V^T                 wgmma, both operands in shared memory
 //   P = exp2(S scale_log2 - lse_log2), dS = P (dP - delta)      registers
 //   dQ += dS K                             wgmma, A = dS from registers, K as an MN-major B
@@ -45,7 +46,6 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
 
   const BwdThread me;
   const int warpgroup = me.warpgroup, lane = me.lane;
-  const int diagonal = args.seqlen_k - args.seqlen_q;
   const int m_blocks = (args.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
   const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
@@ -58,30 +58,32 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
     if (tile >= args.num_tiles) break;
     const int pairs = args.batch * args.heads_q;
     const int m_block = m_blocks - 1 - tile / pairs;
-    const int batch = (tile % pairs) / args.heads_q;
+    const BwdSequence seq = SequenceOf(args, (tile % pairs) / args.heads_q);
     const int head = tile % args.heads_q;
     const int kv_head = head / group;
     const int m_start = m_block * Tile::kBlockM;
+    if (m_start >= seq.len_q) continue;  // varlen: past this sequence's queries
+    const int diagonal = seq.diagonal();
     // The key blocks with a key one of the tile's rows sees.
     int n_first, n_last;
     BlockRange(int64_t{m_start} + diagonal - args.window_left,
-               int64_t{m_start} + Tile::kBlockM - 1 + diagonal + args.window_right, args.seqlen_k,
+               int64_t{m_start} + Tile::kBlockM - 1 + diagonal + args.window_right, seq.len_k,
                kBlockN, &n_first, &n_last);
     const int n_blocks = n_last - n_first + 1;
 
-    const int64_t q_row0 = (static_cast<int64_t>(batch) * args.seqlen_q + m_start) * args.heads_q + head;
-    const int64_t kv_row0 = static_cast<int64_t>(batch) * args.seqlen_k * args.heads_kv + kv_head;
+    const int64_t q_row0 = (seq.q_offset + m_start) * args.heads_q + head;
+    const int64_t kv_row0 = seq.k_offset * args.heads_kv + kv_head;
     auto load_block = [&](int block, int stage) {
       const int key_start = (n_first + block) * kBlockN;
       const int64_t row0 = kv_row0 + static_cast<int64_t>(key_start) * args.heads_kv;
       LoadRowsSw128<kBlockN, kHeadDim, kThreads>(smem_stage(stage), k + row0 * kHeadDim,
-                                                 kv_row_stride, args.seqlen_k - key_start);
+                                                 kv_row_stride, seq.len_k - key_start);
       LoadRowsSw128<kBlockN, kHeadDim, kThreads>(smem_stage(stage) + Tile::kKBytes,
                                                  v + row0 * kHeadDim, kv_row_stride,
-                                                 args.seqlen_k - key_start);
+                                                 seq.len_k - key_start);
     };
     if (n_blocks > 0) {
-      const int valid = args.seqlen_q - m_start;
+      const int valid = seq.len_q - m_start;
       LoadRowsSw128<Tile::kBlockM, kHeadDim, kThreads>(
           smem_q, static_cast<const Element*>(args.q) + q_row0 * kHeadDim, q_row_stride, valid);
       LoadRowsSw128<Tile::kBlockM, kHeadDim, kThreads>(
@@ -91,11 +93,11 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
     }
     // This thread's rows: row and row + 8; their lse (log2 domain) and delta.
     const int row = m_start + warpgroup * 64 + me.row_in_warpgroup;
-    const int64_t lse_row0 = (static_cast<int64_t>(batch) * args.heads_q + head) * args.seqlen_q;
+    const int64_t lse_row0 = seq.lse_offset + head * seq.lse_head_stride;
     float lse_log2[2], delta[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const bool valid = row + 8 * h < args.seqlen_q;
+      const bool valid = row + 8 * h < seq.len_q;
       lse_log2[h] = valid ? LseLog2(args.lse[lse_row0 + row + 8 * h]) : INFINITY;
       delta[h] = valid ? args.delta[lse_row0 + row + 8 * h] : 0.f;
     }
@@ -120,7 +122,7 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       FenceRegisters(s);
       FenceRegisters(dp);
       const int key_start = (n_first + block) * kBlockN, key_last = key_start + kBlockN - 1;
-      const bool needs_mask = key_last >= args.seqlen_k ||
+      const bool needs_mask = key_last >= seq.len_k ||
                               key_last - (m_start + diagonal) > args.window_right ||
                               m_start + Tile::kBlockM - 1 + diagonal - key_start > args.window_left;
 #pragma unroll
@@ -131,7 +133,7 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
           float p = ptx::ex2_approx(fmaf(s[4 * c + e], args.scale_log2, -lse_log2[h]));
           if (needs_mask) {
             const int key = key_start + 8 * c + 2 * (lane % 4) + (e & 1);
-            const bool visible = key < args.seqlen_k && KeyVisible(args, key, row + 8 * h + diagonal);
+            const bool visible = key < seq.len_k && KeyVisible(args, key, row + 8 * h + diagonal);
             if (!visible) p = 0.f;
           }
           dp[4 * c + e] = p * (dp[4 * c + e] - delta[h]);
@@ -144,9 +146,9 @@ __device__ __forceinline__ void BwdDqTiles(const BwdArgs& args) {
       FenceRegisters(dq);
       __syncthreads();
     }
-    const int64_t dq_row0 = static_cast<int64_t>(batch) * args.seqlen_q * args.heads_q + head;
+    const int64_t dq_row0 = seq.q_offset * args.heads_q + head;
     StoreAccumulator<Element, kHeadDim>(dq, static_cast<Element*>(args.dq) + dq_row0 * kHeadDim,
-                                        q_row_stride, row, args.seqlen_q, args.scale);
+                                        q_row_stride, row, seq.len_q, args.scale);
   }
 }
 

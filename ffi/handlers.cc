@@ -222,8 +222,8 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 
 constexpr const char* kBwdName = "jzyfa_attention_bwd: ";
 
-// The backward handler: q, k, v, dout, lse, delta (+ varlen's cu_seqlens, refused) -> dq, dk, dv,
-// tile counters int32 [2]. Shapes only: no device memory is read.
+// The backward handler: q, k, v, dout, lse, delta (+ varlen's cu_seqlens_q, cu_seqlens_k) -> dq, dk,
+// dv, tile counters int32 [2]. Shapes only: no device memory is read.
 ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                             ffi::Buffer<ffi::F32> delta, ffi::RemainingArgs extra,
@@ -233,9 +233,6 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             bool causal, int64_t window_left, int64_t window_right, bool varlen,
                             int64_t max_seqlen_q, int64_t max_seqlen_k) {
   auto invalid = [](const std::string& m) { return ffi::Error::InvalidArgument(kBwdName + m); };
-  if (varlen || extra.size() != 0) {
-    return invalid("varlen backward calls are not served yet (dense [B, S, H, D] only)");
-  }
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return invalid("q must be bf16 or f16");
@@ -245,12 +242,15 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
     if (t != dtype) return invalid("k, v, dout, dq, dk and dv must have the dtype of q");
   }
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4) {
-    return invalid("q, k and v must be [batch, seq, heads, head_dim]");
+  const size_t rank = varlen ? 3 : 4;
+  if (qd.size() != rank || kd.size() != rank || vd.size() != rank) {
+    return invalid(varlen ? "q, k and v must be packed [total_tokens, heads, head_dim]"
+                          : "q, k and v must be [batch, seq, heads, head_dim]");
   }
-  if (kd[0] != qd[0] || kd[3] != qd[3] || !std::equal(vd.begin(), vd.end(), kd.begin())) {
+  if (kd[rank - 1] != qd[rank - 1] || (!varlen && kd[0] != qd[0]) ||
+      !std::equal(vd.begin(), vd.end(), kd.begin())) {
     return invalid("q " + ShapeString(qd) + ", k " + ShapeString(kd) + " and v " + ShapeString(vd) +
-                   " disagree (v must have k's shape, k q's batch and head_dim)");
+                   " disagree (v must have k's shape, k q's head_dim" + (varlen ? ")" : " and batch)"));
   }
   auto same = [](ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
     return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
@@ -259,17 +259,48 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
       !same(dv->dimensions(), vd)) {
     return invalid("dout and dq must have q's shape, dk k's and dv v's");
   }
-  const int64_t want[3] = {qd[0], qd[2], qd[1]};
-  const ffi::Span<const int64_t> rows(want, 3);
+  // lse and delta: [batch, heads_q, seq_q], varlen [heads_q, total_q].
+  const int64_t dense_rows[3] = {qd[0], qd[rank - 2], qd[1]};
+  const int64_t varlen_rows[2] = {qd[1], qd[0]};
+  const ffi::Span<const int64_t> rows = varlen ? ffi::Span<const int64_t>(varlen_rows, 2)
+                                               : ffi::Span<const int64_t>(dense_rows, 3);
   if (!same(lse.dimensions(), rows) || !same(delta.dimensions(), rows)) {
     return invalid("lse " + ShapeString(lse.dimensions()) + " and delta " +
-                   ShapeString(delta.dimensions()) + " must be [batch, heads_q, seq_q] = " +
+                   ShapeString(delta.dimensions()) + " must be " +
+                   (varlen ? "[heads_q, total_q] = " : "[batch, heads_q, seq_q] = ") +
                    ShapeString(rows));
   }
   if (tile_counters->element_count() != 2) {
     return invalid("the tile counters scratch result must hold two int32");
   }
   BwdParams p;
+  p.varlen = varlen;
+  if (extra.size() != (varlen ? 2u : 0u)) {
+    return invalid(varlen ? "varlen calls take cu_seqlens_q and cu_seqlens_k after delta"
+                          : "dense calls take no operands after delta");
+  }
+  if (varlen) {
+    auto cu_q = extra.get<ffi::AnyBuffer>(0), cu_k = extra.get<ffi::AnyBuffer>(1);
+    if (cu_q.has_error()) return cu_q.error();
+    if (cu_k.has_error()) return cu_k.error();
+    const auto cqd = cu_q->dimensions(), ckd = cu_k->dimensions();
+    if (cu_q->element_type() != ffi::DataType::S32 || cu_k->element_type() != ffi::DataType::S32 ||
+        cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
+      return invalid("cu_seqlens_q " + ShapeString(cqd) + " and cu_seqlens_k " + ShapeString(ckd) +
+                     " must both be int32 [num_seqs + 1], num_seqs >= 1");
+    }
+    p.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
+    p.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
+    p.batch = cqd[0] - 1;
+    p.seqlen_q = max_seqlen_q;
+    p.seqlen_k = max_seqlen_k;
+    p.total_q = qd[0];
+    p.total_k = kd[0];
+  } else {
+    p.batch = qd[0];
+    p.seqlen_q = qd[1];
+    p.seqlen_k = kd[1];
+  }
   p.element_type = dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -281,19 +312,13 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   p.tile_counters = tile_counters->typed_data();
-  p.batch = qd[0];
-  p.seqlen_q = qd[1];
-  p.seqlen_k = kd[1];
-  p.heads_q = qd[2];
-  p.heads_kv = kd[2];
-  p.head_dim = qd[3];
+  p.heads_q = qd[rank - 2];
+  p.heads_kv = kd[rank - 2];
+  p.head_dim = qd[rank - 1];
   p.softmax_scale = softmax_scale;
   p.causal = causal;
   p.window_left = window_left;
   p.window_right = window_right;
-  p.varlen = varlen;
-  (void)max_seqlen_q;  // varlen only
-  (void)max_seqlen_k;
   MaskPlan mask;
   std::string error = ValidateBwd(p, &mask);
   if (!error.empty()) return invalid(error);
@@ -378,7 +403,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, AttentionBwdImpl,
                                   .Arg<ffi::AnyBuffer>()         // dout
                                   .Arg<ffi::Buffer<ffi::F32>>()  // lse
                                   .Arg<ffi::Buffer<ffi::F32>>()  // delta
-                                  .RemainingArgs()               // varlen's (refused)
+                                  .RemainingArgs()               // varlen: cu_seqlens_q, cu_seqlens_k
                                   .Ret<ffi::AnyBuffer>()         // dq
                                   .Ret<ffi::AnyBuffer>()         // dk
                                   .Ret<ffi::AnyBuffer>()         // dv

@@ -1,10 +1,12 @@
-// The backward launch of one head dim: zero both tile counters, then the dK/dV kernel and the dQ
-// kernel on the same stream (independent of each other; both read only the inputs).
+// The backward launch of one head dim: zero both tile counters (and, varlen, the gradients), then the
+// dK/dV kernel and the dQ kernel on the same stream (independent of each other; both read only the
+// inputs).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "bwd_kernel.cuh"
 #include "dispatch.h"
@@ -35,6 +37,9 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   args.seqlen_k = static_cast<int>(p.seqlen_k);
   args.heads_q = static_cast<int>(p.heads_q);
   args.heads_kv = static_cast<int>(p.heads_kv);
+  args.cu_seqlens_q = p.cu_seqlens_q;
+  args.cu_seqlens_k = p.cu_seqlens_k;
+  args.total_q = static_cast<int>(p.total_q);
   args.scale = p.softmax_scale;
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
   // The resolved mask as window sides: none (-1, -1), causal (-1, 0) or a window.
@@ -49,6 +54,16 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   error = PrepareLaunch<dq_kernel>(DqTile::kDynamicSmemBytes, &info);
   if (!error.empty()) return error;
 
+  if (p.varlen) {
+    // Tokens outside every sequence (after cu_seqlens[num_seqs], before cu_seqlens[0]) belong to no
+    // tile: their gradients are 0. The kernels overwrite every token of a sequence.
+    const size_t q_bytes = static_cast<size_t>(p.total_q * p.heads_q * kHeadDim) * sizeof(Element);
+    const size_t kv_bytes = static_cast<size_t>(p.total_k * p.heads_kv * kHeadDim) * sizeof(Element);
+    for (auto [ptr, bytes] : {std::pair{p.dq, q_bytes}, {p.dk, kv_bytes}, {p.dv, kv_bytes}}) {
+      cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
+      if (err != cudaSuccess) return CudaError("zeroing the varlen gradients", err);
+    }
+  }
   BwdArgs dkdv = args;
   dkdv.num_tiles = static_cast<int>((p.seqlen_k + DkdvTile::kBlockN - 1) / DkdvTile::kBlockN *
                                     p.batch * p.heads_kv);

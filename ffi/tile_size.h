@@ -123,6 +123,8 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
 
 // The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dim,
 // layout) of 16-bit inputs and the masks it serves; module.cc's kernels() lists them as "bwd" rows.
+// One instantiation per head dim (ffi/instantiations/bwd_16bit_hd*.cu) serves both layouts: varlen
+// is a runtime argument (cu_seqlens), read once per tile.
 struct BwdKernelGroup {
   int head_dim;
   Layout layout;
@@ -131,7 +133,9 @@ struct BwdKernelGroup {
 
 inline constexpr BwdKernelGroup kBwdKernels[] = {
     {64, Layout::kDense, kAllMasks},
+    {64, Layout::kVarlen, kAllMasks},
     {128, Layout::kDense, kAllMasks},
+    {128, Layout::kVarlen, kAllMasks},
 };
 
 constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {

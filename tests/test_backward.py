@@ -251,6 +251,25 @@ def test_cuda_lowering_calls_the_backward_kernel_where_the_plan_has_one(monkeypa
     assert "lean_p" not in call and "key_block" not in call
 
 
+def test_cuda_lowering_of_a_varlen_grad_passes_the_sequence_offsets():
+    q = jax.ShapeDtypeStruct((300, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((200, 2, 64), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def loss(q, k, v, cu_q, cu_k):
+        out = jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 150, 100, causal=True, window=(64, 0))
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    assert plan.Config("16bit", (64, 64), "window", "varlen", "bwd") in plan.KERNELS
+    with mock_primitive_path():  # varlen calls on a CPU backend take the pure-JAX path
+        (call,) = custom_call_lines(_lowered_for_cuda(grad, q, kv, kv, cu, cu), primitives.FFI_TARGET_BWD)
+    # operands q, k, v, dout, lse [Hq, Tq], delta, cu_seqlens_q, cu_seqlens_k
+    assert call.count("s32[4]") == 2 and "f32[4,300]" in call
+    for attribute in ("varlen = true", "max_seqlen_q = 150", "max_seqlen_k = 100", "window_left = 64"):
+        assert attribute in call
+
+
 # ---- FP8 calls are not differentiable
 
 

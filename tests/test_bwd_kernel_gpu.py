@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_oracle import naive_attention_f64, naive_attention_grads_f64, random_qkv, relative_l2
+from attention_oracle import (
+    naive_attention_f64,
+    naive_attention_grads_f64,
+    naive_varlen_f64,
+    random_qkv,
+    relative_l2,
+)
 from gpu_utils import assert_bitwise_reruns, requires_hopper
 
 import jax
@@ -18,7 +24,7 @@ pytestmark = [pytest.mark.gpu, requires_hopper]
 TOLERANCE = 2e-2
 
 
-def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, window=(-1, -1)):
+def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, window=(-1, -1), varlen=None):
     """dq, dk, dv from the custom call (the contract's operands only), written into NaN-filled donated
     buffers of the results' shapes (the repository's poisoning pattern: XLA reuses a donated buffer of
     the same shape and dtype for the result)."""
@@ -35,17 +41,22 @@ def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, w
         ),
     )
 
-    def run(q, k, v, dout, lse, delta, dq_poison, dk_poison, dv_poison):
+    # varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), the packed layout's operands.
+    cu = () if varlen is None else tuple(jnp.asarray(c, jnp.int32) for c in varlen[:2])
+    max_q, max_k = (0, 0) if varlen is None else varlen[2:]
+
+    def run(q, k, v, dout, lse, delta, cu, dq_poison, dk_poison, dv_poison):
         del dq_poison, dk_poison, dv_poison
         dq, dk, dv, _ = call(
-            q, k, v, dout, lse, delta,
+            q, k, v, dout, lse, delta, *cu,
             softmax_scale=np.float32(softmax_scale), causal=causal, window_left=np.int64(window[0]),
-            window_right=np.int64(window[1]), varlen=False, max_seqlen_q=np.int64(0), max_seqlen_k=np.int64(0),
+            window_right=np.int64(window[1]), varlen=varlen is not None, max_seqlen_q=np.int64(max_q),
+            max_seqlen_k=np.int64(max_k),
         )  # fmt: skip
         return dq, dk, dv
 
     poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in (q, k, v)]
-    return jax.jit(run, donate_argnums=(6, 7, 8))(q, k, v, dout, lse, delta, *poison)
+    return jax.jit(run, donate_argnums=(7, 8, 9))(q, k, v, dout, lse, delta, cu, *poison)
 
 
 def residuals(q, k, v, dout, *, causal: bool, scale: float, window=None):
@@ -55,8 +66,19 @@ def residuals(q, k, v, dout, *, causal: bool, scale: float, window=None):
     return jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32)
 
 
-def check(seq_q, seq_k, *, heads_q=2, heads_kv=None, head_dim=128, dtype=jnp.bfloat16, causal=True, batch=1, seed=0,
-          window=None):
+def check(
+    seq_q,
+    seq_k,
+    *,
+    heads_q=2,
+    heads_kv=None,
+    head_dim=128,
+    dtype=jnp.bfloat16,
+    causal=True,
+    batch=1,
+    seed=0,
+    window=None,
+):
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
                          head_dim=head_dim, dtype=dtype)  # fmt: skip
@@ -86,7 +108,9 @@ def test_square_lengths(head_dim, dtype, causal, length):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
-@pytest.mark.parametrize(("seq_q", "seq_k"), [(300, 1000), (1000, 300), (1, 777), (777, 1), (64, 65), (200, 129)])
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k"), [(300, 1000), (1000, 300), (1, 777), (777, 1), (64, 65), (200, 129)]
+)
 def test_unequal_lengths(seq_q, seq_k, causal):
     """Sq > Sk causal leaves the first Sq - Sk rows seeing no key (lse = -inf, dq = 0)."""
     check(seq_q, seq_k, causal=causal)
@@ -102,7 +126,13 @@ def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 @pytest.mark.parametrize(
     ("seq_q", "seq_k", "window"),
-    [(1000, 1000, (100, 50)), (1000, 1000, (0, 0)), (700, 900, (300, -1)), (900, 700, (-1, 200)), (513, 2000, (1, 257))],
+    [
+        (1000, 1000, (100, 50)),
+        (1000, 1000, (0, 0)),
+        (700, 900, (300, -1)),
+        (900, 700, (-1, 200)),
+        (513, 2000, (1, 257)),
+    ],
 )
 def test_windows(seq_q, seq_k, window, causal, head_dim):
     """Sliding windows (jzyfa's convention: query i at p = i + Sk - Sq sees keys p - left .. p + right; causal
@@ -110,11 +140,55 @@ def test_windows(seq_q, seq_k, window, causal, head_dim):
     check(seq_q, seq_k, causal=causal, window=window, head_dim=head_dim, heads_q=4, heads_kv=2)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+def test_varlen(mask, head_dim):
+    """A packed batch (flash_attention_varlen's layout): sequences of unequal lengths (one empty, Lq != Lk),
+    tokens outside every sequence before the first and after the last (their gradients are 0), GQA."""
+    rng = np.random.default_rng(6)
+    lengths = [(300, 300), (1, 129), (0, 5), (777, 700), (129, 1), (64, 64)]
+    cu_q = np.concatenate([[3], 3 + np.cumsum([a for a, _ in lengths])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum([b for _, b in lengths])]).astype(np.int32)
+    total_q, total_k = int(cu_q[-1]) + 10, int(cu_k[-1]) + 7
+    heads_q, heads_kv = 4, 2
+    q = jnp.asarray(rng.standard_normal((total_q, heads_q, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    causal, window = mask == "causal", {"window": (90, 20)}.get(mask)
+    scale = head_dim**-0.5
+    out, lse = naive_varlen_f64(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window)
+    delta = np.einsum("thd,thd->ht", np.asarray(dout, np.float64), out)
+    max_q, max_k = max(a for a, _ in lengths), max(b for _, b in lengths)
+    dq, dk, dv = bwd_call(
+        q, k, v, dout, jnp.asarray(lse, jnp.float32), jnp.asarray(delta, jnp.float32), causal=causal,
+        softmax_scale=scale, window=window or (-1, -1), varlen=(cu_q, cu_k, max_q, max_k),
+    )  # fmt: skip
+    want = [np.zeros(x.shape) for x in (q, k, v)]
+    for s in range(len(lengths)):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if rows.start == rows.stop:
+            continue
+        grads = naive_attention_grads_f64(
+            *(x[None, part] for x, part in ((q, rows), (k, keys), (v, keys), (dout, rows))),
+            causal=causal, softmax_scale=scale, window=window,
+        )  # fmt: skip
+        want[0][rows], want[1][keys], want[2][keys] = (g[0] for g in grads)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), f"{name}: NaN or inf (an element left unwritten?)"
+        assert relative_l2(got, ref) < TOLERANCE, name
+        outside = slice(0, 3) if name == "dq" else slice(int(cu_k[-1]), None)
+        np.testing.assert_array_equal(got[outside], 0.0, err_msg=f"{name} of tokens outside every sequence")
+    np.testing.assert_array_equal(np.asarray(dq, np.float64)[int(cu_q[-1]) :], 0.0)
+
+
 def test_bitwise_reruns():
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, batch=2, seq_q=700, seq_k=900, heads_q=8, heads_kv=2, head_dim=128)
     dout = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
     lse, delta = residuals(q, k, v, dout, causal=True, scale=128**-0.5)
+
     def fn(*a):
         return bwd_call(*a, causal=True, softmax_scale=128**-0.5)
 
@@ -144,6 +218,7 @@ def test_large(causal):
 def test_public_path_grad():
     """jax.grad of jzyfa.flash_attention lowers to this target (the plan's backward rows)."""
     import jzyfa
+
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=128)
     dout = rng.standard_normal(q.shape)

@@ -63,7 +63,12 @@ BUILT_KERNELS = {
     ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
-    *(("16bit", d, d, mask, "dense", "bwd") for d in (64, 128) for mask in ("none", "causal", "window")),
+    *(
+        ("16bit", d, d, mask, layout, "bwd")
+        for d in (64, 128)
+        for mask in ("none", "causal", "window")
+        for layout in ("dense", "varlen")
+    ),
 }
 
 

@@ -664,7 +664,7 @@ def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     wide_16bit_kernels(compiled, tmp_path, "nomask_176_keys", 6, 128, 176, 24)
 
 
-# The backward kernels (ffi/instantiations/bwd_16bit_hd*_dense.cu): BwdDkdvKernel and BwdDqKernel over
+# The backward kernels (ffi/instantiations/bwd_16bit_hd*.cu): BwdDkdvKernel and BwdDqKernel over
 # <Element, head dim>.
 BWD_KERNEL_NAME = re.compile(r"_ZN5jzyfa\d+(?P<kind>BwdDkdvKernel|BwdDqKernel)I(?P<element>13__nv_bfloat16|6__half)Li(?P<d>\d+)E")
 

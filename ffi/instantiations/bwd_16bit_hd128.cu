@@ -1,5 +1,5 @@
-// The backward instantiations of one group of kBwdKernels (16bit, head dim 128, dense): causal and no
-// mask, bf16 and f16.
+// The backward instantiation of head dim 128 (kBwdKernels' two groups of it: dense and varlen, the
+// layout being a runtime argument), every mask, bf16 and f16.
 #include "launch_bwd.cuh"
 
 namespace jzyfa {
