@@ -28,11 +28,15 @@ struct BwdDkdvTile : BwdTileBase<kHeadDim> {
   static constexpr int kBlockM = kSize.dkdv_block_m;  // query rows per block
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kStageBytes = 2 * kQBytes + 2 * kBlockM * 4;  // Q, dO, lse, delta
+  // Q, dO, lse, delta; rounded up so that every stage's Q and dO start 1024-byte aligned (the 128-byte
+  // swizzle's period: wgmma's descriptors and LoadRowsSw128 agree on the pattern only there).
+  static constexpr int kStageBytes =
+      (2 * kQBytes + 2 * kBlockM * 4 + Base::kSmemAlign - 1) / Base::kSmemAlign * Base::kSmemAlign;
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * kStageBytes;
   static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
   static_assert(kBlockM == 64, "S^T's N and the A fragments assume 64 query rows per block");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
+  static_assert(kKVBytes % Base::kSmemAlign == 0 && kQBytes % Base::kSmemAlign == 0);
 };
 
 template <typename Element, int kHeadDim>

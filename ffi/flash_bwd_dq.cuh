@@ -31,6 +31,8 @@ struct BwdDqTile : BwdTileBase<kHeadDim> {
   static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
   static_assert(kBlockN == 64, "K's MN-major B operand assumes 64-row slices");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
+  // Every operand starts 1024-byte aligned (the 128-byte swizzle's period).
+  static_assert(kQBytes % Base::kSmemAlign == 0 && kStageBytes % Base::kSmemAlign == 0);
 };
 
 template <typename Element, int kHeadDim>

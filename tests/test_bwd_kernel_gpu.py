@@ -93,7 +93,9 @@ def check(
         got = np.asarray(got, np.float64)
         assert np.isfinite(got).all(), f"{name}: NaN or inf (an element left unwritten?)"
         if not np.any(ref):
-            np.testing.assert_array_equal(got, 0.0, err_msg=name)
+            # Exactly 0 in float64 where each row sees one key (dS = P (dP - delta) with P = 1, dP =
+            # delta); the kernel's dP (bf16 operands, float32 sums) and delta differ by rounding.
+            assert np.abs(got).max() < 1e-4, f"{name}: {np.abs(got).max():.3g} where float64 gives 0"
             continue
         err = relative_l2(got, ref)
         assert err < TOLERANCE, f"{name}: relative L2 {err:.3g}"
