@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jzyfa import _validation, padded, plan, primitives
+from jzyfa import _validation, cudnn, padded, plan, primitives
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
@@ -18,6 +18,7 @@ from jzyfa.reference import attention_delta, attention_reference
 from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
 
 _MASK_KINDS = {_validation.NO_WINDOW: "none", _validation.CAUSAL_WINDOW: "causal"}
+_MASK_WINDOWS = {kind: window for window, kind in _MASK_KINDS.items()}
 
 
 def kernel_mask(causal: bool, window, seq_q: int, seq_k: int) -> tuple[str, bool, _validation.Window]:
@@ -200,8 +201,10 @@ def flash_attention(
       softmax_scale: static float; default 1 / sqrt(head_dim) (q's and k's head dim).
       return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q], natural log.
       implementation: None uses a kernel where one serves the call (a Hopper GPU and a configuration in
-        `jzyfa.plan.KERNELS`: the README's support matrix) and the pure-JAX path elsewhere; "kernel"
-        raises a ValueError naming what the kernels cannot serve; "xla" always uses the pure-JAX path.
+        `jzyfa.plan.KERNELS`: the README's support matrix); on other CUDA GPUs cuDNN's fused attention
+        (`jax.nn.dot_product_attention(implementation="cudnn")`) where it computes exactly this call
+        (`jzyfa.cudnn`); the pure-JAX path elsewhere. "kernel" raises a ValueError naming what the
+        kernels cannot serve; "xla" always uses the pure-JAX path.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -261,6 +264,7 @@ def flash_attention(
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
     fp8 = descales is not None
 
+    shared_lengths = seqlens_q is not None and seqlens_q is seqlens_k
     lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
 
     mask, kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
@@ -274,10 +278,25 @@ def flash_attention(
         layout = "dense"
         sizes = plan.CallSizes(layout, batch, seq_q, seq_k, heads_q, heads_kv)
     problem = _problem(q, v, mask, layout, sizes, softmax_scale, softcap)
+    cudnn_call = cudnn.Call(
+        jnp.dtype(q.dtype).name,
+        (q.shape[-1], v.shape[-1]),
+        seq_q,
+        seq_k,
+        _MASK_WINDOWS.get(mask, kernel_window),
+        lengths="none" if not lengths else "shared" if shared_lengths else "separate",
+        return_lse=return_lse,
+        softcap=softcap is not None,
+    )
     # On a CPU backend 16-bit calls still bind the primitive (its lowering there is the reference), so
     # the same program lowers for CUDA; FP8 calls take the exact pure-JAX path there.
-    path = plan.choose_path(problem, implementation, cpu_primitive=not fp8)
-    if path is Path.REFERENCE:
+    path = plan.choose_path(problem, implementation, cpu_primitive=not fp8, cudnn_call=cudnn_call)
+    if path is Path.CUDNN:
+        out, lse = (
+            cudnn.attention(q, k, v, lengths, window=cudnn_call.window, softmax_scale=softmax_scale),
+            None,
+        )
+    elif path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
         reference = functools.partial(_dense_reference, causal=causal, window=window, softmax_scale=softmax_scale,
