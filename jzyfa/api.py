@@ -9,13 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import checkify
 
 from jzyfa import _validation, cudnn, padded, plan, primitives
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_delta, attention_reference
-from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
+from jzyfa.varlen import (
+    fp8_varlen_attention_reference,
+    lengths_fit,
+    longest_sequences,
+    maxima_cover,
+    poison_unless,
+    varlen_attention_reference,
+)
 
 _MASK_KINDS = {_validation.NO_WINDOW: "none", _validation.CAUSAL_WINDOW: "causal"}
 _MASK_WINDOWS = {kind: window for window, kind in _MASK_KINDS.items()}
@@ -77,6 +85,8 @@ def _differentiable_bwd(spec, residuals, cotangents):
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse, varlen=spec.varlen is not None)
     dq, dk, dv = primitives.attention_bwd(q, k, v, dout.astype(out.dtype), lse, delta, *extras, spec=spec)
+    if spec.varlen and not maxima_cover(q, k, *spec.varlen):
+        dq, dk, dv = poison_unless(lengths_fit(*extras, *spec.varlen), dq, dk, dv)
     # Integer offsets take float0 cotangents.
     zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in extras)
     return dq, dk, dv, zeros
@@ -115,7 +125,7 @@ def _dense_reference(q, k, v, lengths, descales, *, causal, window, softmax_scal
         def packed(q, k, v, cu_q, cu_k):
             return varlen_attention_reference(
                 q, k, v, cu_q, cu_k, *max_lengths, window=_validation.mask_window(causal, window),
-                softmax_scale=softmax_scale, softcap=softcap,
+                softmax_scale=softmax_scale, softcap=softcap, trust_maxima=True,
             )  # fmt: skip
 
         max_lengths = (q.shape[1], k.shape[1])
@@ -138,6 +148,7 @@ def fp8_varlen_packed(q, k, v, cu_q, cu_k, *descales, window, softmax_scale, sof
         window=window,
         softmax_scale=softmax_scale,
         softcap=softcap,
+        trust_maxima=True,
     )
 
 
@@ -418,6 +429,13 @@ def flash_attention_varlen(
     problem = _problem(q, v, mask, "varlen", sizes, softmax_scale, softcap)
     path = plan.choose_path(problem, implementation, cpu_primitive=False)
     cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    # Offsets read at trace time were checked against the maxima above; traced ones are on the device.
+    checked = all(map(_validation.is_concrete, (cu_seqlens_q, cu_seqlens_k)))
+    fits = (
+        None
+        if checked or maxima_cover(q, k, max_seqlen_q, max_seqlen_k)
+        else _device_check(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    )
     if path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
@@ -444,4 +462,22 @@ def flash_attention_varlen(
             out, lse = primitives.attention_fwd(q, k, v, cu_q, cu_k, *descales, spec=spec)
         else:
             out, lse = _differentiable(spec, q, k, v, (cu_q, cu_k))
+        if fits is not None:  # the kernels need the maxima: a call they cannot compute is NaN
+            out, lse = poison_unless(fits, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _device_check(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int) -> jax.Array:
+    """Whether every traced sequence fits the maxima (bool, on the device), checked under
+    `jax.experimental.checkify` (an error naming the argument) and a no-op check outside it."""
+    longest_q, longest_k = longest_sequences(cu_q, cu_k)
+    fits = (longest_q <= max_seqlen_q) & (longest_k <= max_seqlen_k)
+    checkify.debug_check(
+        fits,
+        f"flash_attention_varlen: max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k}, but the "
+        "longest sequences in cu_seqlens_q / cu_seqlens_k hold {} / {} tokens; pass max_seqlen_q and "
+        "max_seqlen_k at least that long",
+        longest_q,
+        longest_k,
+    )
+    return fits
