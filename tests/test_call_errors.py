@@ -74,7 +74,9 @@ def test_traced_offsets_past_the_maxima_stay_exact_on_the_pure_jax_path(rng, sho
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=1e-2)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-4)
     for got, want in zip(grads, want_grads):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=6e-2, rtol=2e-2)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=6e-2, rtol=2e-2
+        )
 
 
 @pytest.mark.parametrize("short", SHORT_MAXIMA)
@@ -117,7 +119,9 @@ def test_checkify_reports_traced_offsets_past_the_maxima(rng, monkeypatch, kerne
 
     checked = checkify.checkify(jax.jit(call, static_argnums=1), errors=checkify.user_checks)
     error, _ = checked(jnp.asarray(cu), 8)
-    with pytest.raises(checkify.JaxRuntimeError, match=r"max_seqlen_q=8, max_seqlen_k=64.*hold 40 / 40 tokens"):
+    with pytest.raises(
+        checkify.JaxRuntimeError, match=r"max_seqlen_q=8, max_seqlen_k=64.*hold 40 / 40 tokens"
+    ):
         error.throw()
     error, _ = checked(jnp.asarray(cu), 40)
     error.throw()
