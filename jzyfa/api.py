@@ -364,6 +364,10 @@ def flash_attention_varlen(
         tokens cu_seqlens_q[s]:cu_seqlens_q[s + 1] and key tokens cu_seqlens_k[s]:cu_seqlens_k[s + 1].
         Device arrays, never read by the host (they may be traced); sequences may be empty.
       max_seqlen_q, max_seqlen_k: static ints >= 1, at least the longest query / key sequence.
+        Concrete offsets are checked at trace time (ValueError). Traced ones are checked on the
+        device: the pure-JAX path stays exact (a slower whole-buffer computation when a sequence is
+        longer), the kernel path returns NaN in out, lse and the gradients, and under
+        `jax.experimental.checkify` (errors=checkify.user_checks) the call reports the error.
       causal, window, softmax_scale: as in `flash_attention`, per sequence: query t of a sequence
         with lengths (len_q, len_k) sits at position t + len_k - len_q (bottom-right alignment).
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
