@@ -82,6 +82,12 @@ def device_problem(target: Target) -> str | None:
     return None
 
 
+def replaces_kernel(target: Target) -> bool:
+    """Whether cuDNN's fused attention takes the place of jzyfa's kernel on these devices: it runs
+    there and the kernel does not."""
+    return target.kernel_problem is not None and device_problem(target) is None
+
+
 def call_problem(call: Call, target: Target) -> str | None:
     """None where cuDNN computes exactly what jzyfa defines for `call` on these devices, else why not
     (the module docstring's mapping). The target must pass `device_problem`."""

@@ -214,11 +214,35 @@ def test_implementation_xla_and_kernel_are_unchanged(on_target):
     assert not _targets(cuda_hlo(functools.partial(jzyfa.flash_attention, implementation="xla"), q, k, v))
 
 
-def test_drop_in_routes_to_cudnn_too(on_target):
+DROP_IN_CALLS = {
+    "causal": ({"is_causal": True}, {}),
+    "causal_top_left_sq_ne_sk": ({"is_causal": True}, {"seq_q": 64}),  # jax.nn's own semantics
+    "bias": ({"bias": jnp.zeros((1, 4, 128, 128), jnp.bfloat16)}, {}),
+    "mask": ({"mask": jnp.tril(jnp.ones((128, 128), bool))[None, None]}, {}),
+}
+
+
+@pytest.mark.parametrize("call", DROP_IN_CALLS)
+def test_drop_in_offers_calls_to_jax_nn_cudnn(on_target, call):
     on_target(ADA)
+    options, shapes = DROP_IN_CALLS[call]
+    q, k, v = _qkv(**shapes)
+    hlo = cuda_hlo(functools.partial(jzyfa.dot_product_attention, **options), q, k, v)
+    (target,) = _targets(hlo)
+    assert target.startswith("__cudnn$fmha")  # __cudnn$fmhaScaleBiasSoftmax with a bias or mask
+
+
+def test_drop_in_continues_where_jax_nn_cudnn_refuses(on_target):
+    on_target(ADA)
+    q, k, v = _qkv(dim=256)  # head dim 256 before Hopper: jax.nn's cuDNN path raises at trace time
+    hlo = cuda_hlo(functools.partial(jzyfa.dot_product_attention, is_causal=True), q, k, v)
+    assert not _targets(hlo)
+    q, k, v = (x.astype(jnp.float32) for x in _qkv())
+    assert not _targets(cuda_hlo(jzyfa.dot_product_attention, q, k, v))
+    on_target(HOPPER)  # the kernel runs: jzyfa's mapping, not jax.nn's cuDNN
     q, k, v = _qkv()
     hlo = cuda_hlo(functools.partial(jzyfa.dot_product_attention, is_causal=True), q, k, v)
-    assert CUDNN_FWD in _targets(hlo)
+    assert _targets(hlo) == {"jzyfa_attention_fwd"}
 
 
 # ---- the mapping's numerics: jax.nn's XLA implementation stands in for its cuDNN one
