@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jzyfa._validation import Window
+from jzyfa.plan import surely
 from jzyfa.quantize import dequantize_varlen
 from jzyfa.reference import masked_attention, masked_attention_bwd, window_visible
 
@@ -86,7 +87,12 @@ def lengths_fit(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int
 def maxima_cover(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
     """Whether the maxima cover any sequence the packed buffers can hold (no sequence is longer than
     its buffer), so that `lengths_fit` holds whatever the offsets."""
-    return max_seqlen_q >= q.shape[0] and max_seqlen_k >= k.shape[0]
+    return surely(lambda: max_seqlen_q >= q.shape[0] and max_seqlen_k >= k.shape[0])
+
+
+def _query_block(q, max_seqlen_q: int) -> int:
+    """Query tokens per block of the whole-buffer computation: max_seqlen_q, or all of them if fewer."""
+    return max(q.shape[0], 1) if surely(lambda: q.shape[0] < max_seqlen_q) else max_seqlen_q
 
 
 def poison_unless(fits: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -176,7 +182,7 @@ def varlen_attention_reference(
     slots = functools.partial(
         _slot_attention, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options
     )
-    whole = functools.partial(_whole_buffer_attention, block=min(max_seqlen_q, max(q.shape[0], 1)), **options)
+    whole = functools.partial(_whole_buffer_attention, block=_query_block(q, max_seqlen_q), **options)
     return _covering(
         slots, whole, q, k, max_seqlen_q, max_seqlen_k, trust_maxima, q, k, v, cu_seqlens_q, cu_seqlens_k
     )
@@ -261,9 +267,7 @@ def varlen_attention_bwd_reference(
     slots = functools.partial(
         _slot_attention_bwd, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options
     )
-    whole = functools.partial(
-        _whole_buffer_attention_bwd, block=min(max_seqlen_q, max(q.shape[0], 1)), **options
-    )
+    whole = functools.partial(_whole_buffer_attention_bwd, block=_query_block(q, max_seqlen_q), **options)
     operands = (q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k)
     return _covering(slots, whole, q, k, max_seqlen_q, max_seqlen_k, trust_maxima, *operands)
 

@@ -137,3 +137,19 @@ def test_per_query_head_descale_under_gqa_names_kv_heads(rng):
         jzyfa.flash_attention(q8, k8, k8, descale_q=dq, descale_k=dk, descale_v=dk)
     q8, dq = jzyfa.fp8_quantize(q, "head", kv_heads=2)
     assert jzyfa.flash_attention(q8, k8, k8, descale_q=dq, descale_k=dk, descale_v=dk).shape == q.shape
+
+
+def test_symbolic_token_counts_export_and_stay_exact(rng):
+    """Packed token counts symbolic (jax.export): whether the maxima cover every sequence is undecidable
+    at export time, so the exported pure-JAX path keeps the device-side choice."""
+    fn = jax.jit(lambda q, k, v, cu: jzyfa.flash_attention_varlen(q, k, v, cu, cu, 16, 16, causal=True))
+    specs = jax.export.symbolic_args_specs(
+        [jax.ShapeDtypeStruct((1, h, 64), jnp.bfloat16) for h in (4, 2, 2)]
+        + [jax.ShapeDtypeStruct((3,), jnp.int32)],
+        ["t, 4, 64", "t, 2, 64", "t, 2, 64", "3"],
+    )
+    exported = jax.export.export(fn, platforms=("cpu",))(*specs)
+    q, k, v, cu = _packed(rng, [30, 10])
+    want = jzyfa.flash_attention_varlen(q, k, v, cu, cu, 30, 30, causal=True)
+    got = exported.call(q, k, v, jnp.asarray(cu))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-2)
