@@ -69,6 +69,15 @@ def jzyfa_window(
     return (jl, jr)
 
 
+def _zero_padded_rows(out: jax.Array, query_seq_lengths) -> jax.Array:
+    """out ([B, T, N, H] or [T, N, H]) with the rows past each sequence's query length set to 0, as
+    jax.nn's XLA implementation and jzyfa give them (cuDNN's are not specified)."""
+    lengths = jnp.asarray(query_seq_lengths).reshape(-1)
+    batched = out.reshape((lengths.shape[0], -1) + out.shape[-2:])
+    rows = jnp.arange(batched.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(rows[:, :, None, None], batched, jnp.zeros((), out.dtype)).reshape(out.shape)
+
+
 def dot_product_attention(
     query,
     key,
@@ -115,9 +124,11 @@ def dot_product_attention(
     out_aval = jax.eval_shape(reference)
     if cudnn.replaces_kernel(_platform.target()):
         try:
-            return reference(implementation="cudnn")
+            out = reference(implementation="cudnn")
         except CUDNN_REFUSALS:
             pass  # jax.nn's cuDNN checks refuse this call: jzyfa's mapping or jax.nn's default below
+        else:
+            return out if query_seq_lengths is None else _zero_padded_rows(out, query_seq_lengths)
     window = None
     if bias is None and mask is None:
         q, k, v = (jnp.asarray(x) for x in (query, key, value))

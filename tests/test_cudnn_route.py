@@ -232,6 +232,26 @@ def test_drop_in_offers_calls_to_jax_nn_cudnn(on_target, call):
     assert target.startswith("__cudnn$fmha")  # __cudnn$fmhaScaleBiasSoftmax with a bias or mask
 
 
+def test_drop_in_zeroes_padded_query_rows_on_cudnn(monkeypatch):
+    """jax.nn's cuDNN path with query lengths (jax.nn's XLA implementation standing in, its padded rows
+    made nonzero): the drop-in returns 0 there, as on every other path."""
+    original = jax.nn.dot_product_attention
+
+    def garbage_rows(*args, implementation=None, **kwargs):
+        q, k, v = (x.astype(jnp.float32) for x in args[:3])
+        return original(q, k, v, *args[3:], implementation="xla", **kwargs).astype(args[0].dtype) + 1
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", garbage_rows)
+    monkeypatch.setattr(_platform, "target", lambda: ADA)
+    q, k, v = _qkv(batch=3, dtype=jnp.float16)
+    lengths = jnp.asarray([128, 5, 0], jnp.int32)
+    out = np.asarray(
+        jzyfa.dot_product_attention(q, k, v, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    )
+    assert (out[1, 5:] == 0).all() and (out[2] == 0).all() and (out[1, :5] != 0).any()
+    assert (out[0] != 0).all()
+
+
 def test_drop_in_continues_where_jax_nn_cudnn_refuses(on_target):
     on_target(ADA)
     q, k, v = _qkv(dim=256)  # head dim 256 before Hopper: jax.nn's cuDNN path raises at trace time
