@@ -111,8 +111,8 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int) -> 
 
 def check_max_seqlen(name: str, max_seqlen, cu_seqlens) -> int:
     """A static positive int, at least every length when the offsets are concrete (NumPy, or a
-    jax.Array that is not a tracer). Traced offsets (inside jit) cannot be read at trace time and are
-    not checked: a max_seqlen below a traced sequence's length is the caller's error."""
+    jax.Array that is not a tracer). Traced offsets (inside jit) cannot be read at trace time: for
+    them `jzyfa.api.flash_attention_varlen` checks on the device (`jzyfa.varlen.lengths_fit`)."""
     if isinstance(max_seqlen, (bool, np.bool_)) or not isinstance(max_seqlen, (int, np.integer)):
         raise TypeError(f"{name} must be a static Python int, got {type(max_seqlen).__name__}")
     if max_seqlen < 1:
@@ -127,16 +127,20 @@ def check_max_seqlen(name: str, max_seqlen, cu_seqlens) -> int:
     return int(max_seqlen)
 
 
-def _concrete(x) -> np.ndarray | None:
-    """x's values when concrete: NumPy, or a jax.Array outside a trace (read back from the device:
-    one wait, in eager calls only). None for tracers."""
+def is_concrete(x) -> bool:
+    """Whether x's values can be read at trace time: NumPy, or a fully addressable jax.Array outside a
+    trace (not a tracer; no other host holds part of it)."""
     if isinstance(x, jax.core.Tracer):
-        return None
+        return False
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return None  # another host holds part of it
-    if isinstance(x, (np.ndarray, jax.Array)):
-        return np.asarray(x)
-    return None
+        return False
+    return isinstance(x, (np.ndarray, jax.Array))
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x's values when concrete (`is_concrete`; a jax.Array is read back from the device: one wait, in
+    eager calls only). None for tracers."""
+    return np.asarray(x) if is_concrete(x) else None
 
 
 def is_fp8(dtype) -> bool:

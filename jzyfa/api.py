@@ -9,15 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import checkify
 
-from jzyfa import _validation, padded, plan, primitives
+from jzyfa import _validation, cudnn, padded, plan, primitives
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
 from jzyfa.reference import attention_delta, attention_reference
-from jzyfa.varlen import fp8_varlen_attention_reference, varlen_attention_reference
+from jzyfa.varlen import (
+    fp8_varlen_attention_reference,
+    lengths_fit,
+    longest_sequences,
+    maxima_cover,
+    poison_unless,
+    varlen_attention_reference,
+)
 
 _MASK_KINDS = {_validation.NO_WINDOW: "none", _validation.CAUSAL_WINDOW: "causal"}
+_MASK_WINDOWS = {kind: window for window, kind in _MASK_KINDS.items()}
 
 
 def kernel_mask(causal: bool, window, seq_q: int, seq_k: int) -> tuple[str, bool, _validation.Window]:
@@ -76,6 +85,8 @@ def _differentiable_bwd(spec, residuals, cotangents):
     dout, dlse = cotangents
     delta = attention_delta(out, dout, dlse, varlen=spec.varlen is not None)
     dq, dk, dv = primitives.attention_bwd(q, k, v, dout.astype(out.dtype), lse, delta, *extras, spec=spec)
+    if spec.varlen and not maxima_cover(q, k, *spec.varlen):
+        dq, dk, dv = poison_unless(lengths_fit(*extras, *spec.varlen), dq, dk, dv)
     # Integer offsets take float0 cotangents.
     zeros = tuple(np.zeros(x.shape, jax.dtypes.float0) for x in extras)
     return dq, dk, dv, zeros
@@ -114,7 +125,7 @@ def _dense_reference(q, k, v, lengths, descales, *, causal, window, softmax_scal
         def packed(q, k, v, cu_q, cu_k):
             return varlen_attention_reference(
                 q, k, v, cu_q, cu_k, *max_lengths, window=_validation.mask_window(causal, window),
-                softmax_scale=softmax_scale, softcap=softcap,
+                softmax_scale=softmax_scale, softcap=softcap, trust_maxima=True,
             )  # fmt: skip
 
         max_lengths = (q.shape[1], k.shape[1])
@@ -137,6 +148,7 @@ def fp8_varlen_packed(q, k, v, cu_q, cu_k, *descales, window, softmax_scale, sof
         window=window,
         softmax_scale=softmax_scale,
         softcap=softcap,
+        trust_maxima=True,
     )
 
 
@@ -200,8 +212,10 @@ def flash_attention(
       softmax_scale: static float; default 1 / sqrt(head_dim) (q's and k's head dim).
       return_lse: also return the log-sum-exp, float32 [batch, heads_q, seq_q], natural log.
       implementation: None uses a kernel where one serves the call (a Hopper GPU and a configuration in
-        `jzyfa.plan.KERNELS`: the README's support matrix) and the pure-JAX path elsewhere; "kernel"
-        raises a ValueError naming what the kernels cannot serve; "xla" always uses the pure-JAX path.
+        `jzyfa.plan.KERNELS`: the README's support matrix); on other CUDA GPUs cuDNN's fused attention
+        (`jax.nn.dot_product_attention(implementation="cudnn")`) where it computes exactly this call
+        (`jzyfa.cudnn`); the pure-JAX path elsewhere. "kernel" raises a ValueError naming what the
+        kernels cannot serve; "xla" always uses the pure-JAX path.
       descale_q, descale_k, descale_v: float32 descales, required for FP8 inputs and refused for
         others: shape () or (1,), or [batch, heads_kv] (one per batch and KV head; for q, one per
         group of query heads sharing a KV head). The values used are x_fp8 * descale.
@@ -261,6 +275,7 @@ def flash_attention(
     descales = _validation.check_descales(q, k, (descale_q, descale_k, descale_v))
     fp8 = descales is not None
 
+    shared_lengths = seqlens_q is not None and seqlens_q is seqlens_k
     lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
 
     mask, kernel_causal, kernel_window = kernel_mask(causal, window, q.shape[1], k.shape[1])
@@ -274,10 +289,25 @@ def flash_attention(
         layout = "dense"
         sizes = plan.CallSizes(layout, batch, seq_q, seq_k, heads_q, heads_kv)
     problem = _problem(q, v, mask, layout, sizes, softmax_scale, softcap)
+    cudnn_call = cudnn.Call(
+        jnp.dtype(q.dtype).name,
+        (q.shape[-1], v.shape[-1]),
+        seq_q,
+        seq_k,
+        _MASK_WINDOWS.get(mask, kernel_window),
+        lengths="none" if not lengths else "shared" if shared_lengths else "separate",
+        return_lse=return_lse,
+        softcap=softcap is not None,
+    )
     # On a CPU backend 16-bit calls still bind the primitive (its lowering there is the reference), so
     # the same program lowers for CUDA; FP8 calls take the exact pure-JAX path there.
-    path = plan.choose_path(problem, implementation, cpu_primitive=not fp8)
-    if path is Path.REFERENCE:
+    path = plan.choose_path(problem, implementation, cpu_primitive=not fp8, cudnn_call=cudnn_call)
+    if path is Path.CUDNN:
+        out, lse = (
+            cudnn.attention(q, k, v, lengths, window=cudnn_call.window, softmax_scale=softmax_scale),
+            None,
+        )
+    elif path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
         reference = functools.partial(_dense_reference, causal=causal, window=window, softmax_scale=softmax_scale,
@@ -334,6 +364,10 @@ def flash_attention_varlen(
         tokens cu_seqlens_q[s]:cu_seqlens_q[s + 1] and key tokens cu_seqlens_k[s]:cu_seqlens_k[s + 1].
         Device arrays, never read by the host (they may be traced); sequences may be empty.
       max_seqlen_q, max_seqlen_k: static ints >= 1, at least the longest query / key sequence.
+        Concrete offsets are checked at trace time (ValueError). Traced ones are checked on the
+        device: the pure-JAX path stays exact (a slower whole-buffer computation when a sequence is
+        longer), the kernel path returns NaN in out, lse and the gradients, and under
+        `jax.experimental.checkify` (errors=checkify.user_checks) the call reports the error.
       causal, window, softmax_scale: as in `flash_attention`, per sequence: query t of a sequence
         with lengths (len_q, len_k) sits at position t + len_k - len_q (bottom-right alignment).
       return_lse: also return the log-sum-exp, float32 [heads_q, total_q] (flash-attention's varlen
@@ -399,6 +433,13 @@ def flash_attention_varlen(
     problem = _problem(q, v, mask, "varlen", sizes, softmax_scale, softcap)
     path = plan.choose_path(problem, implementation, cpu_primitive=False)
     cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    # Offsets read at trace time were checked against the maxima above; traced ones are on the device.
+    checked = all(map(_validation.is_concrete, (cu_seqlens_q, cu_seqlens_k)))
+    fits = (
+        None
+        if checked or maxima_cover(q, k, max_seqlen_q, max_seqlen_k)
+        else _device_check(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
+    )
     if path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
@@ -425,4 +466,22 @@ def flash_attention_varlen(
             out, lse = primitives.attention_fwd(q, k, v, cu_q, cu_k, *descales, spec=spec)
         else:
             out, lse = _differentiable(spec, q, k, v, (cu_q, cu_k))
+        if fits is not None:  # the kernels need the maxima: a call they cannot compute is NaN
+            out, lse = poison_unless(fits, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _device_check(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int) -> jax.Array:
+    """Whether every traced sequence fits the maxima (bool, on the device), checked under
+    `jax.experimental.checkify` (an error naming the argument) and a no-op check outside it."""
+    longest_q, longest_k = longest_sequences(cu_q, cu_k)
+    fits = (longest_q <= max_seqlen_q) & (longest_k <= max_seqlen_k)
+    checkify.debug_check(
+        fits,
+        f"flash_attention_varlen: max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k}, but the "
+        "longest sequences in cu_seqlens_q / cu_seqlens_k hold {} / {} tokens; pass max_seqlen_q and "
+        "max_seqlen_k at least that long",
+        longest_q,
+        longest_k,
+    )
+    return fits

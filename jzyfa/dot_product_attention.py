@@ -14,6 +14,11 @@ unbounded or when the shifted bound is >= 0. jax.nn reads every integer literall
 excludes the diagonal), jzyfa reads -1 as unbounded: a shifted bound < 0 (causal with T < S, say)
 has no jzyfa equivalent and falls back.
 
+On a CUDA GPU where jzyfa's kernel does not run but cuDNN's fused attention does (`jzyfa.cudnn`), a
+call is first offered to jax.nn's own cuDNN implementation, with jax.nn's semantics as they are (bias,
+mask and top-left causal masks included): jax.nn refuses at trace time what cuDNN cannot serve, and
+such calls continue below.
+
 Sequence lengths map to flash_attention's seqlens_q/seqlens_k, whose mask is aligned bottom-right
 per sequence (query t at t + len_k[b] - len_q[b]). Without a causal mask or window the alignment does
 not matter, so any lengths map. With one, the shift len_k[b] - len_q[b] must be zero for every
@@ -28,9 +33,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jzyfa import _platform, cudnn
 from jzyfa.api import flash_attention
 
 _JAX_IMPLEMENTATIONS = ("xla", "cudnn")
+# What jax.nn.dot_product_attention(implementation="cudnn") raises at trace time for a call cuDNN cannot
+# serve (a dtype, head dim or window it lacks); the arguments themselves were checked already.
+CUDNN_REFUSALS = (NotImplementedError, ValueError, RuntimeError)
 
 
 def _shifted(bound: int | None, shift: int) -> int | None:
@@ -60,6 +69,15 @@ def jzyfa_window(
     return (jl, jr)
 
 
+def _zero_padded_rows(out: jax.Array, query_seq_lengths) -> jax.Array:
+    """out ([B, T, N, H] or [T, N, H]) with the rows past each sequence's query length set to 0, as
+    jax.nn's XLA implementation and jzyfa give them (cuDNN's are not specified)."""
+    lengths = jnp.asarray(query_seq_lengths).reshape(-1)
+    batched = out.reshape((lengths.shape[0], -1) + out.shape[-2:])
+    rows = jnp.arange(batched.shape[1])[None, :] < lengths[:, None]
+    return jnp.where(rows[:, :, None, None], batched, jnp.zeros((), out.dtype)).reshape(out.shape)
+
+
 def dot_product_attention(
     query,
     key,
@@ -77,9 +95,10 @@ def dot_product_attention(
     """`jax.nn.dot_product_attention`, with its signature and semantics, on jzyfa's kernels where
     they compute the same thing (see the module docstring for the mapping).
 
-    implementation: None serves the call with `jzyfa.flash_attention` where it maps (which itself
-    picks a Hopper kernel or its pure-JAX path) and with jax.nn's default elsewhere; "xla" and
-    "cudnn" are passed straight to `jax.nn.dot_product_attention`.
+    implementation: None serves the call with jax.nn's cuDNN implementation on CUDA GPUs without
+    jzyfa's kernel where cuDNN takes it, else with `jzyfa.flash_attention` where it maps (a Hopper
+    kernel, cuDNN or its pure-JAX path) and with jax.nn's default elsewhere; "xla" and "cudnn" are
+    passed straight to `jax.nn.dot_product_attention`.
     """
     reference = functools.partial(
         jax.nn.dot_product_attention,
@@ -103,6 +122,13 @@ def dot_product_attention(
         )
     # jax.nn's own checks (shapes, dtypes, lengths, heads) and its output's shape and dtype, abstractly.
     out_aval = jax.eval_shape(reference)
+    if cudnn.replaces_kernel(_platform.target()):
+        try:
+            out = reference(implementation="cudnn")
+        except CUDNN_REFUSALS:
+            pass  # jax.nn's cuDNN checks refuse this call: jzyfa's mapping or jax.nn's default below
+        else:
+            return out if query_seq_lengths is None else _zero_padded_rows(out, query_seq_lengths)
     window = None
     if bias is None and mask is None:
         q, k, v = (jnp.asarray(x) for x in (query, key, value))

@@ -191,17 +191,73 @@ class Path(enum.Enum):
     REFERENCE = "reference"  # pure JAX, no primitive
     PRIMITIVE = "primitive"  # the kernel on Hopper; the primitive's CPU lowering elsewhere
     KERNEL_REQUIRED = "kernel_required"  # the primitive, and lowering anywhere but CUDA is an error
+    CUDNN = "cudnn"  # jax.nn.dot_product_attention(implementation="cudnn"): CUDA GPUs without the kernel
 
 
-def choose_path(problem: str | None, implementation: str | None, *, cpu_primitive: bool) -> Path:
+HOPPER_COMPUTE_CAPABILITY = "9.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices a call is traced for, as routing reads them (`jzyfa._platform.target()` builds it
+    from the default backend's devices; `Target.of` from given facts, for tests and tools)."""
+
+    backend: str  # jax.default_backend(): "cpu", "gpu", "tpu"
+    kernel_problem: str | None  # None where jzyfa's kernel runs on every device, else why not
+    compute_capability: str | None = None  # CUDA GPUs: the lowest of the devices', e.g. "8.9"
+    cudnn_version: int | None = None  # CUDA GPUs: cuDNN's version (e.g. 90800), None if not found
+
+    @classmethod
+    def of(
+        cls,
+        backend: str,
+        compute_capability: str | None = None,
+        *,
+        extension_error: str | None = None,
+        cudnn_version: int | None = None,
+    ) -> Target:
+        """The target of `backend`'s devices: the kernel runs on a Hopper GPU (compute capability 9.0)
+        whose extension loaded (`extension_error` None)."""
+        if backend != "gpu":
+            problem = f"the default JAX backend is {backend!r}, not a CUDA GPU"
+        elif compute_capability != HOPPER_COMPUTE_CAPABILITY:
+            problem = (
+                f"the GPU has compute capability {compute_capability}, the kernel needs Hopper "
+                f"({HOPPER_COMPUTE_CAPABILITY})"
+            )
+        else:
+            problem = extension_error
+        return cls(backend, problem, compute_capability, cudnn_version)
+
+
+def default_path(
+    problem: str | None, cudnn_problem: str | None, target: Target, *, cpu_primitive: bool
+) -> Path:
+    """The path of `implementation=None` for a validated call on `target`: jzyfa's kernel where it
+    serves the call (`problem`, from `call_problem`) and runs on the devices; on a CUDA GPU without
+    it, cuDNN's fused attention where that serves the call (`cudnn_problem`, from
+    `jzyfa.cudnn.problem`); the pure-JAX path otherwise. On a CPU backend, calls the kernel would
+    serve bind the primitive when `cpu_primitive` (its CPU lowering is the reference), so that the
+    same program lowers for CUDA too."""
+    if problem is None and (target.kernel_problem is None or (cpu_primitive and target.backend == "cpu")):
+        return Path.PRIMITIVE
+    if target.kernel_problem is not None and cudnn_problem is None:
+        return Path.CUDNN
+    return Path.REFERENCE
+
+
+def choose_path(
+    problem: str | None, implementation: str | None, *, cpu_primitive: bool, cudnn_call=None
+) -> Path:
     """The path for a validated call whose kernel problem (`call_problem`) is `problem`.
 
     "xla" is the pure-JAX path; "kernel" raises naming what the kernel cannot serve, or why it cannot
-    run here (a GPU that is not Hopper); None takes the kernel where it serves. `cpu_primitive`: on a
-    CPU backend the primitive still runs (its CPU lowering), so that the same program lowers for CUDA
-    too (16-bit calls; FP8 calls on CPU take the exact pure-JAX path).
+    run here (a GPU that is not Hopper); None follows `default_path` on the default backend's devices
+    (`cudnn_call`, a `jzyfa.cudnn.Call`, says what cuDNN would have to serve; None: not a cuDNN call).
+    `cpu_primitive`: on a CPU backend the primitive still runs (its CPU lowering), so that the same
+    program lowers for CUDA too (16-bit calls; FP8 calls on CPU take the exact pure-JAX path).
     """
-    from jzyfa import _platform  # noqa: PLC0415 - _platform imports jax devices lazily
+    from jzyfa import _platform, cudnn  # noqa: PLC0415 - _platform imports jax devices lazily
 
     if implementation == "xla":
         return Path.REFERENCE
@@ -211,11 +267,9 @@ def choose_path(problem: str | None, implementation: str | None, *, cpu_primitiv
         if _platform.default_backend() == "gpu" and (reason := _platform.hopper_unavailable_reason()):
             raise ValueError(f"implementation='kernel' cannot run here: {reason}")
         return Path.KERNEL_REQUIRED
-    if problem:
-        return Path.REFERENCE
-    if _platform.kernel_available() or (cpu_primitive and _platform.default_backend() == "cpu"):
-        return Path.PRIMITIVE
-    return Path.REFERENCE
+    target = _platform.target()
+    cudnn_problem = "not a call cuDNN takes" if cudnn_call is None else cudnn.problem(cudnn_call, target)
+    return default_path(problem, cudnn_problem, target, cpu_primitive=cpu_primitive)
 
 
 # ---- the FP8 kernel's per-call choices: V's operand layout and keys per block

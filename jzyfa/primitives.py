@@ -290,7 +290,9 @@ def refuse_required_kernel(kernel_required: bool) -> None:
 
 
 def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
-    """Off CUDA: the FP8 kernel's emulation for dense FP8 calls, the exact reference otherwise."""
+    """Off CUDA: the FP8 kernel's emulation for dense FP8 calls, the exact reference otherwise. Packed
+    calls trust their maxima, as the kernel must: `jzyfa.api` poisons a call whose sequences exceed
+    them."""
     refuse_required_kernel(spec.kernel_required)
     window = mask_window(spec.causal, spec.window)
     if spec.varlen:
@@ -298,14 +300,16 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
         max_q, max_k = spec.varlen
         if not spec.fp8:
             return varlen_attention_reference(
-                q, k, v, cu_q, cu_k, max_q, max_k, window=window, softmax_scale=spec.softmax_scale
-            )
+                q, k, v, cu_q, cu_k, max_q, max_k, window=window, softmax_scale=spec.softmax_scale,
+                trust_maxima=True,
+            )  # fmt: skip
         if spec.v_transposed:
             v = fp8_layout.varlen_value_from_operand(v, cu_k, k.shape[0])
         descales = tuple(d.reshape(cu_q.shape[0] - 1, k.shape[1]) for d in extras[2:])
         return fp8_varlen_attention_reference(
-            q, k, v, cu_q, cu_k, descales, max_q, max_k, window=window, softmax_scale=spec.softmax_scale
-        )
+            q, k, v, cu_q, cu_k, descales, max_q, max_k, window=window, softmax_scale=spec.softmax_scale,
+            trust_maxima=True,
+        )  # fmt: skip
     if not spec.fp8:
         return attention_reference(
             q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window
@@ -450,8 +454,9 @@ def _pure_jax_backward(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):
     window = mask_window(spec.causal, spec.window)
     if spec.varlen:
         return varlen_attention_bwd_reference(
-            q, k, v, dout, lse, delta, *extras, *spec.varlen, window=window, softmax_scale=spec.softmax_scale
-        )
+            q, k, v, dout, lse, delta, *extras, *spec.varlen, window=window, softmax_scale=spec.softmax_scale,
+            trust_maxima=True,
+        )  # fmt: skip
     return attention_bwd_reference(q, k, v, dout, lse, delta, softmax_scale=spec.softmax_scale, window=window)
 
 

@@ -9,14 +9,26 @@ a `searchsorted` of its index. So the whole computation traces with dynamic offs
 program serves every packing with the same totals and maxima) and differentiates like the dense one.
 
 Memory: the float32 scores take `num_seqs * heads_q * max_seqlen_q * max_seqlen_k * 4` bytes.
+
+Maxima that are too small. `max_seqlen_q`/`max_seqlen_k` size the slots, and traced offsets cannot be
+checked against them at trace time. The reference stays exact regardless: where a sequence may be
+longer than a maximum (the maxima are below the packed totals), a `lax.cond` on the device-side
+`lengths_fit` takes the slots when every sequence fits and otherwise attends the whole packed buffer
+by a segment mask, `max_seqlen_q` query tokens at a time (`_whole_buffer_attention`: no maxima needed,
+slower; its memory per block is `max_seqlen_q * total_k * heads_q * 4` bytes). The kernels need the
+maxima; their callers poison the results instead (`poison_unless`, jzyfa.api).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jzyfa._validation import Window
+from jzyfa.plan import surely
 from jzyfa.quantize import dequantize_varlen
 from jzyfa.reference import masked_attention, masked_attention_bwd, window_visible
 
@@ -59,6 +71,91 @@ def _slot_visibility(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k
     return window_visible(query_pos, key_idx, window) & (key_idx < lens_k[:, None, None])
 
 
+def longest_sequences(cu_seqlens_q, cu_seqlens_k) -> tuple[jax.Array, jax.Array]:
+    """The longest query and key sequence's lengths, on the device (0 for no sequences)."""
+    longest = lambda cu: jnp.max(cu[1:] - cu[:-1], initial=0)
+    return longest(cu_seqlens_q), longest(cu_seqlens_k)
+
+
+def lengths_fit(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int) -> jax.Array:
+    """bool scalar, on the device: every sequence holds at most max_seqlen_q queries and max_seqlen_k
+    keys."""
+    longest_q, longest_k = longest_sequences(cu_seqlens_q, cu_seqlens_k)
+    return (longest_q <= max_seqlen_q) & (longest_k <= max_seqlen_k)
+
+
+def maxima_cover(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """Whether the maxima cover any sequence the packed buffers can hold (no sequence is longer than
+    its buffer), so that `lengths_fit` holds whatever the offsets."""
+    return surely(lambda: max_seqlen_q >= q.shape[0] and max_seqlen_k >= k.shape[0])
+
+
+def _query_block(q, max_seqlen_q: int) -> int:
+    """Query tokens per block of the whole-buffer computation: max_seqlen_q, or all of them if fewer."""
+    return max(q.shape[0], 1) if surely(lambda: q.shape[0] < max_seqlen_q) else max_seqlen_q
+
+
+def poison_unless(fits: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """The arrays where `fits`, else NaN everywhere: a call the kernels cannot compute (a sequence
+    longer than its max_seqlen) fails loudly instead of returning a plausible wrong result."""
+    return tuple(jnp.where(fits, x, jnp.array(jnp.nan, x.dtype)) for x in arrays)
+
+
+def _token_positions(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """Per packed token, with no maxima: (query sequence, bottom-right aligned position, valid) of each
+    query token and (sequence, position, valid) of each key token."""
+    seq_q, pos_q, valid_q = _token_slots(cu_seqlens_q, total_q, max(total_q, 1))
+    seq_k, pos_k, valid_k = _token_slots(cu_seqlens_k, total_k, max(total_k, 1))
+    lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    return (seq_q, pos_q + (lens_k - lens_q)[seq_q], valid_q), (seq_k, pos_k, valid_k)
+
+
+def _query_blocks(block: int, *xs: jax.Array) -> list[jax.Array]:
+    """Each x [total_q, ...] as [blocks, block, ...], zero-padded (padding rows are invalid)."""
+    blocks = -(-xs[0].shape[0] // block)
+    pad = lambda x: jnp.pad(x, [(0, blocks * block - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return [pad(x).reshape((blocks, block) + x.shape[1:]) for x in xs]
+
+
+def _block_visibility(query_rows, key_tokens, window: Window) -> jax.Array:
+    """[block, total_k]: which key token each query row of a block sees."""
+    (seq_q, pos_q, valid_q), (seq_k, pos_k, valid_k) = query_rows, key_tokens
+    same = valid_q[:, None] & valid_k[None, :] & (seq_q[:, None] == seq_k[None, :])
+    return same & window_visible(pos_q[:, None], pos_k[None, :], window)
+
+
+def _whole_buffer_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, block, window, softmax_scale, softcap):
+    """`varlen_attention_reference` with no maxima: each block of `block` query tokens attends every
+    key token of the packed buffer through a segment mask (rematerialized under autodiff)."""
+    rows, keys = _token_positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+
+    @jax.checkpoint
+    def attend(args):
+        q_block, *query_rows = args
+        visible = _block_visibility(query_rows, keys, window)
+        out, lse = masked_attention(
+            q_block[None], k[None], v[None], visible[None, None, None], softmax_scale, softcap
+        )
+        return out[0], lse[0]
+
+    out, lse = lax.map(attend, _query_blocks(block, q, *rows))  # [blocks, block, Hq, Dv], [blocks, Hq, block]
+    total_q = q.shape[0]
+    out = out.reshape((-1,) + out.shape[2:])[:total_q]
+    lse = jnp.swapaxes(lse, 0, 1).reshape(lse.shape[1], -1)[:, :total_q]
+    return out, lse
+
+
+def _covering(slots, whole, q, k, max_seqlen_q, max_seqlen_k, trust_maxima, *operands):
+    """slots(*operands) where the maxima surely cover every sequence, else a device-side choice: the
+    slots when every sequence fits, the whole-buffer computation otherwise."""
+    cu_seqlens_q, cu_seqlens_k = operands[-2:]
+    if trust_maxima or q.shape[0] == 0 or maxima_cover(q, k, max_seqlen_q, max_seqlen_k):
+        return slots(*operands)
+    fits = lengths_fit(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return lax.cond(fits, slots, whole, *operands)
+
+
 def varlen_attention_reference(
     q: jax.Array,
     k: jax.Array,
@@ -71,14 +168,30 @@ def varlen_attention_reference(
     window: Window,
     softmax_scale: float,
     softcap: float | None = None,
+    trust_maxima: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [total_q, Hq, Dv] in q's dtype, lse float32 [Hq, total_q]) for packed q, k, v.
 
     `window` is the effective (left, right) mask, applied per sequence with bottom-right alignment:
     query t of a sequence with lengths (len_q, len_k) sits at position t + len_k - len_q. Queries
     that see no key (e.g. of a sequence with no keys) and tokens outside every sequence give out = 0
-    and lse = -inf. Every sequence must be at most max_seqlen_q / max_seqlen_k long.
+    and lse = -inf. Exact whatever the maxima (see the module docstring); `trust_maxima`: the caller
+    guarantees every sequence fits them (padded batches), which skips the device-side choice.
     """
+    options = {"window": window, "softmax_scale": softmax_scale, "softcap": softcap}
+    slots = functools.partial(
+        _slot_attention, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options
+    )
+    whole = functools.partial(_whole_buffer_attention, block=_query_block(q, max_seqlen_q), **options)
+    return _covering(
+        slots, whole, q, k, max_seqlen_q, max_seqlen_k, trust_maxima, q, k, v, cu_seqlens_q, cu_seqlens_k
+    )
+
+
+def _slot_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q, max_seqlen_k, window, softmax_scale, softcap
+):
+    """`varlen_attention_reference` on [num_seqs, max_seqlen] slots: every sequence must fit them."""
     starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
     visible = _slot_visibility(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window)
     out_pad, lse_pad = masked_attention(
@@ -109,6 +222,7 @@ def fp8_varlen_attention_reference(
     window: Window,
     softmax_scale: float,
     softcap: float | None = None,
+    trust_maxima: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The FP8 (e4m3) varlen call's pure-JAX path: q, k and v dequantized (descales of shape (), (1,) or
     [num_seqs, Hkv]), exact attention as `varlen_attention_reference`, out in bf16."""
@@ -125,6 +239,7 @@ def fp8_varlen_attention_reference(
         window=window,
         softmax_scale=softmax_scale,
         softcap=softcap,
+        trust_maxima=trust_maxima,
     )
     return out.astype(jnp.bfloat16), lse
 
@@ -143,10 +258,57 @@ def varlen_attention_bwd_reference(
     *,
     window: Window,
     softmax_scale: float,
+    trust_maxima: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in the dtypes of q, k, v for a packed call of `varlen_attention_reference`, from its
     residuals: dout [total_q, Hq, Dv], lse and delta float32 [Hq, total_q] (`attention_delta`). Tokens
-    outside every sequence get zero gradients."""
+    outside every sequence get zero gradients. Exact whatever the maxima, as the forward."""
+    options = {"window": window, "softmax_scale": softmax_scale}
+    slots = functools.partial(
+        _slot_attention_bwd, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options
+    )
+    whole = functools.partial(_whole_buffer_attention_bwd, block=_query_block(q, max_seqlen_q), **options)
+    operands = (q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k)
+    return _covering(slots, whole, q, k, max_seqlen_q, max_seqlen_k, trust_maxima, *operands)
+
+
+def _whole_buffer_attention_bwd(
+    q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, *, block, window, softmax_scale
+):
+    """`varlen_attention_bwd_reference` with no maxima, a block of query tokens at a time (dk and dv
+    accumulate in float32)."""
+    rows, keys = _token_positions(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+
+    def step(acc, args):
+        q_block, dout_block, lse_block, delta_block, *query_rows = args
+        visible = _block_visibility(query_rows, keys, window)
+        per_row = lambda x: x.T[None]  # [block, Hq] -> [1, Hq, block]
+        dq, dk, dv = masked_attention_bwd(q_block[None], k[None], v[None], dout_block[None], per_row(lse_block),
+                                          per_row(delta_block), visible[None, None, None], softmax_scale)  # fmt: skip
+        return (acc[0] + dk[0], acc[1] + dv[0]), dq[0]
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    (dk, dv), dq = lax.scan(step, zeros, _query_blocks(block, q, dout, lse.T, delta.T, *rows))
+    dq = dq.reshape((-1,) + dq.shape[2:])[: q.shape[0]]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _slot_attention_bwd(
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    *,
+    max_seqlen_q,
+    max_seqlen_k,
+    window,
+    softmax_scale,
+):
+    """`varlen_attention_bwd_reference` on [num_seqs, max_seqlen] slots: every sequence must fit them."""
     starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
     lens_q = cu_seqlens_q[1:] - starts_q
     # Slot rows past a sequence's end hold the next sequence's tokens: they must not reach dk and dv.
