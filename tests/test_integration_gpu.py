@@ -78,6 +78,24 @@ def test_command_buffers_capture_the_kernel_and_match_bitwise(rng, capsys):
     np.testing.assert_array_equal(np.asarray(graphs(q2, k2, v2)), np.asarray(plain(q2, k2, v2)))
 
 
+def test_command_buffers_run_the_backward_kernel_bitwise(rng):
+    """jax.grad (the forward and the backward custom calls) under command buffers gives the bits of the same
+    program without them, call after call."""
+    q, k, v = random_qkv(rng, batch=2, seq_q=1000, seq_k=1536, heads_q=8, heads_kv=2, head_dim=128)
+
+    def loss(q, k, v):
+        return jnp.sum(prefill_like(q, k, v).astype(jnp.float32) ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
+    assert "jzyfa_attention_bwd" in lowered.as_text()
+    graphs = lowered.compile(compiler_options=WITH_GRAPHS)
+    plain = lowered.compile(compiler_options=WITHOUT_GRAPHS)
+    want = [np.asarray(g) for g in plain(q, k, v)]
+    for _ in range(3):
+        for got, ref in zip(graphs(q, k, v), want):
+            np.testing.assert_array_equal(np.asarray(got), ref)
+
+
 @pytest.mark.parametrize("options", [WITHOUT_GRAPHS, WITH_GRAPHS], ids=["thunks", "graphs"])
 def test_host_overhead_per_call(rng, options, capsys, record_property):
     """A tiny call is host-bound: its time over a trivial jitted op is the handler's host work."""
