@@ -100,23 +100,31 @@ def int8_dequantize(x8: jax.Array, scale: jax.Array, block: int = INT8_BLOCK) ->
     return x8.astype(jnp.float32) * jnp.swapaxes(per_token(scale, x8.shape[1], block), 1, 2)[..., None]
 
 
+def zero_padding(x: jax.Array, lengths: jax.Array | None) -> jax.Array:
+    """x [B, S, H, D] with tokens past each batch row's length zeroed: they must not set a scale."""
+    valid = _valid_keys(x.shape[1], lengths)
+    return x if valid is None else jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
 def int8_quantize_qkv(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     rotate: bool = False,
+    seqlens_q: jax.Array | None = None,
     seqlens_k: jax.Array | None = None,
     block: int = INT8_BLOCK,
 ) -> Int8Inputs:
     """precision="int8"'s inputs: smooth k, optionally Hadamard-rotate q and k (seed 0, as
-    precision="fp8" does), INT8 q and k per block of tokens and head, v to e4m3 per (batch, KV head)."""
+    precision="fp8" does), INT8 q and k per block of tokens and head, v to e4m3 per (batch, KV head).
+    seqlens_q, seqlens_k: right-padded batch rows; padded tokens are zeroed first."""
     smoothed, mean = smooth_keys(k, seqlens_k)
-    qf = q.astype(jnp.float32)
+    qf = zero_padding(q.astype(jnp.float32), seqlens_q)
     if rotate:  # in float32: the smoothed keys are not rounded back to 16 bits
         qf, smoothed = hadamard_rotate(qf, smoothed)
     (q8, q_scale), (k8, k_scale) = int8_quantize(qf, block), int8_quantize(smoothed, block)
-    v8, descale_v = fp8_quantize(v, "head")
+    v8, descale_v = fp8_quantize(zero_padding(v, seqlens_k), "head")
     return Int8Inputs(q8, k8, v8, q_scale, k_scale, descale_v, mean)
 
 

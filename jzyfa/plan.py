@@ -21,6 +21,13 @@ import os
 from jzyfa import _extension
 
 FAMILIES = ("16bit", "fp8")
+# Families a call can ask for (precision=...) that no kernel serves yet, and what serves them instead.
+NO_KERNEL_YET = {
+    "int8": (
+        "no INT8 kernel is built yet: precision='int8' runs its pure-JAX emulation (implementation=None or "
+        "'xla'); precision='fp8' has a kernel"
+    )
+}
 MASKS = ("none", "causal", "window")
 LAYOUTS = ("dense", "varlen")
 DIRECTIONS = ("fwd", "bwd")
@@ -72,6 +79,8 @@ def config_problem(config: Config) -> str | None:
     family_rows = [
         row for row in KERNELS if row.family == config.family and row.direction == config.direction
     ]
+    if config.family in NO_KERNEL_YET:
+        return NO_KERNEL_YET[config.family]
     if not family_rows:
         return f"jzyfa has no {_DIRECTION_NAMES[config.direction]} kernel for {_family_name(config.family)} inputs"
     dims = sorted({row.head_dims for row in family_rows})
