@@ -137,6 +137,8 @@ def attention_int8_emulated(*args, **kwargs) -> tuple[jax.Array, jax.Array]:
     return trace.out, trace.lse
 
 
+# One program for the quantization, the emulation and the LSE correction (not dispatched op by op).
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "rotate", "lean_p"))
 def int8_attention(
     q: jax.Array,
     k: jax.Array,
