@@ -37,6 +37,8 @@ def _emulate(q8, k8, v8, q_scale, k_scale, descale_v, seqlens_q, seqlens_k, *, w
     row_scale = int8_quant.per_token(q_scale, seq_q, block).reshape(
         batch, heads_kv, heads_q // heads_kv, seq_q
     )
+    if k_scale.shape[2] == 0:  # no keys: the emulation still visits one (empty) block
+        k_scale = jnp.ones((batch, heads_kv, 1), jnp.float32)
     return fp8_emulation.blocked_attention(
         fp8_emulation.query_groups(q8, heads_kv),
         fp8_emulation.key_blocks(k8, options.block_n),

@@ -60,7 +60,7 @@ def smooth_keys(k: jax.Array, seqlens_k: jax.Array | None = None) -> tuple[jax.A
     kf = k.astype(jnp.float32)
     valid = _valid_keys(k.shape[1], seqlens_k)
     if valid is None:
-        mean = jnp.mean(kf, axis=1)
+        mean = jnp.sum(kf, axis=1) / max(k.shape[1], 1)  # no keys: mean 0
         return kf - mean[:, None], mean
     count = jnp.maximum(jnp.sum(valid, axis=1), 1)  # [B, 1, 1]
     mean = jnp.sum(jnp.where(valid, kf, 0.0), axis=1) / count
@@ -82,7 +82,7 @@ def int8_quantize(x: jax.Array, block: int = INT8_BLOCK) -> tuple[jax.Array, jax
     blocks = -(-seq // block)
     xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * block - seq), (0, 0), (0, 0)))
     xf = xf.reshape(batch, blocks, block, heads, dim)
-    amax = jnp.max(jnp.abs(xf), axis=(2, 4))  # [B, blocks, H]
+    amax = jnp.max(jnp.abs(xf), axis=(2, 4), initial=0.0)  # [B, blocks, H]; initial: no tokens
     nonzero = amax > 0
     inverse = jnp.where(nonzero, INT8_MAX / jnp.where(nonzero, amax, 1.0), 1.0)
     scale = jnp.where(nonzero, amax / INT8_MAX, 1.0)

@@ -131,6 +131,22 @@ def test_padded_rows_are_their_own_sequences(rng):
     assert np.all(np.asarray(lse[1, :, 37:]) == -np.inf)
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_no_keys_gives_zero_rows_and_sinks_merge(rng, precision):
+    q, k, v = random_qkv(rng, seq_q=8, seq_k=0, heads_q=2, head_dim=64)
+    out, lse = jzyfa.flash_attention(q, k, v, precision=precision, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+    assert np.all(np.asarray(lse) == -np.inf)
+    if precision == "int8":  # sinks merge into the INT8 result as into any other
+        q, k, v = random_qkv(rng, seq_q=8, seq_k=16, heads_q=2, head_dim=64)
+        sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+        out, lse = jzyfa.flash_attention(q, k, v, precision="int8", return_lse=True)
+        got = jzyfa.flash_attention(q, k, v, precision="int8", sinks=sinks)
+        kept = 1 / (1 + np.exp(np.asarray(sinks)[None, :, None] - np.asarray(lse)))  # [B, H, Sq]
+        want = np.asarray(out, np.float32) * np.swapaxes(kept, 1, 2)[..., None]
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2)
+
+
 def test_varlen_is_each_sequence_alone(rng):
     lengths = [20, 0, 133, 11]
     cu = jnp.asarray(offsets(lengths), jnp.int32)
