@@ -165,11 +165,11 @@ def _quantize_in_call(q, k, v, *, rotate: bool):
     return q8, k8, v8, {"descale_q": dq, "descale_k": dk, "descale_v": dv}
 
 
-def _int8_call(q, k, v, lengths, *, layout: str, causal, window, softmax_scale, implementation, lean_p,
-               rotate, softcap):  # fmt: skip
-    """precision="int8" on validated q, k, v [B, S, H, D] (lengths: () or right-padded rows' (seqlens_q,
-    seqlens_k)): its arguments checked as any call's, then the emulation on every backend, as no INT8
-    kernel exists yet (implementation="kernel" raises the plan's sentence saying so). -> (out, lse)."""
+def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, softmax_scale, implementation,
+                  lean_p, rotate, softcap) -> dict:  # fmt: skip
+    """precision="int8"'s arguments checked as any call's, before any work, as `int8_attention`'s options.
+    No INT8 kernel exists yet: the emulation serves every backend, and implementation="kernel" raises the
+    plan's sentence saying so. seq_q, seq_k: the lengths the mask is read at (varlen: the maxima)."""
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
@@ -179,13 +179,17 @@ def _int8_call(q, k, v, lengths, *, layout: str, causal, window, softmax_scale, 
         raise ValueError("softcap is not available with precision='int8'; use precision=None for a softcap")
     if not softmax_scale > 0:
         raise ValueError(f"precision='int8' needs softmax_scale > 0, got {softmax_scale}")
-    mask, _, _ = kernel_mask(causal, window, q.shape[1], k.shape[1])
+    mask, _, _ = kernel_mask(causal, window, seq_q, seq_k)
     config = plan.Config("int8", (q.shape[-1], v.shape[-1]), mask, layout)
     plan.choose_path(plan.config_problem(config), implementation, cpu_primitive=False)
+    window = _validation.mask_window(causal, window)
+    return {"window": window, "softmax_scale": softmax_scale, "lean_p": lean_p, "rotate": rotate}
+
+
+def _int8_attention(q, k, v, seqlens_q=None, seqlens_k=None, **options):
+    """`int8_attention` of [B, S, H, D] q, k, v, refusing to be differentiated."""
     q, k, v = map(_int8_gradient_refused, (q, k, v))
-    seqlens = dict(zip(("seqlens_q", "seqlens_k"), lengths))
-    return int8_attention(q, k, v, window=_validation.mask_window(causal, window), softmax_scale=softmax_scale,
-                          rotate=rotate, lean_p=lean_p, **seqlens)  # fmt: skip
+    return int8_attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **options)
 
 
 def _check_lean_p(lean_p) -> bool:
@@ -291,9 +295,10 @@ def flash_attention(
         return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     if precision == "int8":
         lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
-        out, lse = _int8_call(q, k, v, lengths, layout="varlen" if lengths else "dense", causal=causal, window=window,
-                              softmax_scale=softmax_scale, implementation=implementation, lean_p=lean_p,
-                              rotate=rotate, softcap=softcap)  # fmt: skip
+        options = _int8_options(q, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1], seq_k=k.shape[1],
+                                causal=causal, window=window, softmax_scale=softmax_scale,
+                                implementation=implementation, lean_p=lean_p, rotate=rotate, softcap=softcap)  # fmt: skip
+        out, lse = _int8_attention(q, k, v, *lengths, **options)
         return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
@@ -420,11 +425,12 @@ def flash_attention_varlen(
     max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
     if precision == "int8":  # each sequence in a right-padded slot of max_seqlen tokens
-        int8 = functools.partial(_int8_call, layout="varlen", causal=causal, window=window, softmax_scale=softmax_scale,
-                                 implementation=implementation, lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
+        options = _int8_options(q, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k, causal=causal,
+                                window=window, softmax_scale=softmax_scale, implementation=implementation,
+                                lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
         cu = [jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k)]
-        out, lse = through_slots(lambda q, k, v, *lengths: int8(q, k, v, lengths), q, k, v, *cu, max_seqlen_q,
-                                 max_seqlen_k)  # fmt: skip
+        attend = functools.partial(_int8_attention, **options)
+        out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)
         return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
