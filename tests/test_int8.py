@@ -218,11 +218,13 @@ def test_int8_refuses_fp8_inputs_and_gradients(rng):
         jax.grad(loss)(q)
 
 
-def test_varlen_int8_kernel_error(rng):
+def test_varlen_int8_errors():
     cu = jnp.asarray(offsets([8]), jnp.int32)
     x = jnp.zeros((8, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="no INT8 kernel is built yet"):
         jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", implementation="kernel")
+    with pytest.raises(ValueError, match="softcap is not available with precision='int8'"):
+        jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", softcap=5.0)
 
 
 def test_emulation_checks_its_operands(rng):
