@@ -27,14 +27,14 @@ MAX_EXACT_HEAD_DIM = 1040
 
 
 @functools.partial(
-    jax.jit, static_argnames=("window", "softmax_scale", "block", "options", "out_dtype", "padded")
+    jax.jit, static_argnames=("window", "softmax_scale", "q_block", "options", "out_dtype", "padded")
 )
-def _emulate(q8, k8, v8, q_scale, k_scale, descale_v, seqlens_q, seqlens_k, *, window, softmax_scale, block,
+def _emulate(q8, k8, v8, q_scale, k_scale, descale_v, seqlens_q, seqlens_k, *, window, softmax_scale, q_block,
              options, out_dtype, padded):  # fmt: skip
     heads_kv = k8.shape[2]
     batch, seq_q, heads_q, _ = q8.shape
     # [B, Hq, Sq] per-row Q scales -> [B, Hkv, G, Sq]; [B, Hkv, blocks] K scales -> [blocks, B, Hkv]
-    row_scale = int8_quant.per_token(q_scale, seq_q, block).reshape(
+    row_scale = int8_quant.per_token(q_scale, seq_q, q_block).reshape(
         batch, heads_kv, heads_q // heads_kv, seq_q
     )
     if k_scale.shape[2] == 0:  # no keys: the emulation still visits one (empty) block
@@ -67,6 +67,7 @@ def trace_attention_int8_emulated(
     window: tuple[int, int] | None = None,
     softmax_scale: float | None = None,
     block: int = int8_quant.INT8_BLOCK,
+    q_block: int | None = None,
     seqlens_q: jax.Array | None = None,
     seqlens_k: jax.Array | None = None,
     out_dtype=jnp.bfloat16,
@@ -92,10 +93,13 @@ def trace_attention_int8_emulated(
             f"block must be the kernel's key block, {options.block_n} keys: one K scale per key block folds "
             f"into lean P's FFMA; got {block}"
         )
-    blocks = lambda seq: -(-seq // block)
+    q_block = block if q_block is None else q_block
+    if int(q_block) != q_block or q_block < 1:
+        raise ValueError(f"q_block must be a positive integer, got {q_block}")
+    blocks = lambda seq, block: -(-seq // block)
     for name, scale, shape in (
-        ("q_scale", q_scale, (batch, heads_q, blocks(seq_q))),
-        ("k_scale", k_scale, (batch, heads_kv, blocks(seq_k))),
+        ("q_scale", q_scale, (batch, heads_q, blocks(seq_q, q_block))),
+        ("k_scale", k_scale, (batch, heads_kv, blocks(seq_k, block))),
         ("descale_v", descale_v, (batch, heads_kv)),
     ):
         if tuple(jnp.shape(scale)) != shape:
@@ -112,7 +116,7 @@ def trace_attention_int8_emulated(
     ]
     return _emulate(
         q8, k8, v8, q_scale, k_scale, descale_v, *lengths, window=window, softmax_scale=float(softmax_scale),
-        block=block, options=options, out_dtype=jnp.dtype(out_dtype), padded=padded,
+        q_block=int(q_block), options=options, out_dtype=jnp.dtype(out_dtype), padded=padded,
     )  # fmt: skip
 
 
@@ -121,11 +125,12 @@ def attention_int8_emulated(*args, **kwargs) -> tuple[jax.Array, jax.Array]:
 
     Args:
       q8: int8 [B, Sq, Hq, D]; k8: int8 [B, Sk, Hkv, D]; v8: float8_e4m3fn [B, Sk, Hkv, Dv].
-      q_scale: float32 [B, Hq, ceil(Sq / block)]; k_scale: float32 [B, Hkv, ceil(Sk / block)]: the
+      q_scale: float32 [B, Hq, ceil(Sq / q_block)]; k_scale: float32 [B, Hkv, ceil(Sk / block)]: the
         values used are x8 * the scale of the token's block (`jzyfa.int8_quant.int8_quantize`).
       descale_v: float32 [B, Hkv], v's values are v8 * descale_v.
       causal, window, softmax_scale: as in `jzyfa.fp8_emulation.attention_fp8_emulated`.
-      block: tokens per Q and K scale; the kernel's key block (128).
+      block: tokens per K scale: the kernel's key block (128).
+      q_block: tokens per Q scale (default: block); any block size, 1 for one scale per query row.
       seqlens_q, seqlens_k: None, or int [B]: right-padded batch rows (as in `jzyfa.flash_attention`);
         padded query rows give out = 0 and lse = -inf.
       out_dtype: the output's dtype (the 16-bit inputs' dtype in `flash_attention`).

@@ -115,15 +115,18 @@ def int8_quantize_qkv(
     seqlens_q: jax.Array | None = None,
     seqlens_k: jax.Array | None = None,
     block: int = INT8_BLOCK,
+    q_block: int | None = None,
 ) -> Int8Inputs:
     """precision="int8"'s inputs: smooth k, optionally Hadamard-rotate q and k (seed 0, as
     precision="fp8" does), INT8 q and k per block of tokens and head, v to e4m3 per (batch, KV head).
-    seqlens_q, seqlens_k: right-padded batch rows; padded tokens are zeroed first."""
+    seqlens_q, seqlens_k: right-padded batch rows; padded tokens are zeroed first. block: tokens per
+    scale of k (the kernel's key block) and, unless q_block is given, of q (q_block=1: per query row)."""
     smoothed, mean = smooth_keys(k, seqlens_k)
     qf = zero_padding(q.astype(jnp.float32), seqlens_q)
     if rotate:  # in float32: the smoothed keys are not rounded back to 16 bits
         qf, smoothed = hadamard_rotate(qf, smoothed)
-    (q8, q_scale), (k8, k_scale) = int8_quantize(qf, block), int8_quantize(smoothed, block)
+    q8, q_scale = int8_quantize(qf, block if q_block is None else q_block)
+    k8, k_scale = int8_quantize(smoothed, block)
     v8, descale_v = fp8_quantize(zero_padding(v, seqlens_k), "head")
     return Int8Inputs(q8, k8, v8, q_scale, k_scale, descale_v, mean)
 

@@ -83,6 +83,24 @@ def test_int8_emulation_is_the_fp8_emulation_on_values_both_represent(rng):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+def test_per_row_query_scales_are_the_block_scales_spread(rng):
+    """q_block=1 (one scale per query row, the refinement docs/int8.md weighs) with each row given its
+    block's scale is the 128-row-block call, bit for bit: the per-row factor is all the kernel reads."""
+    q, k, v = random_qkv(rng, seq_q=200, seq_k=130, heads_q=2, head_dim=64)
+    x = int8_quant.int8_quantize_qkv(q, k, v)
+    args = (x.k8, x.v8)
+    blocks = int8_emulation.attention_int8_emulated(
+        x.q8, *args, x.q_scale, x.k_scale, x.descale_v, causal=True
+    )
+    rows = int8_emulation.attention_int8_emulated(
+        x.q8, *args, int8_quant.per_token(x.q_scale, 200), x.k_scale, x.descale_v, causal=True, q_block=1
+    )
+    for a, b in zip(blocks, rows):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    per_row = int8_quant.int8_quantize_qkv(q, k, v, q_block=1)
+    assert per_row.q_scale.shape == (1, 2, 200) and per_row.k_scale.shape == (1, 2, 2)
+
+
 @pytest.mark.parametrize(
     "mask", [{"causal": True}, {}, {"window": (40, 8)}, {"causal": True, "window": (100, -1)}], ids=str
 )
