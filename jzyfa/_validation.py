@@ -206,19 +206,21 @@ def check_seqlens(seqlens_q, seqlens_k, q_batch_seq: tuple[int, int], seq_k: int
     return tuple(lengths)
 
 
-PRECISIONS = (None, "fp8")
+PRECISIONS = (None, "fp8", "int8")
 
 
 def check_precision(precision, rotate, dtype, descales_given: bool) -> None:
-    """`precision` (None: the inputs' own; "fp8": quantize 16-bit inputs to e4m3 inside the call) and
-    `rotate` (a Hadamard rotation of q and k before that quantization)."""
+    """`precision` (None: the inputs' own; "fp8": quantize 16-bit inputs to e4m3 inside the call; "int8":
+    INT8 q and k, e4m3 v) and `rotate` (a Hadamard rotation of q and k before that quantization)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not isinstance(rotate, (bool, np.bool_)):
         raise TypeError(f"rotate must be a bool, got {type(rotate).__name__}")
     if precision is None:
         if rotate:
-            raise ValueError("rotate=True rotates q and k before quantizing them: it needs precision='fp8'")
+            raise ValueError(
+                "rotate=True rotates q and k before quantizing them: it needs precision='fp8' or 'int8'"
+            )
         return
     if is_fp8(dtype) or descales_given:
         raise ValueError(

@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
 from jzyfa import _validation, cudnn, padded, plan, primitives
+from jzyfa.int8_emulation import int8_attention
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
 from jzyfa.quantize import dequantize, fp8_quantize, hadamard_rotate
@@ -22,6 +23,7 @@ from jzyfa.varlen import (
     longest_sequences,
     maxima_cover,
     poison_unless,
+    through_slots,
     varlen_attention_reference,
 )
 
@@ -95,16 +97,24 @@ def _differentiable_bwd(spec, residuals, cotangents):
 _differentiable.defvjp(_differentiable_fwd, _differentiable_bwd)
 
 
-@jax.custom_jvp
-def _fp8_gradient_refused(x):
-    """x, with the FP8 kernel path's refusal to differentiate on the pure-JAX path too."""
-    return x
+def _gradient_refused(message: str):
+    """The identity, whose derivative raises TypeError(message): a pure-JAX path that refuses to be
+    differentiated as its kernel path does (rounding would give zero or wrong gradients)."""
+
+    @jax.custom_jvp
+    def identity(x):
+        return x
+
+    @identity.defjvp
+    def refuse(primals, tangents):
+        del primals, tangents
+        raise TypeError(message)
+
+    return identity
 
 
-@_fp8_gradient_refused.defjvp
-def _fp8_gradient_refused_jvp(primals, tangents):
-    del primals, tangents
-    raise TypeError(primitives.FP8_NOT_DIFFERENTIABLE)
+_fp8_gradient_refused = _gradient_refused(primitives.FP8_NOT_DIFFERENTIABLE)
+_int8_gradient_refused = _gradient_refused(primitives.INT8_NOT_DIFFERENTIABLE)
 
 
 def _dense_reference(q, k, v, lengths, descales, *, causal, window, softmax_scale, softcap):
@@ -168,6 +178,33 @@ def _quantize_in_call(q, k, v, *, rotate: bool):
     return q8, k8, v8, {"descale_q": dq, "descale_k": dk, "descale_v": dv}
 
 
+def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, softmax_scale, implementation,
+                  lean_p, rotate, softcap) -> dict:  # fmt: skip
+    """precision="int8"'s arguments checked as any call's, before any work, as `int8_attention`'s options.
+    No INT8 kernel exists yet: the emulation serves every backend, and implementation="kernel" raises the
+    plan's sentence saying so. seq_q, seq_k: the lengths the mask is read at (varlen: the maxima)."""
+    _validation.check_causal(causal)
+    window = _validation.check_window(window)
+    _validation.check_implementation(implementation)
+    lean_p = _check_lean_p(lean_p)
+    softmax_scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[-1])
+    if _validation.check_softcap(softcap) is not None:
+        raise ValueError("softcap is not available with precision='int8'; use precision=None for a softcap")
+    if not softmax_scale > 0:
+        raise ValueError(f"precision='int8' needs softmax_scale > 0, got {softmax_scale}")
+    mask, _, _ = kernel_mask(causal, window, seq_q, seq_k)
+    config = plan.Config("int8", (q.shape[-1], v.shape[-1]), mask, layout)
+    plan.choose_path(plan.config_problem(config), implementation, cpu_primitive=False)
+    window = _validation.mask_window(causal, window)
+    return {"window": window, "softmax_scale": softmax_scale, "lean_p": lean_p, "rotate": rotate}
+
+
+def _int8_attention(q, k, v, seqlens_q=None, seqlens_k=None, **options):
+    """`int8_attention` of [B, S, H, D] q, k, v, refusing to be differentiated."""
+    q, k, v = map(_int8_gradient_refused, (q, k, v))
+    return int8_attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **options)
+
+
 def _check_lean_p(lean_p) -> bool:
     if not isinstance(lean_p, (bool, np.bool_)):
         raise TypeError(f"lean_p must be a bool, got {type(lean_p).__name__}")
@@ -223,8 +260,13 @@ def flash_attention(
         exp2 rounded to e4m3 (False). See docs/fp8.md.
       precision: None computes in the inputs' precision. "fp8" quantizes bf16/f16/float32 q, k, v to
         e4m3 inside the call (`fp8_quantize`, one power-of-two descale per batch and KV head, on the
-        device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable.
-      rotate: with precision="fp8", rotate q and k by one Hadamard matrix with random signs
+        device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable. "int8"
+        subtracts each (batch, KV head)'s mean key (softmax is unchanged; the LSE returned is the
+        unsmoothed keys'), quantizes q and k to INT8 with one scale per 128 tokens and head and v to
+        e4m3 (`jzyfa.int8_quant`), and computes as the INT8 kernel will (`jzyfa.int8_emulation`).
+        No INT8 kernel exists yet: it runs the pure-JAX emulation on every backend, and
+        implementation="kernel" raises. Not differentiable. See docs/int8.md.
+      rotate: with precision="fp8" or "int8", rotate q and k by one Hadamard matrix with random signs
         (`hadamard_rotate`, seed 0) before quantizing: q k^T is unchanged, outliers are spread.
       sinks: None, or one sink logit per query head, [heads_q] (gpt-oss): every row's softmax also
         spans that logit with a zero value. Applied exactly to the kernel's (out, lse)
@@ -266,6 +308,13 @@ def flash_attention(
         )
         out, lse = result if return_lse else (result, None)
         return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+    if precision == "int8":
+        lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
+        options = _int8_options(q, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1], seq_k=k.shape[1],
+                                causal=causal, window=window, softmax_scale=softmax_scale,
+                                implementation=implementation, lean_p=lean_p, rotate=rotate, softcap=softcap)  # fmt: skip
+        out, lse = _int8_attention(q, k, v, *lengths, **options)
+        return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
@@ -378,7 +427,8 @@ def flash_attention_varlen(
         per group of query heads sharing a KV head). The values used are x_fp8 * descale. FP8 varlen
         calls use lean P.
       precision, rotate: as in `flash_attention`; "fp8" quantizes with one descale per KV head over
-        the whole packed batch.
+        the whole packed batch; "int8" smooths each sequence's keys and starts its scale blocks at
+        each sequence's first token.
       sinks, softcap: as in `flash_attention`.
 
     Returns:
@@ -409,6 +459,14 @@ def flash_attention_varlen(
     _validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    if precision == "int8":  # each sequence in a right-padded slot of max_seqlen tokens
+        options = _int8_options(q, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k, causal=causal,
+                                window=window, softmax_scale=softmax_scale, implementation=implementation,
+                                lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
+        cu = [jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k)]
+        attend = functools.partial(_int8_attention, **options)
+        out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)
+        return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)

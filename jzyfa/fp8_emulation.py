@@ -178,39 +178,61 @@ def _block_probabilities(s, r, row_scale, options: Fp8Options):
     return rounded, exact
 
 
-@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "options", "out_dtype"))
-def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_scale, options, out_dtype):
-    """window: the mask as (left, right), -1 unbounded (`_validation.mask_window`: causal is (-1, 0))."""
-    batch, seq_q, heads_q, head_dim = q8.shape
-    seq_k, heads_kv, value_dim = k8.shape[1], k8.shape[2], v8.shape[3]  # value_dim: v's (MLA)
-    group = heads_q // heads_kv
-    block_n = options.block_n
+def key_blocks(x: jax.Array, block_n: int) -> jax.Array:
+    """[B, Sk, Hkv, D] -> float32 [blocks, B, Hkv, N, D], zero padded to whole blocks of N keys."""
+    batch, seq_k, heads_kv, dim = x.shape
     num_blocks = max(1, -(-seq_k // block_n))
-    padded = num_blocks * block_n
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, num_blocks * block_n - seq_k), (0, 0), (0, 0)))
+    return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, dim), (1, 0, 3, 2, 4))
 
-    # e4m3 products are exact in float32; only the order of the sums is unspecified.
-    qf = q8.astype(jnp.float32).reshape(batch, seq_q, heads_kv, group, head_dim)
-    qf = jnp.transpose(qf, (0, 2, 3, 1, 4))  # [B, Hkv, G, Sq, D]
 
-    def blocks(x):  # [B, Sk, Hkv, D] -> [blocks, B, Hkv, N, D], zero padded
-        x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, padded - seq_k), (0, 0), (0, 0)))
-        return jnp.transpose(x.reshape(batch, num_blocks, block_n, heads_kv, x.shape[-1]), (1, 0, 3, 2, 4))
+def query_groups(q: jax.Array, heads_kv: int) -> jax.Array:
+    """[B, Sq, Hq, D] -> float32 [B, Hkv, G, Sq, D]: each KV head's group of query heads."""
+    batch, seq_q, heads_q, dim = q.shape
+    qf = q.astype(jnp.float32).reshape(batch, seq_q, heads_kv, heads_q // heads_kv, dim)
+    return jnp.transpose(qf, (0, 2, 3, 1, 4))
 
-    row_scale = scale_log2(softmax_scale, _per_kv_head(descale_q), _per_kv_head(descale_k))
-    positions = jnp.arange(seq_q)[:, None] + (seq_k - seq_q)  # bottom-right aligned
+
+def blocked_attention(
+    qf, k_blocks, v_blocks, descale_q, descale_k, descale_v, *, seq_k, window, softmax_scale, options,
+    out_dtype, seqlens=None,
+) -> Fp8AttentionTrace:  # fmt: skip
+    """The kernel's online softmax and P V over key blocks, shared by the FP8 and INT8 emulations.
+
+    qf float32 [B, Hkv, G, Sq, D] and k_blocks [blocks, B, Hkv, N, D] (`query_groups`, `key_blocks`)
+    hold values whose products sum exactly in float32 (e4m3, or int8 up to head dim 1024): the raw
+    scores. descale_q broadcasts to [B, Hkv, G, Sq] (at most one per query row), descale_k to
+    [blocks, B, Hkv] (at most one per key block): a (row, block)'s factor to log2 units is
+    `scale_log2` of the two, the one multiply the kernel folds into lean P's FFMA. v_blocks
+    [blocks, B, Hkv, N, Dv]; descale_v broadcasts to [B, Hkv, G, Sq]. seq_k: the keys before padding
+    to whole blocks. seqlens: None, or (seqlens_q, seqlens_k) int [B]: batch row b holds its first
+    seqlens_q[b] queries and seqlens_k[b] keys, the mask aligned bottom-right per row; padded query
+    rows give out = 0 and lse = -inf.
+    """
+    num_blocks, batch, heads_kv, block_n, _ = k_blocks.shape
+    _, _, group, seq_q, _ = qf.shape
+    value_dim = v_blocks.shape[-1]
+    if seqlens is None:
+        len_q, len_k = seq_q, seq_k
+    else:  # [B, 1, 1, 1, 1]: per batch row, against s [B, Hkv, G, Sq, N]
+        len_q, len_k = (jnp.clip(n, 0, size).astype(jnp.int32).reshape(-1, 1, 1, 1, 1)
+                        for n, size in zip(seqlens, (seq_q, seq_k)))  # fmt: skip
+    positions = jnp.arange(seq_q)[:, None] + (len_k - len_q)  # bottom-right aligned
+    descale_q = jnp.asarray(descale_q, jnp.float32)
 
     def step(carry, block):
         r, running_max, row_sum, o = carry
-        index, k_block, v_block = block
+        index, k_block, v_block, block_descale_k = block
         keys = index * block_n + jnp.arange(block_n)[None, :]
         # Every row visits every block in increasing order. A block with no visible key for a row
         # (outside its window, or past the keys) is a no-op for it: block_max = -inf keeps r and the
         # running maximum, alpha = 1 and P~ = 0 leave l and O exactly as they were. So the result
         # and the trace equal those of a kernel that visits only the blocks a 128-row tile's
         # windows reach (WindowBlocks: from first_block, aligned to multiples of 128 keys).
-        visible = (keys < seq_k) & reference.window_visible(positions, keys, window)
+        visible = (keys < len_k) & reference.window_visible(positions, keys, window)
         s = jnp.einsum("bhgqd,bhkd->bhgqk", qf, k_block, precision=_HIGHEST)
         s = jnp.where(visible, s, -jnp.inf)
+        row_scale = scale_log2(softmax_scale, descale_q, block_descale_k[..., None, None])
         # max commutes with the positive scale: one FMUL per row, as the kernel does it.
         block_max = jnp.max(s, axis=-1) * row_scale
         running_max = jnp.maximum(running_max, block_max)
@@ -230,12 +252,16 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_sca
         jnp.zeros(state_shape, jnp.float32),
         jnp.zeros((*state_shape, value_dim), jnp.float32),
     )
-    xs = (jnp.arange(num_blocks), blocks(k8), blocks(v8))
+    descale_k = jnp.broadcast_to(jnp.asarray(descale_k, jnp.float32), (num_blocks, batch, heads_kv))
+    xs = (jnp.arange(num_blocks), k_blocks, v_blocks, descale_k)
     (r, _, row_sum, o), (references, rescaled) = lax.scan(step, init, xs)
 
     seen = row_sum > 0
+    if seqlens is not None:  # padded query rows (their rows may see keys)
+        seen &= jnp.arange(seq_q) < len_q[..., 0]
     safe_sum = jnp.where(seen, row_sum, 1.0)
-    out = jnp.where(seen[..., None], o * (_per_kv_head(descale_v)[..., None] / safe_sum[..., None]), 0.0)
+    out = jnp.where(seen[..., None], o * (descale_v[..., None] / safe_sum[..., None]), 0.0)
+    heads_q = heads_kv * group
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(batch, seq_q, heads_q, value_dim)
     lse = jnp.where(seen, (r + jnp.log2(safe_sum)) * np.float32(_LN_2), -jnp.inf)
 
@@ -245,6 +271,17 @@ def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_sca
     return Fp8AttentionTrace(
         out.astype(out_dtype), lse.reshape(batch, heads_q, seq_q), per_row(references), per_row(rescaled)
     )
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "options", "out_dtype"))
+def _emulate(q8, k8, v8, descale_q, descale_k, descale_v, *, window, softmax_scale, options, out_dtype):
+    """window: the mask as (left, right), -1 unbounded (`_validation.mask_window`: causal is (-1, 0))."""
+    # e4m3 products are exact in float32; only the order of the sums is unspecified.
+    return blocked_attention(
+        query_groups(q8, k8.shape[2]), key_blocks(k8, options.block_n), key_blocks(v8, options.block_n),
+        _per_kv_head(descale_q), _per_kv_head(descale_k)[..., 0, 0], _per_kv_head(descale_v),
+        seq_k=k8.shape[1], window=window, softmax_scale=softmax_scale, options=options, out_dtype=out_dtype,
+    )  # fmt: skip
 
 
 def trace_attention_fp8_emulated(

@@ -21,6 +21,13 @@ import os
 from jzyfa import _extension
 
 FAMILIES = ("16bit", "fp8")
+# Families a call can ask for (precision=...) that no kernel serves yet, and what serves them instead.
+NO_KERNEL_YET = {
+    "int8": (
+        "no INT8 kernel is built yet: precision='int8' runs its pure-JAX emulation (implementation=None or "
+        "'xla'); precision='fp8' has a kernel"
+    )
+}
 MASKS = ("none", "causal", "window")
 LAYOUTS = ("dense", "varlen")
 DIRECTIONS = ("fwd", "bwd")
@@ -70,6 +77,8 @@ def config_problem(config: Config) -> str | None:
     """None when the table has `config`, else a sentence saying what the kernels do take."""
     if config in KERNELS:
         return None
+    if config.family in NO_KERNEL_YET:
+        return NO_KERNEL_YET[config.family]
     family_rows = [
         row for row in KERNELS if row.family == config.family and row.direction == config.direction
     ]

@@ -219,6 +219,11 @@ FP8_NOT_DIFFERENTIABLE = (
     "gradient through e4m3 rounding would be wrong or zero); differentiate a bf16/f16 call instead, or "
     "stop the gradient at the quantized inputs with jax.lax.stop_gradient"
 )
+INT8_NOT_DIFFERENTIABLE = (
+    "jzyfa attention with precision='int8' is not differentiable (there is no INT8 backward, and a "
+    "gradient through int8 rounding would be wrong or zero); differentiate a call with precision=None "
+    "instead, or stop the gradient at q, k and v with jax.lax.stop_gradient"
+)
 
 
 def _not_differentiable(primals, tangents, *, spec: AttentionSpec):

@@ -56,7 +56,8 @@ def fp8_quantize(
         if xf.ndim != 4:
             raise ValueError(f'granularity="head" needs x of rank 4 [B, S, H, D], got shape {xf.shape}')
         grouped = _group_heads(xf, kv_heads)
-        descale = _power_of_two_descale(jnp.max(jnp.abs(grouped), axis=(1, 3, 4)))
+        # initial=0: no tokens (seq 0) is amax 0, descale 1
+        descale = _power_of_two_descale(jnp.max(jnp.abs(grouped), axis=(1, 3, 4), initial=0.0))
         scaled = (grouped / descale[:, None, :, None, None]).reshape(xf.shape)
     # amax / descale <= FP8_MAX already; the clip only guards against NaN from an e4m3fn overflow.
     return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), descale

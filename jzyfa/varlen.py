@@ -203,10 +203,27 @@ def _slot_attention(
         softcap,
     )
 
-    seq, pos, valid = _token_slots(cu_seqlens_q, q.shape[0], max_seqlen_q)
+    return _unslot(out_pad, lse_pad, cu_seqlens_q, q.shape[0], max_seqlen_q)
+
+
+def _unslot(out_pad, lse_pad, cu_seqlens_q, total_q: int, max_seqlen_q: int):
+    """Slotted (out [num_seqs, max_q, Hq, Dv], lse [num_seqs, Hq, max_q]) -> packed (out [total_q, Hq, Dv],
+    lse [Hq, total_q]); tokens of no sequence give out = 0 and lse = -inf."""
+    seq, pos, valid = _token_slots(cu_seqlens_q, total_q, max_seqlen_q)
     out = jnp.where(valid[:, None, None], out_pad[seq, pos], 0).astype(out_pad.dtype)
     lse = jnp.where(valid[:, None], lse_pad[seq, :, pos], -jnp.inf)
     return out, lse.T
+
+
+def through_slots(attend_padded, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int):
+    """A packed call through a right-padded dense one: attend_padded(q, k, v, seqlens_q, seqlens_k) takes
+    [num_seqs, max_seqlen, H, D] slots and returns (out [num_seqs, max_q, Hq, Dv], lse [num_seqs, Hq,
+    max_q]); the result is packed like `varlen_attention_reference`'s."""
+    slots = [_pad(x, cu[:-1], n) for x, cu, n in ((q, cu_seqlens_q, max_seqlen_q), (k, cu_seqlens_k, max_seqlen_k),
+                                                   (v, cu_seqlens_k, max_seqlen_k))]  # fmt: skip
+    lengths = [cu[1:] - cu[:-1] for cu in (cu_seqlens_q, cu_seqlens_k)]
+    out_pad, lse_pad = attend_padded(*slots, *lengths)
+    return _unslot(out_pad, lse_pad, cu_seqlens_q, q.shape[0], max_seqlen_q)
 
 
 def fp8_varlen_attention_reference(

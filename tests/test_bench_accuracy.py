@@ -125,12 +125,14 @@ def test_variants_against_float64(small_case):
             "fp8_dequant_exact",
             "fp8_emul_lean",
             "fp8_emul_exact_hadamard",
+            "int8_emul",
+            "int8_emul_hadamard",
             "cudnn_fp8",
         ]
     }
     bf16 = results["jzyfa_bf16"]
     assert bf16["status"] == "ok" and bf16["o_rel_l2"] < 1e-2 and bf16["lse_max_abs"] < 1e-3
-    for name in ["fp8_dequant_exact", "fp8_emul_lean", "fp8_emul_exact_hadamard"]:
+    for name in ["fp8_dequant_exact", "fp8_emul_lean", "fp8_emul_exact_hadamard", "int8_emul", "int8_emul_hadamard"]:
         r = results[name]
         assert r["status"] == "ok", r
         # FP8 rounding shows, but the result is attention on the same inputs.

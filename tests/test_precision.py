@@ -59,7 +59,7 @@ def test_fp8_precision_is_not_differentiable(rng):
 @pytest.mark.parametrize(
     "options,error,message",
     [
-        ({"precision": "int8"}, ValueError, r"precision must be one of \(None, 'fp8'\), got 'int8'"),
+        ({"precision": "int4"}, ValueError, r"precision must be one of \(None, 'fp8', 'int8'\), got 'int4'"),
         (
             {"rotate": True},
             ValueError,

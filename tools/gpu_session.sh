@@ -73,6 +73,18 @@ if [ -n "${JZYFA_PIPE_RATES:-}" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
+if [ -n "${JZYFA_INT8_PROBE:-}" ]; then
+  # s8 against e4m3 wgmma rates and int32 -> float conversions for an INT8 kernel
+  # (tools/int8_wgmma_probe.cu, docs/int8.md): seconds. The SASS's GMMA mnemonics go in the same file.
+  step "INT8 wgmma probe"
+  { "$CUDACXX" -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -o /tmp/int8_wgmma_probe \
+        "$REPO/tools/int8_wgmma_probe.cu" \
+      && /tmp/int8_wgmma_probe \
+      && { cuobjdump -sass /tmp/int8_wgmma_probe | grep -o '[A-Z0-9]*GMMA[.A-Z0-9x]*' | sort | uniq -c || true; }; } \
+    2>&1 | tee "$OUT_DIR/int8_probe.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if [ -n "${JZYFA_SOFTMAX_PROBE:-}" ]; then
   # The FP8 softmax's cycles per block beside tensor-core work (tools/softmax_interference.cu,
   # docs/fp8.md 10.33): seconds.

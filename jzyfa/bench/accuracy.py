@@ -6,7 +6,8 @@ Two reports:
    kernel will compute it, lean P on and off, with and without the Hadamard rotation, through
    `jzyfa.fp8_emulation`; jzyfa's pure-JAX FP8 path; cuDNN BF16 and FP8 on a GPU; the FP8 kernel
    once it exists) runs on the same 16-bit inputs (FP8 variants quantize them with
-   `jzyfa.fp8_quantize`), and is compared with float64 attention on the *unquantized* inputs, for
+   `jzyfa.fp8_quantize`; INT8 variants run precision="int8", through `jzyfa.int8_emulation` until an
+   INT8 kernel exists), and is compared with float64 attention on the *unquantized* inputs, for
    a slice of (batch, head) pairs: relative L2 error and max abs error of O, and the same for the
    LSE (natural log). The float64 reference runs over blocks of query rows, so 32K tokens fit.
 2. KL divergence. A small causal transformer (random weights, see `ModelConfig`) runs once with
@@ -237,6 +238,22 @@ def _emulated(hadamard: bool, **switches):
     return run
 
 
+def _int8(rotate: bool):
+    """precision="int8" (INT8 Q and K per 128-token block after smoothing the keys, e4m3 V): its
+    emulation, which serves the call on every backend until an INT8 kernel exists. The rotation is
+    precision="int8"'s own (seed 0); the FP8 descale granularity does not apply."""
+
+    def run(q, k, v, setting: Setting):
+        import jzyfa
+
+        return jzyfa.flash_attention(
+            q, k, v, causal=setting.causal, softmax_scale=setting.softmax_scale, return_lse=True,
+            precision="int8", rotate=rotate,
+        )  # fmt: skip
+
+    return run
+
+
 def _cudnn_fp8(hadamard: bool):
     def run(q, k, v, setting: Setting):
         if jax.default_backend() != "gpu":
@@ -302,6 +319,12 @@ VARIANTS: dict[str, Variant] = {
             "FP8 emulation with lean P, block scaling and the rounded row sum all off (FA3's scheme)",
             _emulated(False, lean_p=False, block_scaling=False, rounded_sum=False, **FIXED_OFFSET_OPTIONS),
         ),
+        Variant(
+            "int8_emul",
+            "INT8 kernel emulation: smoothed keys, INT8 Q/K per 128-token block, e4m3 V",
+            _int8(False),
+        ),
+        Variant("int8_emul_hadamard", "INT8 kernel emulation, q and k Hadamard-rotated", _int8(True)),
         Variant("cudnn_fp8", "cuDNN FP8 (e4m3 output, per-tensor descales)", _cudnn_fp8(False)),
         Variant("cudnn_fp8_hadamard", "cuDNN FP8, q and k Hadamard-rotated", _cudnn_fp8(True)),
     ]

@@ -1,0 +1,261 @@
+"""precision="int8": smoothed keys, INT8 Q and K with per-block scales, e4m3 V (jzyfa.int8_quant), and
+the INT8 kernel's emulation (jzyfa.int8_emulation), which serves the call on every backend."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_oracle import naive_attention_f64, offsets, random_qkv, relative_l2
+
+import jzyfa
+from jzyfa import fp8_emulation, int8_emulation, int8_quant
+from jzyfa.bench import inputs
+
+# Relative L2 of O against float64 attention on the unquantized inputs, Gaussian inputs at head dim
+# 128: the float64 simulation of the quantization alone gives 0.029-0.030 at 128-token blocks (V's
+# e4m3 rounding is most of it, tools/int8_block_sim.py) and lean P adds about 0.01 (docs/int8.md).
+GAUSSIAN_TOLERANCE = 0.06
+
+
+# --- quantization -----------------------------------------------------------------------------------
+
+
+def test_int8_quantize_round_trip_and_scale_layout(rng):
+    x = jnp.asarray(rng.standard_normal((2, 300, 3, 64)) * rng.uniform(0.1, 10, (1, 300, 3, 1)), jnp.float32)
+    x = x.at[:, 256:].set(0.0).at[1, 256:, 0].set(5.0)  # an all-zero block, and a constant one
+    x8, scale = int8_quant.int8_quantize(x, 128)
+    assert x8.dtype == jnp.int8 and scale.dtype == jnp.float32
+    assert scale.shape == (2, 3, 3)  # [B, H, ceil(300 / 128)]: the last block partial
+    assert int(jnp.max(jnp.abs(x8.astype(jnp.int32)))) == 127
+    np.testing.assert_array_equal(np.asarray(scale[0, :, 2]), 1.0)  # an all-zero block keeps scale 1
+    np.testing.assert_allclose(np.asarray(scale[1, 0, 2]), 5.0 / 127, rtol=1e-7)
+    back = int8_quant.int8_dequantize(x8, scale, 128)
+    per_token = np.swapaxes(np.asarray(int8_quant.per_token(scale, 300, 128)), 1, 2)[..., None]
+    # round to nearest: within half a step (plus float32 rounding of the scale) of every value
+    assert np.all(np.abs(np.asarray(back) - np.asarray(x)) <= 0.5001 * per_token)
+    # each block's largest magnitude lands on +-127
+    blocks = np.abs(np.asarray(x8, np.int32)[:, :256].reshape(2, 2, 128, 3, 64)).max(axis=(2, 4))
+    np.testing.assert_array_equal(blocks, 127)
+
+
+def test_smooth_keys_subtracts_each_heads_mean_over_valid_keys(rng):
+    k = jnp.asarray(rng.standard_normal((2, 40, 2, 16)) + 3.0, jnp.bfloat16)
+    smoothed, mean = int8_quant.smooth_keys(k)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(k, np.float32).mean(axis=1), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(smoothed).mean(axis=1), 0.0, atol=1e-5)
+    smoothed, mean = int8_quant.smooth_keys(k, jnp.asarray([10, 40]))
+    np.testing.assert_allclose(np.asarray(mean[0]), np.asarray(k[0, :10], np.float32).mean(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(smoothed[0, 10:]), 0.0)  # padding: zeros, not in the mean
+
+
+def test_smoothing_keeps_out_and_the_corrected_lse_in_float64(rng):
+    q, k, v = random_qkv(
+        rng, batch=2, seq_q=64, seq_k=96, heads_q=4, heads_kv=2, head_dim=32, dtype=jnp.float32
+    )
+    k = k + 2.0  # a common key offset, as outlier channels have
+    smoothed, mean = int8_quant.smooth_keys(k)
+    want_out, want_lse = naive_attention_f64(q, k, v, causal=True)
+    out, lse = naive_attention_f64(q, smoothed, v, causal=True)
+    np.testing.assert_allclose(out, want_out, atol=1e-6)  # the float32 subtraction's rounding
+    shift = np.asarray(int8_quant.lse_shift(q, mean, 1 / np.sqrt(32)))
+    np.testing.assert_allclose(lse + shift, want_lse, atol=1e-5)
+
+
+# --- the emulation ----------------------------------------------------------------------------------
+
+
+def test_int8_emulation_is_the_fp8_emulation_on_values_both_represent(rng):
+    """Integers up to 16 are e4m3 values: with power-of-two scales the INT8 kernel's arithmetic is
+    then the FP8 kernel's, bit for bit (the same blocked softmax, the same folded scale)."""
+    shape_q, shape_kv = (1, 200, 4, 64), (1, 300, 2, 64)
+    q8, k8 = (jnp.asarray(rng.integers(-16, 17, s), jnp.int8) for s in (shape_q, shape_kv))
+    v8 = jnp.asarray(rng.standard_normal(shape_kv), jnp.float8_e4m3fn)
+    dq, dk, dv = jnp.float32(0.25), jnp.float32(0.125), jnp.ones((1, 2), jnp.float32)
+    got = int8_emulation.attention_int8_emulated(
+        q8, k8, v8, jnp.full((1, 4, 2), dq), jnp.full((1, 2, 3), dk), dv, causal=True
+    )
+    want = fp8_emulation.attention_fp8_emulated(
+        *(x.astype(jnp.float8_e4m3fn) for x in (q8, k8)), v8, dq, dk, dv, causal=True
+    )
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_per_row_query_scales_are_the_block_scales_spread(rng):
+    """q_block=1 (one scale per query row, the refinement docs/int8.md weighs) with each row given its
+    block's scale is the 128-row-block call, bit for bit: the per-row factor is all the kernel reads."""
+    q, k, v = random_qkv(rng, seq_q=200, seq_k=130, heads_q=2, head_dim=64)
+    x = int8_quant.int8_quantize_qkv(q, k, v)
+    args = (x.k8, x.v8)
+    blocks = int8_emulation.attention_int8_emulated(
+        x.q8, *args, x.q_scale, x.k_scale, x.descale_v, causal=True
+    )
+    rows = int8_emulation.attention_int8_emulated(
+        x.q8, *args, int8_quant.per_token(x.q_scale, 200), x.k_scale, x.descale_v, causal=True, q_block=1
+    )
+    for a, b in zip(blocks, rows):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    per_row = int8_quant.int8_quantize_qkv(q, k, v, q_block=1)
+    assert per_row.q_scale.shape == (1, 2, 200) and per_row.k_scale.shape == (1, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "mask", [{"causal": True}, {}, {"window": (40, 8)}, {"causal": True, "window": (100, -1)}], ids=str
+)
+def test_int8_call_against_float64_gqa_masks(rng, mask):
+    q, k, v = random_qkv(rng, batch=2, seq_q=130, seq_k=200, heads_q=4, heads_kv=2, head_dim=128)
+    out, lse = jzyfa.flash_attention(q, k, v, precision="int8", return_lse=True, **mask)
+    want, want_lse = naive_attention_f64(q, k, v, causal=mask.get("causal", False), window=mask.get("window"))
+    assert out.dtype == jnp.bfloat16 and lse.shape == (2, 4, 130)
+    assert relative_l2(out, want) < GAUSSIAN_TOLERANCE
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+    assert np.max(np.abs(np.asarray(lse)[seen] - want_lse[seen])) < 0.15
+
+
+def test_int8_call_f16_and_mla_head_dims(rng):
+    q, k, v = random_qkv(rng, seq_q=64, seq_k=64, heads_q=2, head_dim=192, head_dim_v=128, dtype=jnp.float16)
+    out = jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=False)
+    assert out.dtype == jnp.float16 and out.shape == (1, 64, 2, 128)
+    assert relative_l2(out, naive_attention_f64(q, k, v, causal=True)[0]) < GAUSSIAN_TOLERANCE
+
+
+def test_int8_with_rotation_beats_fp8_on_activation_like_inputs():
+    """The point of INT8 (docs/int8.md): on activation-like inputs (outlier key channels, a sink key),
+    smoothed and rotated INT8 Q and K leave about two thirds of FP8's error (fixed seed: 0.043 against
+    0.064)."""
+    q, k, v = inputs.make_qkv("activations", 0, batch=1, seq_q=256, heads_q=4, heads_kv=2, head_dim=128)
+    want, _ = naive_attention_f64(q, k, v, causal=True)
+    call = functools.partial(jzyfa.flash_attention, q, k, v, causal=True)
+    fp8 = relative_l2(call(precision="fp8"), want)  # FP8's better variant here (rotated: 0.071)
+    int8 = relative_l2(call(precision="int8", rotate=True), want)
+    assert int8 < 0.05 and int8 < 0.75 * fp8, (int8, fp8)
+
+
+def test_padded_rows_are_their_own_sequences(rng):
+    q, k, v = random_qkv(rng, batch=2, seq_q=100, seq_k=160, heads_q=2, head_dim=64)
+    k = k.at[1, 150:].set(1e4)  # padding must not set a scale or the mean
+    lengths_q, lengths_k = jnp.asarray([100, 37]), jnp.asarray([160, 150])
+    out, lse = jzyfa.flash_attention(
+        q, k, v, causal=True, precision="int8", return_lse=True, seqlens_q=lengths_q, seqlens_k=lengths_k
+    )
+    alone, alone_lse = jzyfa.flash_attention(q[1:, :37], k[1:, :150], v[1:, :150], causal=True, precision="int8",
+                                             return_lse=True)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out[1, :37], np.float32), np.asarray(alone[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(lse[1, :, :37]), np.asarray(alone_lse[0]))
+    np.testing.assert_array_equal(np.asarray(out[1, 37:], np.float32), 0.0)
+    assert np.all(np.asarray(lse[1, :, 37:]) == -np.inf)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_no_keys_gives_zero_rows_and_sinks_merge(rng, precision):
+    q, k, v = random_qkv(rng, seq_q=8, seq_k=0, heads_q=2, head_dim=64)
+    out, lse = jzyfa.flash_attention(q, k, v, precision=precision, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+    assert np.all(np.asarray(lse) == -np.inf)
+    if precision == "int8":  # sinks merge into the INT8 result as into any other
+        q, k, v = random_qkv(rng, seq_q=8, seq_k=16, heads_q=2, head_dim=64)
+        sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+        out, lse = jzyfa.flash_attention(q, k, v, precision="int8", return_lse=True)
+        got = jzyfa.flash_attention(q, k, v, precision="int8", sinks=sinks)
+        kept = 1 / (1 + np.exp(np.asarray(sinks)[None, :, None] - np.asarray(lse)))  # [B, H, Sq]
+        want = np.asarray(out, np.float32) * np.swapaxes(kept, 1, 2)[..., None]
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=1e-2)
+
+
+def test_varlen_is_each_sequence_alone(rng):
+    lengths = [20, 0, 133, 11]
+    cu = jnp.asarray(offsets(lengths), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((170, 4, 64)), jnp.bfloat16)  # 6 tokens of no sequence at the end
+    kv = jnp.asarray(rng.standard_normal((164, 2, 64)), jnp.bfloat16)
+    out, lse = jzyfa.flash_attention_varlen(
+        q, kv, kv, cu, cu, 133, 133, causal=True, precision="int8", return_lse=True
+    )
+    assert out.shape == (170, 4, 64) and lse.shape == (4, 170)
+    start = 20  # the third sequence
+    alone, alone_lse = jzyfa.flash_attention(*(x[None, start : start + 133] for x in (q, kv, kv)), causal=True,
+                                             precision="int8", return_lse=True)  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(out[start : start + 133], np.float32), np.asarray(alone[0], np.float32)
+    )
+    np.testing.assert_array_equal(np.asarray(lse[:, start : start + 133]), np.asarray(alone_lse[0]))
+    np.testing.assert_array_equal(np.asarray(out[164:], np.float32), 0.0)
+    assert np.all(np.asarray(lse[:, 164:]) == -np.inf)
+
+
+def test_jit_and_vmap(rng):
+    """Batch rows are quantized and attended independently, so mapping one-row calls over the batch gives
+    the batched call."""
+    q, k, v = random_qkv(rng, batch=3, seq_q=64, heads_q=2, head_dim=64)
+    call = functools.partial(jzyfa.flash_attention, causal=True, precision="int8", rotate=True)
+    eager = np.asarray(call(q, k, v), np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(call)(q, k, v), np.float32), eager)
+    mapped = jax.vmap(lambda q, k, v: call(q[None], k[None], v[None])[0])(q, k, v)
+    np.testing.assert_array_equal(np.asarray(mapped, np.float32), eager)
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        (
+            {"implementation": "kernel"},
+            ValueError,
+            (
+                r"^implementation='kernel' cannot serve this call: no INT8 kernel is built yet: precision='int8' "
+                r"runs its pure-JAX emulation \(implementation=None or 'xla'\)"
+            ),
+        ),
+        ({"softcap": 30.0}, ValueError, "softcap is not available with precision='int8'"),
+        ({"lean_p": 1}, TypeError, "lean_p must be a bool"),
+        ({"rotate": "yes"}, TypeError, "rotate must be a bool"),
+        (
+            {"descale_q": jnp.ones(())},
+            ValueError,
+            "precision='int8' quantizes .* got bfloat16 inputs with descales",
+        ),
+        ({"softmax_scale": -1.0}, ValueError, "precision='int8' needs softmax_scale > 0"),
+    ],
+)
+def test_int8_errors_name_the_argument(rng, options, error, message):
+    q, k, v = random_qkv(rng, seq_q=8, heads_q=2, head_dim=64)
+    with pytest.raises(error, match=message):
+        jzyfa.flash_attention(q, k, v, precision="int8", **options)
+
+
+def test_int8_refuses_fp8_inputs_and_gradients(rng):
+    q, k, v = random_qkv(rng, seq_q=8, heads_q=2, head_dim=64)
+    with pytest.raises(ValueError, match="got float8_e4m3fn inputs"):
+        jzyfa.flash_attention(*(x.astype(jnp.float8_e4m3fn) for x in (q, k, v)), precision="int8")
+    loss = lambda q: jnp.sum(jzyfa.flash_attention(q, k, v, precision="int8").astype(jnp.float32))
+    with pytest.raises(TypeError, match="precision='int8' is not differentiable"):
+        jax.grad(loss)(q)
+
+
+def test_varlen_int8_errors():
+    cu = jnp.asarray(offsets([8]), jnp.int32)
+    x = jnp.zeros((8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="no INT8 kernel is built yet"):
+        jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", implementation="kernel")
+    with pytest.raises(ValueError, match="softcap is not available with precision='int8'"):
+        jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", softcap=5.0)
+
+
+def test_emulation_checks_its_operands(rng):
+    q8 = jnp.zeros((1, 8, 2, 64), jnp.int8)
+    v8 = jnp.zeros((1, 8, 2, 64), jnp.float8_e4m3fn)
+    scale = jnp.ones((1, 2, 1), jnp.float32)
+    with pytest.raises(TypeError, match="k8 must be int8"):
+        int8_emulation.attention_int8_emulated(q8, v8, v8, scale, scale, jnp.ones((1, 2)), causal=True)
+    with pytest.raises(ValueError, match=r"k_scale must have shape \(1, 2, 1\)"):
+        int8_emulation.attention_int8_emulated(
+            q8, q8, v8, scale, scale[..., :0], jnp.ones((1, 2)), causal=True
+        )
+    with pytest.raises(ValueError, match="block must be the kernel's key block, 128 keys"):
+        int8_emulation.attention_int8_emulated(
+            q8, q8, v8, scale, scale, jnp.ones((1, 2)), causal=True, block=64
+        )
