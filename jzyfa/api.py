@@ -466,6 +466,10 @@ def flash_attention_varlen(
         cu = [jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k)]
         attend = functools.partial(_int8_attention, **options)
         out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)
+        # Slots hold max_seqlen tokens: traced offsets with a longer sequence give NaN, as the kernels do.
+        fits = _fits_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if fits is not None:
+            out, lse = poison_unless(fits, out, lse)
         return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
@@ -491,13 +495,7 @@ def flash_attention_varlen(
     problem = _problem(q, v, mask, "varlen", sizes, softmax_scale, softcap)
     path = plan.choose_path(problem, implementation, cpu_primitive=False)
     cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
-    # Offsets read at trace time were checked against the maxima above; traced ones are on the device.
-    checked = all(map(_validation.is_concrete, (cu_seqlens_q, cu_seqlens_k)))
-    fits = (
-        None
-        if checked or maxima_cover(q, k, max_seqlen_q, max_seqlen_k)
-        else _device_check(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
-    )
+    fits = _fits_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if path is Path.REFERENCE:
         if fp8:
             q, k, v, *descales = map(_fp8_gradient_refused, (q, k, v, *descales))
@@ -527,6 +525,17 @@ def flash_attention_varlen(
         if fits is not None:  # the kernels need the maxima: a call they cannot compute is NaN
             out, lse = poison_unless(fits, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _fits_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int):
+    """None where the maxima are known to cover every sequence (offsets read at trace time were checked
+    against them; maxima as long as the packed buffers cover anything), else a device bool: every
+    sequence fits its maxima."""
+    checked = all(map(_validation.is_concrete, (cu_seqlens_q, cu_seqlens_k)))
+    if checked or maxima_cover(q, k, max_seqlen_q, max_seqlen_k):
+        return None
+    cu_q, cu_k = jnp.asarray(cu_seqlens_q, jnp.int32), jnp.asarray(cu_seqlens_k, jnp.int32)
+    return _device_check(cu_q, cu_k, max_seqlen_q, max_seqlen_k)
 
 
 def _device_check(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int) -> jax.Array:

@@ -109,6 +109,20 @@ def test_traced_offsets_past_the_maxima_poison_the_kernel_path(rng, monkeypatch)
     assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
+def test_traced_offsets_past_the_maxima_poison_int8_calls(rng):
+    """precision="int8" computes each sequence in a slot of max_seqlen tokens: a longer one gives NaN,
+    not a truncated sequence's result."""
+    q, k, v, cu = _packed(rng, [8, 40, 5])
+    cu = jnp.asarray(cu)
+
+    def call(q, k, v, cu, max_q, max_k):
+        return jzyfa.flash_attention_varlen(q, k, v, cu, cu, max_q, max_k, causal=True, precision="int8")
+
+    short = jax.jit(call, static_argnums=(4, 5))(q, k, v, cu, 8, 40)
+    assert np.isnan(np.asarray(short, np.float32)).all()
+    assert np.isfinite(np.asarray(jax.jit(call, static_argnums=(4, 5))(q, k, v, cu, 40, 40), np.float32)).all()
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_checkify_reports_traced_offsets_past_the_maxima(rng, monkeypatch, kernel):
     monkeypatch.setattr(_platform, "kernel_available", lambda: kernel)
