@@ -51,6 +51,33 @@ ffi::Error Invalid(const std::string& message) {
   return ffi::Error::InvalidArgument(kFwdName + message);
 }
 
+// A varlen call's sequence offsets, extra operands `first` and `first + 1`: cu_seqlens_q and
+// cu_seqlens_k, int32 [num_seqs + 1] each. Sets the pointers and num_seqs, or says what is wrong
+// (`name` prefixes the message: the target's).
+struct SeqOffsets {
+  const int32_t* q = nullptr;
+  const int32_t* k = nullptr;
+  int64_t num_seqs = 0;
+};
+
+ffi::Error DecodeSeqOffsets(ffi::RemainingArgs& extra, size_t first, const std::string& name,
+                            SeqOffsets* offsets) {
+  auto cu_q = extra.get<ffi::AnyBuffer>(first), cu_k = extra.get<ffi::AnyBuffer>(first + 1);
+  if (cu_q.has_error()) return cu_q.error();
+  if (cu_k.has_error()) return cu_k.error();
+  const auto cqd = cu_q->dimensions(), ckd = cu_k->dimensions();
+  if (cu_q->element_type() != ffi::DataType::S32 || cu_k->element_type() != ffi::DataType::S32 ||
+      cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
+    return ffi::Error::InvalidArgument(name + "cu_seqlens_q " + ShapeString(cqd) + " and cu_seqlens_k " +
+                                       ShapeString(ckd) +
+                                       " must both be int32 [num_seqs + 1], num_seqs >= 1");
+  }
+  offsets->q = static_cast<const int32_t*>(cu_q->untyped_data());
+  offsets->k = static_cast<const int32_t*>(cu_k->untyped_data());
+  offsets->num_seqs = cqd[0] - 1;
+  return ffi::Error::Success();
+}
+
 // The shapes of q, k, v, out and lse, dense ([B, S, H, D]) or packed varlen ([T, H, D]): the
 // buffers' dims into `p` (head dims, heads, lengths), or why they do not fit together.
 ffi::Error DecodeShapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -163,18 +190,13 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (shapes.failure()) return shapes;
   size_t next = 0;
   if (varlen) {
-    auto cu_q = extra.get<ffi::AnyBuffer>(next++), cu_k = extra.get<ffi::AnyBuffer>(next++);
-    if (cu_q.has_error()) return cu_q.error();
-    if (cu_k.has_error()) return cu_k.error();
-    const auto cqd = cu_q->dimensions(), ckd = cu_k->dimensions();
-    if (cu_q->element_type() != ffi::DataType::S32 || cu_k->element_type() != ffi::DataType::S32 ||
-        cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
-      return Invalid("cu_seqlens_q " + ShapeString(cqd) + " and cu_seqlens_k " + ShapeString(ckd) +
-                     " must both be int32 [num_seqs + 1], num_seqs >= 1");
-    }
-    p.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
-    p.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
-    p.num_seqs = cqd[0] - 1;
+    SeqOffsets offsets;
+    ffi::Error error = DecodeSeqOffsets(extra, next, kFwdName, &offsets);
+    if (error.failure()) return error;
+    next += 2;
+    p.cu_seqlens_q = offsets.q;
+    p.cu_seqlens_k = offsets.k;
+    p.num_seqs = offsets.num_seqs;
   }  // dense calls pass max_seqlen_q = max_seqlen_k = 0; the handler reads them for varlen only
   if (fp8) {
     const float* descales[3];
@@ -280,18 +302,12 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                           : "dense calls take no operands after delta");
   }
   if (varlen) {
-    auto cu_q = extra.get<ffi::AnyBuffer>(0), cu_k = extra.get<ffi::AnyBuffer>(1);
-    if (cu_q.has_error()) return cu_q.error();
-    if (cu_k.has_error()) return cu_k.error();
-    const auto cqd = cu_q->dimensions(), ckd = cu_k->dimensions();
-    if (cu_q->element_type() != ffi::DataType::S32 || cu_k->element_type() != ffi::DataType::S32 ||
-        cqd.size() != 1 || ckd.size() != 1 || cqd[0] != ckd[0] || cqd[0] < 2) {
-      return invalid("cu_seqlens_q " + ShapeString(cqd) + " and cu_seqlens_k " + ShapeString(ckd) +
-                     " must both be int32 [num_seqs + 1], num_seqs >= 1");
-    }
-    p.cu_seqlens_q = static_cast<const int32_t*>(cu_q->untyped_data());
-    p.cu_seqlens_k = static_cast<const int32_t*>(cu_k->untyped_data());
-    p.batch = cqd[0] - 1;
+    SeqOffsets offsets;
+    ffi::Error error = DecodeSeqOffsets(extra, 0, kBwdName, &offsets);
+    if (error.failure()) return error;
+    p.cu_seqlens_q = offsets.q;
+    p.cu_seqlens_k = offsets.k;
+    p.batch = offsets.num_seqs;
     p.seqlen_q = max_seqlen_q;
     p.seqlen_k = max_seqlen_k;
     p.total_q = qd[0];
