@@ -792,7 +792,7 @@ def test_help_exits_0(module):
 
 # What the bench may import of jzyfa: the package's top-level names and its public modules.
 PUBLIC_MODULES = {
-    "jzyfa", "jzyfa.plan", "jzyfa.reference", "jzyfa.varlen", "jzyfa.fp8_emulation", "jzyfa.fp8_layout",
+    "jzyfa", "jzyfa.plan", "jzyfa.reference", "jzyfa.varlen", "jzyfa.fp8_emulation", "jzyfa.int8_emulation", "jzyfa.fp8_layout",
     "jzyfa.quantize", "jzyfa.merge", "jzyfa.sequence_layout", "jzyfa.e4m3_codes",
 }  # fmt: skip
 
