@@ -68,34 +68,26 @@ NB_MODULE(_jzyfa_ffi, m) {
       "kernels",
       []() {
         std::vector<std::tuple<std::string, int, int, std::string, std::string, std::string>> rows;
-        for (const jzyfa::FwdKernelGroup& group : jzyfa::kFwdKernels) {
+        auto add = [&rows](const char* family, int dim_qk, int dim_v, unsigned masks,
+                           jzyfa::Layout layout, const char* direction) {
           for (jzyfa::MaskKind mask : jzyfa::kMaskKinds) {
-            if ((group.masks & jzyfa::MaskBit(mask)) == 0) continue;
-            rows.emplace_back(FamilyName(group.family), group.head_dim_qk, group.head_dim_v,
-                              MaskName(mask),
-                              group.layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", "fwd");
+            if ((masks & jzyfa::MaskBit(mask)) == 0) continue;
+            rows.emplace_back(family, dim_qk, dim_v, MaskName(mask),
+                              layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", direction);
           }
+        };
+        for (const jzyfa::FwdKernelGroup& g : jzyfa::kFwdKernels) {
+          add(FamilyName(g.family), g.head_dim_qk, g.head_dim_v, g.masks, g.layout, "fwd");
+        }
+        for (const jzyfa::BwdKernelGroup& g : jzyfa::kBwdKernels) {
+          add("16bit", g.head_dim, g.head_dim, g.masks, g.layout, "bwd");
         }
         return rows;
       },
-      "The forward instantiations the library was built with: (family, head_dim_qk, head_dim_v, "
-      "mask, layout, direction) tuples, family '16bit' or 'fp8', mask 'none', 'causal' or "
-      "'window', layout 'dense' or 'varlen', direction 'fwd' (ffi/tile_size.h, kFwdKernels).");
-  m.def(
-      "bwd_kernels",
-      []() {
-        std::vector<std::tuple<std::string, int, int, std::string, std::string, std::string>> rows;
-        for (const jzyfa::BwdKernelGroup& group : jzyfa::kBwdKernels) {
-          for (jzyfa::MaskKind mask : jzyfa::kMaskKinds) {
-            if ((group.masks & jzyfa::MaskBit(mask)) == 0) continue;
-            rows.emplace_back("16bit", group.head_dim, group.head_dim, MaskName(mask),
-                              group.layout == jzyfa::Layout::kVarlen ? "varlen" : "dense", "bwd");
-          }
-        }
-        return rows;
-      },
-      "The backward instantiations (ffi/tile_size.h, kBwdKernels), in kernels()' row format; not in "
-      "kernels() (the plan) until they pass their GPU tests.");
+      "The instantiations the library was built with: (family, head_dim_qk, head_dim_v, mask, "
+      "layout, direction) tuples, family '16bit' or 'fp8', mask 'none', 'causal' or 'window', "
+      "layout 'dense' or 'varlen', direction 'fwd' or 'bwd' (ffi/tile_size.h, kFwdKernels and "
+      "kBwdKernels).");
   m.def(
       "fp8_key_block",
       [](bool v_transposed, int64_t head_dim, bool causal, int64_t window_left,

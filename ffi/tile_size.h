@@ -122,8 +122,7 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
 }
 
 // The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dim,
-// layout) of 16-bit inputs and the masks it serves. module.cc's bwd_kernels() lists them; kernels()
-// (the plan's rows) does not until they pass their GPU tests.
+// layout) of 16-bit inputs and the masks it serves; module.cc's kernels() lists them as "bwd" rows.
 // One instantiation per head dim (ffi/instantiations/bwd_16bit_hd*.cu) serves both layouts: varlen
 // is a runtime argument (cu_seqlens), read once per tile.
 struct BwdKernelGroup {

@@ -47,8 +47,8 @@ def test_extension_registers_its_targets():
         assert calls == 0  # nothing can run the CUDA handler here
 
 
-# The forward instantiations the library is built with (ffi/tile_size.h's kFwdKernels), as the Python
-# plan mirrors them.
+# The instantiations the library is built with (ffi/tile_size.h's kFwdKernels and kBwdKernels), as the
+# Python plan mirrors them.
 BUILT_KERNELS = {
     *(
         ("16bit", qk, v, mask, layout, "fwd")
@@ -63,11 +63,17 @@ BUILT_KERNELS = {
     ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
+    *(
+        ("16bit", d, d, mask, layout, "bwd")
+        for d in (64, 128)
+        for mask in ("none", "causal", "window")
+        for layout in ("dense", "varlen")
+    ),
 }
 
 
 @pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
-def test_extension_lists_its_forward_instantiations():
+def test_extension_lists_its_instantiations():
     """kernels(): one tuple (family, head_dim_qk, head_dim_v, mask, layout, direction) per instantiation,
     from the table the dispatch switches on; the plan's kernel rows are the same set."""
     from jzyfa import _jzyfa_ffi
@@ -76,21 +82,6 @@ def test_extension_lists_its_forward_instantiations():
     assert all(type(row) is tuple and len(row) == 6 for row in built), built
     assert len(built) == len(set(built)) == len(BUILT_KERNELS)
     assert set(built) == BUILT_KERNELS
-
-
-@pytest.mark.skipif(not EXPECT_EXTENSION, reason="the extension was not built here (no nvcc)")
-def test_extension_lists_its_backward_instantiations_apart():
-    """bwd_kernels(): the backward instantiations (ffi/tile_size.h's kBwdKernels) in kernels()' row format;
-    kernels() (the plan's rows) leaves them out until their GPU tests pass."""
-    from jzyfa import _jzyfa_ffi
-
-    assert set(_jzyfa_ffi.bwd_kernels()) == {
-        ("16bit", d, d, mask, layout, "bwd")
-        for d in (64, 128)
-        for mask in ("none", "causal", "window")
-        for layout in ("dense", "varlen")
-    }
-    assert not any(row[5] == "bwd" for row in _jzyfa_ffi.kernels())
 
 
 def test_handler_counter_says_why_it_is_unavailable(monkeypatch):

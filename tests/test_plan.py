@@ -27,14 +27,14 @@ EXPECTED_ROWS = (
     {Config("16bit", d, m, layout) for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("fp8", (128, 128), m, layout) for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("fp8", (192, 128), m, "dense") for m in ("none", "causal")}
+    | {Config("16bit", (d, d), m, layout, "bwd") for d in (64, 128) for m in plan.MASKS for layout in plan.LAYOUTS}
 )
 
 
 def test_kernels_are_the_rows_that_passed_their_gpu_tests():
     assert plan.KERNELS == EXPECTED_ROWS
-    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 2 + 2
+    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 2 + 2 + 2 * 3 * 2
     assert plan.MLA_HEAD_DIMS == (192, 128)
-    assert all(row.direction == "fwd" for row in plan.KERNELS)
 
 
 def test_config_as_tuple_is_the_extensions_form():
@@ -125,10 +125,11 @@ def test_every_configuration_outside_the_table_has_a_problem(config):
     assert {"16bit": "16-bit", "fp8": "FP8"}[config.family] in problem
 
 
-def test_backward_direction_has_no_kernel_yet():
-    """The backward kernels (ffi/flash_bwd_*.cuh) enter the table once they pass their GPU tests."""
-    problem = plan.config_problem(Config("16bit", (128, 128), "causal", "dense", direction="bwd"))
-    assert problem == "jzyfa has no backward kernel for 16-bit (bf16, f16) inputs"
+def test_backward_rows_name_what_the_backward_kernels_take():
+    assert plan.config_problem(Config("16bit", (128, 128), "causal", "dense", "bwd")) is None
+    problem = plan.config_problem(Config("16bit", (256, 256), "causal", "dense", "bwd"))
+    assert "64/64, 128/128" in problem and "256/256" in problem
+    assert "no backward kernel for FP8" in plan.config_problem(Config("fp8", (128, 128), "causal", "dense", "bwd"))
 
 
 # --- call_problem: the launch limits --------------------------------------------------------------

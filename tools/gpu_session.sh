@@ -213,16 +213,6 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}${JZYFA_AB_ME
   done
 fi
 
-if [ -n "${JZYFA_CANDIDATE_BWD_BENCH:-}" ]; then
-  # The backward kernels before their rows enter the plan (tools/bench_candidate_backward.py), e.g.
-  # JZYFA_CANDIDATE_BWD_BENCH="--direction fwd,bwd,fwd+bwd --impls jzyfa,cudnn --shapes 4x4096,1x16384".
-  step "candidate backward bench: ${JZYFA_CANDIDATE_BWD_BENCH}"
-  # shellcheck disable=SC2086
-  timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 "$REPO/tools/bench_candidate_backward.py" --markdown \
-    ${JZYFA_CANDIDATE_BWD_BENCH} 2>>"$OUT_DIR/bench_progress.log" | tee "$OUT_DIR/bench_candidate_bwd.md"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
-
 [ -n "${JZYFA_SKIP_BENCH:-}" ] && exit $status
 step "benchmark"
 timeout "${JZYFA_BENCH_TIMEOUT:-900}" python3 -m jzyfa.bench --markdown --json_out "$OUT_DIR/bench.json" "$@" \
