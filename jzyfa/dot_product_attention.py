@@ -38,8 +38,15 @@ from jzyfa.api import flash_attention
 
 _JAX_IMPLEMENTATIONS = ("xla", "cudnn")
 # What jax.nn.dot_product_attention(implementation="cudnn") raises at trace time for a call cuDNN cannot
-# serve (a dtype, head dim or window it lacks); the arguments themselves were checked already.
+# serve (a dtype, head dim or window it lacks; ValueError, NotImplementedError) or where cuDNN is missing
+# (RuntimeError "cuDNN is not detected."); the arguments themselves were checked already.
 CUDNN_REFUSALS = (NotImplementedError, ValueError, RuntimeError)
+
+
+def _is_cudnn_refusal(error: Exception) -> bool:
+    """A refusal jzyfa answers with another implementation; any other RuntimeError propagates."""
+    # NotImplementedError is a RuntimeError: test the refusals by name first.
+    return isinstance(error, (NotImplementedError, ValueError)) or "cuDNN" in str(error)
 
 
 def _shifted(bound: int | None, shift: int) -> int | None:
@@ -125,8 +132,10 @@ def dot_product_attention(
     if cudnn.replaces_kernel(_platform.target()):
         try:
             out = reference(implementation="cudnn")
-        except CUDNN_REFUSALS:
-            pass  # jax.nn's cuDNN checks refuse this call: jzyfa's mapping or jax.nn's default below
+        except CUDNN_REFUSALS as error:
+            if not _is_cudnn_refusal(error):
+                raise
+            # jax.nn's cuDNN checks refuse this call: jzyfa's mapping or jax.nn's default below
         else:
             return out if query_seq_lengths is None else _zero_padded_rows(out, query_seq_lengths)
     window = None
