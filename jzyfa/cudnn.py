@@ -5,7 +5,8 @@ where jzyfa's kernel does not run (any GPU but Hopper, or Hopper without the ext
 `jzyfa.flash_attention` defines; `attention` makes the call. Both read the same mapping:
 
 - dtypes bf16 and f16; head dims multiples of 8, at most 128 before Hopper (compute capability 9.0)
-  and 256 from it; different q/k and v head dims (MLA) from Hopper and cuDNN 9.10 on. Compute
+  and 256 from it; one head dim for q, k and v (cuDNN has MLA's 192/128 from Hopper and cuDNN 9.10,
+  but jax.nn.dot_product_attention requires value's shape to equal key's). Compute
   capability 8.0 (Ampere) or later; 10.3 needs cuDNN 9.11 (the conditions JAX's cuDNN path checks).
 - Masks: none, for any seq_q and seq_k. cuDNN's causal mask (jax.nn's) is aligned top-left, jzyfa's
   bottom-right: they agree only when seq_q == seq_k, so causal calls and windows route only then. A
@@ -36,7 +37,6 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 HOPPER = (9, 0)
 HEAD_DIM_MAX_BEFORE_HOPPER = 128
 HEAD_DIM_MAX = 256
-MLA_MIN_CUDNN = 91000
 SLIDING_WINDOW_MIN_CUDNN = 90200
 CC_10_3_MIN_CUDNN = 91100
 DTYPES = ("bfloat16", "float16")
@@ -107,10 +107,11 @@ def call_problem(call: Call, target: Target) -> str | None:
                 f"cuDNN's fused attention takes head dims that are multiples of 8 up to {head_max} on compute "
                 f"capability {target.compute_capability}, got {call.head_dims[0]}/{call.head_dims[1]}"
             )
-    if call.head_dims[0] != call.head_dims[1] and not (
-        hopper_or_later and target.cudnn_version >= MLA_MIN_CUDNN
-    ):
-        return "cuDNN takes different q/k and v head dims (MLA) from Hopper and cuDNN 9.10 on"
+    if call.head_dims[0] != call.head_dims[1]:
+        return (
+            "jax.nn.dot_product_attention takes one head dim for q, k and v (its value must have key's "
+            f"shape), got {call.head_dims[0]}/{call.head_dims[1]}"
+        )
     if surely(lambda: call.seq_q == 0 or call.seq_k == 0):
         return f"cuDNN's path needs seq_q and seq_k >= 1, got {call.seq_q} and {call.seq_k}"
     if call.window == NO_WINDOW:

@@ -74,7 +74,7 @@ EXPECTED = {
     "left_window": (K, C, C, C, C, R, R, K),
     "two_sided_window": (K, R, R, R, R, R, R, K),
     "head_dim_256": (K, C, R, R, C, R, R, K),
-    "mla": (K, C, R, R, C, R, R, K),
+    "mla": (K, R, R, R, R, R, R, K),  # jax.nn takes one head dim for q, k and v
     "head_dim_96": (R, C, C, C, C, R, R, R),
     "return_lse": (K, R, R, R, R, R, R, K),
     "softcap": (R, R, R, R, R, R, R, R),

@@ -49,7 +49,6 @@ CASES = {
     "lengths_none": {"dims": (128, 128), "seqlens_q": [256, 100, 0], "seqlens_k": [256, 0, 77]},
     "lengths_causal_shared": {"dims": (128, 128), "causal": True, "shared": [256, 100, 1]},
     "head_dim_256": {"dims": (256, 256), "causal": True, "min_capability": (9, 0)},
-    "mla": {"dims": (192, 128), "causal": True, "min_capability": (9, 0), "min_cudnn": cudnn.MLA_MIN_CUDNN},
 }
 
 
