@@ -27,10 +27,8 @@ twice the optimizer steps in the same time take a model this small further. A st
 3.12's 30 MB training split) should then take about 3 minutes plus compilation with cuDNN attention.
 Expected result: from ln 256 = 5.5 nats (8 bits) per byte down to around 1 bit per byte on the
 held-out files, clearly below zlib's bits per byte on the same text (about 1.6 for Python 3.12's).
-Until jzyfa's backward kernel is in its plan, `--attention jzyfa` differentiates through its pure-JAX
-backward (issue 30 measured forward plus backward at about 22 TFLOP/s), which adds about 1.3 s a step
-at these sizes, so a 600-step jzyfa run would not fit one 10-minute command: train the checkpoint
-with `--attention cudnn`, and compare with jzyfa over fewer `--steps`.
+With `--attention jzyfa` the gradient runs jzyfa's backward kernels (head dim 128 is in the plan),
+about half as fast as cuDNN's backward (README, Limits).
 """
 
 from __future__ import annotations
