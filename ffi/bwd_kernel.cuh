@@ -1,19 +1,30 @@
-// The backward's two __global__ kernels over their tile loops (flash_bwd_dkdv.cuh, flash_bwd_dq.cuh).
+// The backward's two __global__ kernels over their mainloops (flash_bwd_dkdv.cuh, flash_bwd_dq.cuh):
+// the tensor maps of q, k, v and dO (launch_bwd.cuh) and the kernel's arguments.
 #pragma once
+
+#include <cuda.h>
 
 #include "flash_bwd_dkdv.cuh"
 #include "flash_bwd_dq.cuh"
 
 namespace jzyfa {
 
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdDkdvTile<kHeadDim>::Base::kThreads, 1) BwdDkdvKernel(const BwdArgs args) {
-  BwdDkdvTiles<Element, kHeadDim>(args);
+template <typename Mainloop, typename Args>
+__global__ void __launch_bounds__(Mainloop::kThreads, 1)
+    BwdKernel(const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_k,
+              const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_do,
+              const Args args) {
+  const CUtensorMap* const maps[4] = {&tmap_q, &tmap_k, &tmap_v, &tmap_do};
+  if (threadIdx.x == 0) {
+    for (const CUtensorMap* map : maps) ptx::prefetch_tensor_map(map);
+  }
+  Mainloop::Run(maps, args);
 }
 
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdDqTile<kHeadDim>::Base::kThreads, 1) BwdDqKernel(const BwdArgs args) {
-  BwdDqTiles<Element, kHeadDim>(args);
-}
+constexpr auto BwdDkdvKernel = BwdKernel<BwdDkdvMainloop<Element, kHeadDim>, BwdDkdvArgs>;
+
+template <typename Element, int kHeadDim>
+constexpr auto BwdDqKernel = BwdKernel<BwdDqMainloop<Element, kHeadDim>, BwdDqArgs>;
 
 }  // namespace jzyfa

@@ -1,25 +1,27 @@
-// Building blocks both backward kernels share: cp.async loads of row tiles into the 128-byte
-// swizzled layout wgmma reads (SmemDescSw128), the persistent grid's tile claim, and the arguments.
+// What both backward kernels share: their arguments and sequences, the mask, and the skeleton they run
+// (the forward's): a producer thread claims tiles and loads with TMA through an mbarrier ring
+// (ProduceTiles), two consumer warpgroups of 64 rows compute. A tile's two operands (64 rows each per
+// consumer) land once, the streamed blocks (64 rows, two operands) pass through kStages stages.
 #pragma once
+
+#include <cuda.h>
 
 #include <cstdint>
 
+#include "flash_fwd_common.cuh"
 #include "sm90_mma.cuh"
 #include "tile_size.h"
 
 namespace jzyfa {
 
+// q, k, v and dO reach the kernels as tensor maps (launch_bwd.cuh).
 struct BwdArgs {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* dout;
   const float* lse;    // [B, Hq, Sq], natural log
   const float* delta;  // [B, Hq, Sq]
   void* dq;
   void* dk;
   void* dv;
-  int* tile_counter;  // [2], zeroed by the launch: [0] the dK/dV kernel's, [1] the dQ kernel's
+  int* tile_counter;  // this kernel's, zeroed by the launch (ProduceTiles' protocol)
   int num_tiles;
   int batch;     // dense: the batch; varlen: the number of sequences
   int seqlen_q;  // dense: the lengths; varlen: max_seqlen_q, max_seqlen_k (the tile grid's)
@@ -91,85 +93,138 @@ __device__ __forceinline__ void BlockRange(int64_t first, int64_t last, int coun
   *last_block = last < first ? static_cast<int>(first / block) - 1 : static_cast<int>(last / block);
 }
 
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
+// The tiles' sizes and shared-memory layout: the tile operands (K and V, or Q and dO) for two consumers
+// of 64 rows, then kStages stages of the streamed operands (Q and dO, or K and V) of 64 rows; every
+// operand 64-column slices of 64 rows x 128 bytes in the 128-byte swizzle, 1024-byte aligned.
+template <int kHeadDim>
+struct BwdTile {
+  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
+  static constexpr int kConsumers = kBwdWarpgroups;
+  static constexpr int kRows = kBwdRowsPerWarpgroup;  // per consumer, and per streamed block
+  static constexpr int kBlockM = kRows * kConsumers;  // rows of the tile operands
+  static constexpr int kBlockN = kRows;               // rows of a streamed block
+  static constexpr int kStages = kSize.stages;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kSlices = kHeadDim / 64;
+  static constexpr int kSliceBytes = kRows * 128;
+  static constexpr int kOperandBytes = kSliceBytes * kSlices;  // 64 rows x head dim
+  static constexpr int kTileBytes = 2 * kOperandBytes * kConsumers;
+  static constexpr int kStageBytes = 2 * kOperandBytes;
+  static constexpr int kSmemAlign = 1024;
+  static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kSmemAlign;
+  // The producer works out each step's head and block (the dK/dV tile's): at 40 registers it spilled;
+  // the consumers hold dK and dV (or dQ), S^T and dP^T, P^T and dS^T fragments.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kBlockM == kSize.dkdv_block_n && kBlockM == kSize.dq_block_m);
+  static_assert(kBlockN == kSize.dkdv_block_m && kBlockN == kSize.dq_block_n);
+  static_assert(kOperandBytes % kSmemAlign == 0);
+  static_assert(kDynamicSmemBytes <= 227 * 1024);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
+};
 
-// kRows rows of kHeadDim 16-bit elements (row r at src + r * row_stride; rows >= valid_rows zero
-// filled) into shared memory as groups of 64 rows, each group kHeadDim / 64 slices of 64 rows x 128
-// bytes, 16-byte chunk c of row r at chunk c ^ (r % 8): the 128-byte swizzle of SmemDescSw128.
-template <int kRows, int kHeadDim, int kThreads, typename Element>
-__device__ __forceinline__ void LoadRowsSw128(uint32_t dst, const Element* src, int64_t row_stride,
-                                              int valid_rows) {
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  constexpr int kGroupBytes = 64 * kHeadDim * 2;
-#pragma unroll 1
-  for (int idx = threadIdx.x; idx < kRows * kChunksPerRow; idx += kThreads) {
-    const int row = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-    const int slice = chunk / 8, c = chunk % 8;
-    const uint32_t to = dst + (row / 64) * kGroupBytes + slice * (64 * 128) + (row % 64) * 128 +
-                        ((c ^ (row % 8)) << 4);
-    const bool valid = row < valid_rows;
-    CpAsync16(to, valid ? src + row * row_stride + chunk * 8 : src, valid);
+template <int kHeadDim>
+struct BwdSmem {
+  using Tile = BwdTile<kHeadDim>;
+  uint32_t base;
+  // Tile operand `which` (0: K or Q, 1: V or dO) of consumer c.
+  __device__ __forceinline__ uint32_t tile(int which, int consumer) const {
+    return base + (2 * which + consumer) * Tile::kOperandBytes;
+  }
+  // Streamed operand `which` (0: Q or K, 1: dO or V) of a stage.
+  __device__ __forceinline__ uint32_t stream(int stage, int which) const {
+    return base + Tile::kTileBytes + stage * Tile::kStageBytes + which * Tile::kOperandBytes;
+  }
+};
+
+// A consumer thread: its warpgroup among the consumers, its warp and lane; the first of its two
+// accumulator rows in the warpgroup's 64 is 16 warp + lane / 4 (the other 8 further).
+struct BwdThread {
+  int consumer, warp, lane;
+  __device__ __forceinline__ int row() const { return 16 * warp + lane / 4; }
+  // One lane per warp arrives on an "empty" barrier (each warp's wait_group covered its wgmma).
+  __device__ __forceinline__ void Release(uint64_t& empty) const {
+    if (lane == 0) ptx::mbarrier_arrive(SmemAddress(&empty));
+  }
+};
+
+// 64 rows of a [tokens, heads, head_dim] tensor map (launch_bwd.cuh: dense batches as [B, S, H, D],
+// a varlen pack as one batch of total tokens) into one operand, a TMA copy per 64-column slice.
+// Rows past the map's end land as zeros; in a varlen pack rows past a sequence's end are the next
+// sequence's tokens, which the masks give P = dS = 0.
+template <int kHeadDim>
+__device__ __forceinline__ void LoadOperand(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row,
+                                            int head, int batch) {
+#pragma unroll
+  for (int s = 0; s < kHeadDim / 64; ++s) {
+    ptx::tma_load_4d(dst + s * BwdTile<kHeadDim>::kSliceBytes, map, bar, s * 64, row, head, batch);
   }
 }
 
-// kRows floats (rows >= valid_rows zero filled).
-template <int kRows>
-__device__ __forceinline__ void LoadRowFloats(uint32_t dst, const float* src, int valid_rows,
-                                              int thread) {
-  if (thread >= 0 && thread < kRows) CpAsync4(dst + 4 * thread, thread < valid_rows ? src + thread : src, thread < valid_rows);
-}
-
-// What both backward tiles share: two warpgroups of 64 rows, rows of 64-column slices in the
-// 128-byte swizzle (LoadRowsSw128), the table's sizes.
-template <int kHeadDim>
-struct BwdTileBase {
-  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
-  static constexpr int kThreads = 128 * kBwdWarpgroups;
-  static constexpr int kStages = kSize.stages;
-  static constexpr int kSliceBytes = 64 * 128;           // 64 rows of one 64-column slice
-  static constexpr int kGroupBytes = 64 * kHeadDim * 2;  // 64 rows, every slice
-  static constexpr int kSmemAlign = 1024;                // the swizzle repeats every 1024 bytes
+// Where a tile's rows sit in the tensor maps: a dense batch row b is map batch b from row 0, a varlen
+// sequence map batch 0 from its first token.
+struct BwdMapRows {
+  int q_row0, k_row0, batch;
 };
 
-// This thread's place: its warpgroup, and the first of its two accumulator rows in the warpgroup's
-// 64 (the other is 8 further).
-struct BwdThread {
-  int warpgroup = threadIdx.x / 128;
-  int lane = threadIdx.x % 32;
-  int row_in_warpgroup = 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4;
-};
-
-// The dynamic shared memory's first kSmemAlign-aligned address (the launch adds kSmemAlign bytes).
-__device__ __forceinline__ uint32_t AlignedSmemBase(const uint8_t* smem_raw) {
-  return (SmemAddress(smem_raw) + 1023) & ~uint32_t(1023);
+__device__ __forceinline__ BwdMapRows MapRowsOf(const BwdArgs& args, const BwdSequence& seq, int index) {
+  if (args.cu_seqlens_q == nullptr) return BwdMapRows{0, 0, index};
+  return BwdMapRows{static_cast<int>(seq.q_offset), static_cast<int>(seq.k_offset), 0};
 }
 
-// The persistent grid's next tile: one thread claims it, every thread of the CTA reads it.
-__device__ __forceinline__ int ClaimTile(int* counter, int* slot) {
-  __syncthreads();  // everyone has read the previous claim
-  if (threadIdx.x == 0) *slot = atomicAdd(counter, 1);
+// The skeleton both kernels run. Args: the kernel's argument type (PlanTile's overload for it gives the
+// tile's work, with num_blocks streamed blocks). load_tile(smem, work, bar) issues the TMA copies of
+// both tile operands of both consumers; load_stream(smem, work, block, stage, which, bar) one streamed
+// operand. consume_tile(smem, bars, tile, ring, thread) runs a tile's blocks (ring: blocks consumed
+// since the launch) and returns how many it consumed, releasing every stage and the tile buffer.
+template <int kHeadDim, typename Args, typename LoadTile, typename LoadStream, typename ConsumeTile>
+__device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, LoadStream load_stream,
+                                         ConsumeTile consume_tile) {
+  using Tile = BwdTile<kHeadDim>;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) FwdBarriers<Tile::kStages, 1> bars;
+  const BwdSmem<kHeadDim> smem{(SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
+                               ~uint32_t(Tile::kSmemAlign - 1)};
+  const int warpgroup = threadIdx.x / 128;
+  InitBarriers<Tile::kStages, Tile::kConsumers>(bars);
   __syncthreads();
-  return *slot;
+
+  if (warpgroup == 0) {  // ---------------------------------------------------- producer
+    ptx::setmaxnreg_dec<Tile::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    constexpr uint32_t kOp = Tile::kOperandBytes;
+    ProduceTiles<Tile::kStages, Tile::kBlockM, Tile::kBlockN>(
+        bars, args, 2 * Tile::kConsumers * kOp, kOp, kOp,
+        [&](const auto& work, int, uint32_t bar) { load_tile(smem, work, bar); },
+        [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 0, bar); },
+        [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 1, bar); });
+    return;
+  }
+
+  // ---------------------------------------------------------------------------- consumers
+  ptx::setmaxnreg_inc<Tile::kConsumerRegs>();
+  const BwdThread thread{warpgroup - 1, static_cast<int>((threadIdx.x % 128) / 32),
+                         static_cast<int>(threadIdx.x % 32)};
+  uint32_t ring = 0;
+  for (int round = 0;; ++round) {
+    ptx::mbarrier_wait(SmemAddress(&bars.q_full[0]), RingSlot<1>(round).parity);
+    const int tile = *reinterpret_cast<volatile int*>(&bars.tile[0]);
+    if (tile >= args.num_tiles) break;
+    ring += consume_tile(smem, bars, tile, ring, thread);
+  }
 }
 
-// lse (natural log) in the log2 domain, +inf for rows that saw no key (P = exp2(x - inf) = 0).
-__device__ __forceinline__ float LseLog2(float lse) {
-  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+// lse at row `row` of a sequence (in the log2 domain, +inf where P must be 0: rows past the sequence and
+// rows that saw no key) and delta (0 there).
+__device__ __forceinline__ float LseLog2At(const float* lse, int row, int len) {
+  const float x = row < len ? __ldg(lse + row) : -INFINITY;
+  return x == -INFINITY ? INFINITY : x * 1.4426950408889634f;
 }
+
+__device__ __forceinline__ float DeltaAt(const float* delta, int row, int len) {
+  return row < len ? __ldg(delta + row) : 0.f;
+}
+
 
 // The wgmma accumulator's 16-key (or 16-row) column blocks as register A fragments (P and dS).
 template <typename Element, int kN>

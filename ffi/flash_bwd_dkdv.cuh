@@ -1,172 +1,196 @@
-// The backward's dK/dV kernel (16-bit inputs, dense or varlen; no mask, causal or a sliding window).
-// A persistent grid claims tiles of 128 keys of one (key block, KV head, batch or sequence), key
-// blocks in order (causal: the first key blocks see the most queries: longest first). Two warpgroups own 64 keys each. K and V are loaded
-// once; the query blocks that see the tile (every query head of the KV head's group) stream Q, dO,
-// lse and delta through a 2-stage cp.async ring. Per block, per warpgroup:
+// The backward's dK/dV kernel (16-bit inputs, dense or varlen; no mask, causal or a sliding window),
+// on the skeleton of flash_bwd_common.cuh. A tile is 128 keys of one (key block, KV head, batch row or
+// sequence), key blocks in order (causal: the first key blocks see the most queries: longest first),
+// (batch, KV head) pairs fastest so that concurrent CTAs share Q and dO in L2. K and V land once; the
+// query blocks that see the tile (every query head of the KV head's group) stream Q and dO. Consumer c
+// owns keys 64c .. 64c + 63 of the tile. Per block:
 //   S^T = K Q^T, dP^T = V dO^T                     wgmma, both operands in shared memory (M = keys)
 //   P^T = exp2(S^T scale_log2 - lse_log2)          registers; masked keys/queries give 0
 //   dS^T = P^T (dP^T - delta)                      registers
 //   dV += P^T dO, dK += dS^T Q                     wgmma, A = P^T / dS^T from registers
-// dV and dK (fp32 registers, the whole loop) are written once, dK times softmax_scale. GQA sums the
+// dV and dK (fp32 registers, the whole tile) are written once, dK times softmax_scale. GQA sums the
 // query heads inside the tile: no atomics, the result is bitwise deterministic.
 #pragma once
 
 #include <cstdint>
 
 #include "flash_bwd_common.cuh"
-#include "flash_fwd_common.cuh"
-#include "tile_size.h"
 
 namespace jzyfa {
 
-template <int kHeadDim>
-struct BwdDkdvTile : BwdTileBase<kHeadDim> {
-  using Base = BwdTileBase<kHeadDim>;
-  using Base::kSize;
-  using Base::kStages;
-  static constexpr int kBlockN = kSize.dkdv_block_n;  // keys per tile
-  static constexpr int kBlockM = kSize.dkdv_block_m;  // query rows per block
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  // Q, dO, lse, delta; rounded up so that every stage's Q and dO start 1024-byte aligned (the 128-byte
-  // swizzle's period: wgmma's descriptors and LoadRowsSw128 agree on the pattern only there).
-  static constexpr int kStageBytes =
-      (2 * kQBytes + 2 * kBlockM * 4 + Base::kSmemAlign - 1) / Base::kSmemAlign * Base::kSmemAlign;
-  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * kStageBytes;
-  static constexpr int kDynamicSmemBytes = kSmemBytes + Base::kSmemAlign;
-  static_assert(kBlockM == 64, "S^T's N and the A fragments assume 64 query rows per block");
-  static_assert(kDynamicSmemBytes <= 227 * 1024);
-  static_assert(kKVBytes % Base::kSmemAlign == 0 && kQBytes % Base::kSmemAlign == 0);
+struct BwdDkdvArgs : BwdArgs {};
+
+// Named barriers 1 and 2: consumer c's 128 threads after writing a block's lse and delta rows.
+constexpr int kBwdRowsBarrier = 1;
+
+// A dK/dV tile: its sequence, KV head and keys, and the query blocks that see them. Step `block`
+// streams query head kv_head * group + block / m_count, query block m_first + block % m_count.
+struct BwdDkdvWork {
+  BwdSequence seq;
+  BwdMapRows rows;
+  int kv_head, key_start, m_first, m_count;
+  int first_head;       // kv_head * group: the group's first query head
+  int first_query_row;  // the first query block's first row in the tensor maps
+  int num_blocks;
 };
 
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ BwdDkdvWork PlanTile(int tile, const BwdDkdvArgs& args) {
+  // Opaque copies of the divisors: the producer's 56 registers keep no reciprocals across its loop.
+  int heads_kv = args.heads_kv, heads_q = args.heads_q, batch = args.batch;
+  asm volatile("" : "+r"(heads_kv), "+r"(heads_q), "+r"(batch));
+  BwdDkdvWork w;
+  const int pairs = batch * heads_kv;
+  const int n_block = tile / pairs;
+  const int index = (tile - n_block * pairs) / heads_kv;
+  w.kv_head = tile % heads_kv;
+  const int group = heads_q / heads_kv;
+  w.first_head = w.kv_head * group;
+  w.seq = SequenceOf(args, index);
+  w.rows = MapRowsOf(args, w.seq, index);
+  w.key_start = n_block * kBlockM;
+  // The query blocks with a row that sees one of the tile's keys (position - window_left <= key <=
+  // position + window_right); none past this sequence's keys (varlen).
+  int m_last;
+  BlockRange(int64_t{w.key_start} - args.window_right - w.seq.diagonal(),
+             int64_t{w.key_start} + kBlockM - 1 + args.window_left - w.seq.diagonal(), w.seq.len_q,
+             kBlockN, &w.m_first, &m_last);
+  w.m_count = w.key_start < w.seq.len_k ? m_last - w.m_first + 1 : 0;
+  w.num_blocks = w.m_count * group;
+  w.first_query_row = w.rows.q_row0 + w.m_first * kBlockN;
+  return w;
+}
+
 template <typename Element, int kHeadDim>
-__device__ __forceinline__ void BwdDkdvTiles(const BwdArgs& args) {
-  using Tile = BwdDkdvTile<kHeadDim>;
-  constexpr int kBlockM = Tile::kBlockM;
-  constexpr int kThreads = Tile::Base::kThreads;
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ int claimed;
-  const uint32_t smem_base = AlignedSmemBase(smem_raw);
-  const uint32_t smem_k = smem_base, smem_v = smem_base + Tile::kKVBytes;
-  auto smem_stage = [&](int stage) { return smem_base + 2 * Tile::kKVBytes + stage * Tile::kStageBytes; };
-  const uint8_t* smem_generic = smem_raw + (smem_base - SmemAddress(smem_raw));
+struct BwdDkdvMainloop {
+  using Tile = BwdTile<kHeadDim>;
+  using Smem = BwdSmem<kHeadDim>;
+  static constexpr int kThreads = Tile::kThreads;
 
-  const BwdThread me;
-  const int warpgroup = me.warpgroup, lane = me.lane;
-  const int group = args.heads_q / args.heads_kv;
-  const int64_t q_row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
-  const int64_t kv_row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
-  const Element* q = static_cast<const Element*>(args.q);
-  const Element* dout = static_cast<const Element*>(args.dout);
-
-  for (;;) {
-    const int tile = ClaimTile(&args.tile_counter[0], &claimed);
-    if (tile >= args.num_tiles) break;
-    const int pairs = args.batch * args.heads_kv;
-    const int n_block = tile / pairs;
-    const BwdSequence seq = SequenceOf(args, (tile % pairs) / args.heads_kv);
-    const int kv_head = tile % args.heads_kv;
-    const int key_start = n_block * Tile::kBlockN;
-    if (key_start >= seq.len_k) continue;  // varlen: past this sequence's keys
-    const int diagonal = seq.diagonal();
-    // The query blocks with a row that sees one of the tile's keys (position - window_left <= key <=
-    // position + window_right).
-    int m_first, m_last;
-    BlockRange(int64_t{key_start} - args.window_right - diagonal,
-               int64_t{key_start} + Tile::kBlockN - 1 + args.window_left - diagonal, seq.len_q,
-               kBlockM, &m_first, &m_last);
-    const int m_count = m_last - m_first + 1;
-    const int iterations = m_count * group;
-
-    float dv[kHeadDim / 2], dk[kHeadDim / 2];
-#pragma unroll
-    for (int i = 0; i < kHeadDim / 2; ++i) dv[i] = dk[i] = 0.f;
-
-    auto load_block = [&](int it, int stage) {
-      const int head = kv_head * group + it / m_count;
-      const int m_start = (m_first + it % m_count) * kBlockM;
-      const int64_t row0 = (seq.q_offset + m_start) * args.heads_q + head;
-      const int valid = seq.len_q - m_start;
-      const uint32_t base = smem_stage(stage);
-      LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base, q + row0 * kHeadDim, q_row_stride, valid);
-      LoadRowsSw128<kBlockM, kHeadDim, kThreads>(base + Tile::kQBytes, dout + row0 * kHeadDim,
-                                                 q_row_stride, valid);
-      const int64_t lse_row = seq.lse_offset + head * seq.lse_head_stride + m_start;
-      LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes, args.lse + lse_row, valid, threadIdx.x);
-      LoadRowFloats<kBlockM>(base + 2 * Tile::kQBytes + kBlockM * 4, args.delta + lse_row, valid,
-                             threadIdx.x - 128);
+  // maps: q, k, v, dout. Tile operands K (0) and V (1); streamed Q (0) and dO (1).
+  static __device__ __forceinline__ void Run(const CUtensorMap* const (&maps)[4], const BwdDkdvArgs& args) {
+    auto load_tile = [&](const Smem& smem, const BwdDkdvWork& w, uint32_t bar) {
+      for (int which = 0; which < 2; ++which)
+        for (int c = 0; c < Tile::kConsumers; ++c)
+          LoadOperand<kHeadDim>(smem.tile(which, c), maps[1 + which], bar,
+                                w.rows.k_row0 + w.key_start + 64 * c, w.kv_head, w.rows.batch);
     };
-
-    if (iterations > 0) {
-      const int64_t kv_row0 = (seq.k_offset + key_start) * args.heads_kv + kv_head;
-      const int valid_keys = seq.len_k - key_start;
-      LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
-          smem_k, static_cast<const Element*>(args.k) + kv_row0 * kHeadDim, kv_row_stride, valid_keys);
-      LoadRowsSw128<Tile::kBlockN, kHeadDim, kThreads>(
-          smem_v, static_cast<const Element*>(args.v) + kv_row0 * kHeadDim, kv_row_stride, valid_keys);
-      load_block(0, 0);
-      CpAsyncCommit();
-    }
-    // This thread's keys (rows of S^T): key_row and key_row + 8.
-    const int key_row = key_start + warpgroup * 64 + me.row_in_warpgroup;
-    const uint32_t my_k = smem_k + warpgroup * Tile::Base::kGroupBytes;
-    const uint32_t my_v = smem_v + warpgroup * Tile::Base::kGroupBytes;
-
-    for (int it = 0; it < iterations; ++it) {
-      const int stage = it % 2;
-      if (it + 1 < iterations) load_block(it + 1, stage ^ 1);
-      CpAsyncCommit();
-      CpAsyncWait<1>();
-      __syncthreads();
-      const uint32_t sq = smem_stage(stage), sdo = sq + Tile::kQBytes;
-      const float* s_lse = reinterpret_cast<const float*>(smem_generic + (sq - smem_base) + 2 * Tile::kQBytes);
-      const float* s_delta = s_lse + kBlockM;
-      const int m_start = (m_first + it % m_count) * kBlockM;
-
-      float s[kBlockM / 2], dp[kBlockM / 2];
-      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(s, my_k, sq, 0);
-      IssueQK<Element, kBlockM, kHeadDim, Tile::Base::kSliceBytes, Tile::Base::kSliceBytes, 0>(dp, my_v, sdo, 0);
-      ptx::wgmma_wait_group<0>();
-      FenceRegisters(s);
-      FenceRegisters(dp);
-
-      const int key_last = key_start + Tile::kBlockN - 1;
-      const bool needs_mask = key_last >= seq.len_k || m_start + kBlockM > seq.len_q ||
-                              key_last - (m_start + diagonal) > args.window_right ||
-                              m_start + kBlockM - 1 + diagonal - key_start > args.window_left;
+    // The producer streams a tile's steps in order (ProduceTiles: Q then dO of step 0, 1, ...): it
+    // counts the step's query block and head instead of dividing (its 40 registers).
+    int step_m = 0, step_head = 0, step_row = 0;
+    auto load_stream = [&](const Smem& smem, const BwdDkdvWork& w, int block, int stage, int which,
+                           uint32_t bar) {
+      if (which == 0) {
+        if (block == 0) {
+          step_m = 0;
+          step_head = w.first_head;
+        } else if (++step_m == w.m_count) {
+          step_m = 0;
+          ++step_head;
+        }
+        step_row = w.first_query_row + step_m * kBwdRowsPerWarpgroup;
+      }
+      LoadOperand<kHeadDim>(smem.stream(stage, which), maps[which ? 3 : 0], bar, step_row, step_head,
+                            w.rows.batch);
+    };
+    // Per consumer and stage: the block's 64 queries' lse (log2 domain; +inf past the sequence) then
+    // their delta, written by the consumer's own threads: the softmax reads them without guards.
+    __shared__ float query_rows[Tile::kConsumers][Tile::kStages][128];
+    auto consume_tile = [&](const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile,
+                            uint32_t ring, const BwdThread& t) {
+      const BwdDkdvWork work = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
+      const BwdSequence& seq = work.seq;
+      const int diagonal = seq.diagonal();
+      const int key_row = work.key_start + 64 * t.consumer + t.row();  // this thread's keys: +0, +8
+      // The queries each of this thread's keys (key_row + 8h) sees: visible_from[h] .. visible_to[h]
+      // (empty for a key past the sequence), worked out once a tile in int64, then clamped to int32.
+      int visible_from[2], visible_to[2];
 #pragma unroll
-      for (int c = 0; c < kBlockM / 8; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t key = key_row + 8 * h;
+        visible_from[h] = static_cast<int>(max(key - diagonal - args.window_right, int64_t{0}));
+        visible_to[h] = static_cast<int>(min(key - diagonal + args.window_left, int64_t{seq.len_q} - 1));
+        if (key >= seq.len_k) visible_to[h] = -1;
+      }
+      float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = 8 * c + 2 * (lane % 4) + (e & 1);  // query row in the block
-          float p = ptx::ex2_approx(fmaf(s[4 * c + e], args.scale_log2, -LseLog2(s_lse[col])));
-          if (needs_mask) {
-            const int key = key_row + 8 * (e >> 1), query = m_start + col;
-            const bool visible =
-                key < seq.len_k && query < seq.len_q && KeyVisible(args, key, query + diagonal);
-            if (!visible) p = 0.f;
+      for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+      // Step by step: query block m_first + m of head kv_head * group + (block / m_count), and its rows
+      // of lse and delta (counters, not divisions: fewer live registers).
+      int m = 0;
+      int64_t lse_row0 = seq.lse_offset + int64_t{work.first_head} * seq.lse_head_stride;
+      for (int block = 0; block < work.num_blocks; ++block) {
+        const RingSlot<Tile::kStages> slot(ring + block);
+        const int m_start = (work.m_first + m) * kBwdRowsPerWarpgroup;
+        float* rows = query_rows[t.consumer][slot.stage];
+        {
+          const int i = threadIdx.x % 128, query = m_start + i % 64;
+          rows[i] = i < 64 ? LseLog2At(args.lse + lse_row0, query, seq.len_q)
+                           : DeltaAt(args.delta + lse_row0, query, seq.len_q);
+        }
+        float s[32], dp[32];  // S^T and dP^T: [64 keys x 64 queries]
+        ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
+        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
+            s, smem.tile(0, t.consumer), smem.stream(slot.stage, 0), 0);
+        ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
+        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
+            dp, smem.tile(1, t.consumer), smem.stream(slot.stage, 1), 0);
+        ptx::wgmma_wait_group<0>();
+        FenceRegisters(s);
+        FenceRegisters(dp);
+        // The rows are written (this buffer's last readers finished a block ago: they passed this
+        // barrier of the block in between).
+        ptx::named_barrier_sync(kBwdRowsBarrier + t.consumer, 128);
+        // Masked where some (key, query) pair of the consumer's 64 keys x the block lies past a
+        // sequence's end or outside the window.
+        const int key_first = work.key_start + 64 * t.consumer, key_last = key_first + 63;
+        const bool needs_mask = key_last >= seq.len_k || m_start + 64 > seq.len_q ||
+                                key_last - (m_start + diagonal) > args.window_right ||
+                                m_start + 63 + diagonal - key_first > args.window_left;
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int query = m_start + 8 * c + 2 * (t.lane % 4) + e;  // columns are queries
+            const float lse_log2 = rows[query - m_start], delta = rows[64 + query - m_start];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int i = 4 * c + 2 * h + e;
+              float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
+              if (needs_mask && !(visible_from[h] <= query && query <= visible_to[h])) p = 0.f;
+              s[i] = p;
+              dp[i] = p * (dp[i] - delta);
+            }
           }
-          s[4 * c + e] = p;
-          dp[4 * c + e] = p * (dp[4 * c + e] - s_delta[col]);
+        uint32_t p_frag[4][4], ds_frag[4][4];
+        PackFragments<Element, 64>(s, p_frag);
+        PackFragments<Element, 64>(dp, ds_frag);
+        IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dv, p_frag, smem.stream(slot.stage, 1));
+        IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dk, ds_frag, smem.stream(slot.stage, 0));
+        ptx::wgmma_wait_group<0>();
+        FenceRegisters(dk);
+        FenceRegisters(dv);
+        t.Release(bars.k_empty[slot.stage]);
+        t.Release(bars.v_empty[slot.stage]);
+        if (++m == work.m_count) {
+          m = 0;
+          lse_row0 += seq.lse_head_stride;
         }
       }
-      uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-      PackFragments<Element, kBlockM>(s, p_frag);
-      PackFragments<Element, kBlockM>(dp, ds_frag);
-      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dv, p_frag, sdo);
-      IssueRegTimesSmem<Element, kHeadDim, kBlockM, Tile::Base::kSliceBytes>(dk, ds_frag, sq);
-      ptx::wgmma_wait_group<0>();
-      FenceRegisters(dv);
-      FenceRegisters(dk);
-      __syncthreads();  // the stage is free for the load two blocks on
-    }
-
-    const int64_t out_row0 = seq.k_offset * args.heads_kv + kv_head;
-    StoreAccumulator<Element, kHeadDim>(dv, static_cast<Element*>(args.dv) + out_row0 * kHeadDim,
-                                        kv_row_stride, key_row, seq.len_k, 1.f);
-    StoreAccumulator<Element, kHeadDim>(dk, static_cast<Element*>(args.dk) + out_row0 * kHeadDim,
-                                        kv_row_stride, key_row, seq.len_k, args.scale);
+      t.Release(bars.q_empty[0]);  // K and V are read: the producer may load the next tile's
+      // The tile's place again (not kept live through the loop: its registers are the loop's).
+      const BwdDkdvWork done = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
+      const int64_t row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
+      const int64_t out_row0 = done.seq.k_offset * args.heads_kv + done.kv_head;
+      const int out_row = done.key_start + 64 * t.consumer + t.row();
+      StoreAccumulator<Element, kHeadDim>(dv, static_cast<Element*>(args.dv) + out_row0 * kHeadDim,
+                                          row_stride, out_row, done.seq.len_k, 1.f);
+      StoreAccumulator<Element, kHeadDim>(dk, static_cast<Element*>(args.dk) + out_row0 * kHeadDim,
+                                          row_stride, out_row, done.seq.len_k, args.scale);
+      return done.num_blocks;
+    };
+    BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);
   }
-}
+};
 
 }  // namespace jzyfa

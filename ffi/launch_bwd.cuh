@@ -1,8 +1,9 @@
-// The backward launch of one head dim: zero both tile counters (and, varlen, the gradients), then the
-// dK/dV kernel and the dQ kernel on the same stream (independent of each other; both read only the
-// inputs).
+// The backward launch of one head dim: the tensor maps, the varlen gradients zeroed, then the dK/dV
+// kernel and the dQ kernel on the same stream (independent of each other; both read only the inputs),
+// each on a persistent grid with its own tile counter.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <string>
@@ -15,23 +16,32 @@
 
 namespace jzyfa {
 
+// One backward kernel on its persistent grid (its tile counter zeroed first).
+template <typename Mainloop, typename Args>
+std::string LaunchBwdKernel(const CUtensorMap (&maps)[4], const Args& args, const char* what,
+                            cudaStream_t stream) {
+  constexpr auto kernel = BwdKernel<Mainloop, Args>;
+  constexpr int kSmem = Mainloop::Tile::kDynamicSmemBytes;
+  const DeviceInfo* info = nullptr;
+  std::string error = PrepareLaunch<kernel>(kSmem, &info);
+  if (!error.empty()) return error;
+  int grid = 0;
+  error = StartTileQueue(args.tile_counter, args.num_tiles, info->sm_count, stream, &grid);
+  if (!error.empty() || grid == 0) return error;
+  kernel<<<grid, Mainloop::kThreads, kSmem, stream>>>(maps[0], maps[1], maps[2], maps[3], args);
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? "" : CudaError(what, err);
+}
+
 template <typename Element, int kHeadDim>
 std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using DkdvTile = BwdDkdvTile<kHeadDim>;
-  using DqTile = BwdDqTile<kHeadDim>;
-  constexpr auto dkdv_kernel = BwdDkdvKernel<Element, kHeadDim>;
-  constexpr auto dq_kernel = BwdDqKernel<Element, kHeadDim>;
+  using Tile = BwdTile<kHeadDim>;
   BwdArgs args{};
-  args.q = p.q;
-  args.k = p.k;
-  args.v = p.v;
-  args.dout = p.dout;
   args.lse = p.lse;
   args.delta = p.delta;
   args.dq = p.dq;
   args.dk = p.dk;
   args.dv = p.dv;
-  args.tile_counter = p.tile_counters;
   args.batch = static_cast<int>(p.batch);
   args.seqlen_q = static_cast<int>(p.seqlen_q);
   args.seqlen_k = static_cast<int>(p.seqlen_k);
@@ -48,11 +58,19 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   args.window_right = windowed ? (mask.window_right >= 0 ? mask.window_right : kBwdNoBound)
                                : (mask.causal ? 0 : kBwdNoBound);
 
-  const DeviceInfo* info = nullptr;
-  std::string error = PrepareLaunch<dkdv_kernel>(DkdvTile::kDynamicSmemBytes, &info);
-  if (!error.empty()) return error;
-  error = PrepareLaunch<dq_kernel>(DqTile::kDynamicSmemBytes, &info);
-  if (!error.empty()) return error;
+  // Tensor maps in boxes of 64 rows x 64 columns: dense [B, S, H, D]; a varlen pack one batch of
+  // its total tokens.
+  const bool bf16 = p.element_type == ElementType::kBF16;
+  const int64_t map_batch = p.varlen ? 1 : p.batch;
+  const int64_t rows_q = p.varlen ? p.total_q : p.seqlen_q, rows_k = p.varlen ? p.total_k : p.seqlen_k;
+  CUtensorMap maps[4];  // q, k, v, dout
+  std::string error;
+  if (!EncodeRowMap16(&maps[0], p.q, bf16, map_batch, rows_q, p.heads_q, kHeadDim, 64, &error) ||
+      !EncodeRowMap16(&maps[1], p.k, bf16, map_batch, rows_k, p.heads_kv, kHeadDim, 64, &error) ||
+      !EncodeRowMap16(&maps[2], p.v, bf16, map_batch, rows_k, p.heads_kv, kHeadDim, 64, &error) ||
+      !EncodeRowMap16(&maps[3], p.dout, bf16, map_batch, rows_q, p.heads_q, kHeadDim, 64, &error)) {
+    return error;
+  }
 
   if (p.varlen) {
     // Tokens outside every sequence (after cu_seqlens[num_seqs], before cu_seqlens[0]) belong to no
@@ -64,28 +82,16 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
       if (err != cudaSuccess) return CudaError("zeroing the varlen gradients", err);
     }
   }
-  BwdArgs dkdv = args;
-  dkdv.num_tiles = static_cast<int>((p.seqlen_k + DkdvTile::kBlockN - 1) / DkdvTile::kBlockN *
-                                    p.batch * p.heads_kv);
-  int grid = 0;
-  error = StartTileQueue(p.tile_counters, dkdv.num_tiles, info->sm_count, stream, &grid);
+  BwdDkdvArgs dkdv{args};
+  dkdv.tile_counter = p.tile_counters;
+  dkdv.num_tiles = static_cast<int>((p.seqlen_k + Tile::kBlockM - 1) / Tile::kBlockM * p.batch * p.heads_kv);
+  error = LaunchBwdKernel<BwdDkdvMainloop<Element, kHeadDim>>(maps, dkdv, "launching the dK/dV kernel", stream);
   if (!error.empty()) return error;
-  if (grid > 0) {
-    dkdv_kernel<<<grid, DkdvTile::Base::kThreads, DkdvTile::kDynamicSmemBytes, stream>>>(dkdv);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return CudaError("launching the dK/dV kernel", err);
-  }
-  BwdArgs dq = args;
-  dq.num_tiles = static_cast<int>((p.seqlen_q + DqTile::kBlockM - 1) / DqTile::kBlockM * p.batch *
-                                  p.heads_q);
-  error = StartTileQueue(p.tile_counters + 1, dq.num_tiles, info->sm_count, stream, &grid);
-  if (!error.empty()) return error;
-  if (grid > 0) {
-    dq_kernel<<<grid, DqTile::Base::kThreads, DqTile::kDynamicSmemBytes, stream>>>(dq);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return CudaError("launching the dQ kernel", err);
-  }
-  return "";
+  BwdDqArgs dq{args};
+  dq.tile_counter = p.tile_counters + 1;
+  dq.m_tiles = static_cast<int>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM);
+  dq.num_tiles = static_cast<int>(dq.m_tiles * p.batch * p.heads_q);
+  return LaunchBwdKernel<BwdDqMainloop<Element, kHeadDim>>(maps, dq, "launching the dQ kernel", stream);
 }
 
 template <int kHeadDim>

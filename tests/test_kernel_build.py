@@ -664,16 +664,18 @@ def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
     wide_16bit_kernels(compiled, tmp_path, "nomask_176_keys", 6, 128, 176, 24)
 
 
-# The backward kernels (ffi/instantiations/bwd_16bit_hd*.cu): BwdDkdvKernel and BwdDqKernel over
-# <Element, head dim>.
-BWD_KERNEL_NAME = re.compile(r"_ZN5jzyfa\d+(?P<kind>BwdDkdvKernel|BwdDqKernel)I(?P<element>13__nv_bfloat16|6__half)Li(?P<d>\d+)E")
+# The backward kernels (ffi/instantiations/bwd_16bit_hd*.cu): BwdKernel over BwdDkdvMainloop and
+# BwdDqMainloop <Element, head dim>.
+BWD_KERNEL_NAME = re.compile(
+    r"_ZN5jzyfa9BwdKernelINS_\d+(?P<kind>BwdDkdvMainloop|BwdDqMainloop)I(?P<element>13__nv_bfloat16|6__half)Li(?P<d>\d+)E"
+)
 
 
 def test_backward_kernels_use_hgmma_without_local_memory(compiled):
     """Both backward kernels, bf16 and f16, head dims 64 and 128: spill-free (the report check above),
     no local memory, per key/query block S (S^T) and dP (dP^T) on 64x64x16 HGMMA (D / 16 k-steps each)
     and the register-A GEMMs on 64xDx16 with an MN-major B (dK/dV: 2 x 4 k-steps of 16 query rows; dQ:
-    4 of 16 keys), ex2 on the MUFU."""
+    4 of 16 keys), ex2 on the MUFU, TMA loads, the producer at 40 registers and the consumers at 232."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if BWD_KERNEL_NAME.match(name)}
     kinds = sorted(
@@ -681,7 +683,7 @@ def test_backward_kernels_use_hgmma_without_local_memory(compiled):
     )
     assert kinds == sorted(
         (kind, element, d)
-        for kind in ("BwdDkdvKernel", "BwdDqKernel")
+        for kind in ("BwdDkdvMainloop", "BwdDqMainloop")
         for element in ("13__nv_bfloat16", "6__half")
         for d in (64, 128)
     ), kinds
@@ -691,6 +693,10 @@ def test_backward_kernels_use_hgmma_without_local_memory(compiled):
         ss = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
         rs = len(re.findall(rf"\bHGMMA\.64x{d}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
         assert ss >= 2 * d // 16, f"{name}: {ss} shared-memory HGMMA"
-        assert rs >= (8 if m["kind"] == "BwdDkdvKernel" else 4), f"{name}: {rs} register-A HGMMA"
+        assert rs >= (8 if m["kind"] == "BwdDkdvMainloop" else 4), f"{name}: {rs} register-A HGMMA"
         assert "MUFU.EX2" in text, name
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        # The producer warpgroup loads with TMA at 40 registers, the consumers compute at 232.
+        assert "UTMALDG.4D" in text, name
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d+, 0xe8\b", text), name
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), name
