@@ -67,6 +67,7 @@ import numpy as np
 from absl import app, flags
 
 from jzyfa import plan
+from jzyfa.bench import captured as _captured
 from jzyfa.bench import directions as _directions
 from jzyfa.bench import float64, peers
 from jzyfa.bench import inputs as realistic_inputs
@@ -135,9 +136,11 @@ flags.DEFINE_string(
     "inputs",
     "gaussian,activations",
     "Comma-separated input kinds: gaussian (standard normal), activations (activation-like: RoPE, "
-    "outlier channels in k, an attention sink, head scale spread), model (q/k/v from a packaged "
-    "model: not available, see docs/measuring.md).",
+    "outlier channels in k, an attention sink, head scale spread), captured:PATH (q/k/v of one layer "
+    "of a trained LM, written by examples/capture.py; its shapes come from the file and --shapes is "
+    "ignored for it; --captured_layer picks the layer), model (not available: use captured:PATH).",
 )
+flags.DEFINE_integer("captured_layer", 0, "The layer of a --inputs captured:PATH file to run on.")
 flags.DEFINE_string(
     "impls",
     "auto",
@@ -238,6 +241,8 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     every rotation count (and the Gaussian sets match the earlier benchmark runs).
     """
     keys = jax.random.split(jax.random.key(seed), n_sets)
+    if isinstance(kind, CapturedInputs):
+        return [kind.input_set(problem) for _ in range(n_sets)]  # copies: rotation still beats L2
     if problem.varlen:
         return [_packed_input_set(problem, kind, key) for key in keys]
     shape = dict(problem.sizes, dtype=problem.jnp_dtype)
@@ -246,6 +251,50 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
         q, k, v = realistic_inputs.make_qkv(kind, keys[i], **shape)
         sets.append(peers.InputSet(*jax.block_until_ready((q, k, _v_columns(problem, v)))))
     return sets
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedInputs:
+    """`--inputs captured:PATH`: one layer's q, k, v (numpy bf16) read from a capture file."""
+
+    path: str
+    layer: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    @classmethod
+    def load(cls, kind: str, layer: int) -> CapturedInputs:
+        path = kind[len(_captured.PREFIX) :]
+        if not path:
+            raise ValueError(f"--inputs {kind!r}: give the capture's path, e.g. captured:/tmp/qkv.npz")
+        q, k, v = _captured.load_layer(path, layer, flag=f"--inputs {kind}")
+        return cls(path, layer, q, k, v)
+
+    @property
+    def label(self) -> str:
+        """The inputs' name in the report's rows."""
+        return f"captured:{os.path.basename(self.path)} layer {self.layer}"
+
+    def problem(self, template: Problem) -> Problem:
+        """template (heads, mask, dtype from the flags) with the file's shapes."""
+        batch, seq_q, heads_q, head_dim = self.q.shape
+        _, seq_k, heads_kv, _ = self.k.shape
+        return dataclasses.replace(
+            template,
+            batch=batch,
+            seq_q=seq_q,
+            seq_k=seq_k,
+            heads_q=heads_q,
+            heads_kv=heads_kv,
+            head_dim=head_dim,
+            head_dim_v=None,
+        )
+
+    def input_set(self, problem: Problem) -> peers.InputSet:
+        dtype = problem.jnp_dtype
+        q, k, v = (jax.device_put(np.asarray(a).astype(dtype)) for a in (self.q, self.k, self.v))
+        return peers.InputSet(*jax.block_until_ready((q, k, v)))
 
 
 def _v_columns(problem: Problem, v):
@@ -977,6 +1026,7 @@ def resolve_config() -> dict[str, Any]:
         "direction",
         "dtype",
         "inputs",
+        "captured_layer",
         "impls",
         "allow_xla_fallback",
         "fp8_v_layout",
@@ -1027,9 +1077,13 @@ def resolve_impls(text: str, dtype: str) -> list[str]:
 
 def resolve_inputs(text: str) -> list[str]:
     kinds = _split(text)
-    unknown = [k for k in kinds if k not in realistic_inputs.INPUT_KINDS]
+    unknown = [
+        k for k in kinds if k not in realistic_inputs.INPUT_KINDS and not k.startswith(_captured.PREFIX)
+    ]
     if unknown or not kinds:
-        raise ValueError(f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS}")
+        raise ValueError(
+            f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS} or captured:PATH"
+        )
     return list(dict.fromkeys(kinds))
 
 
@@ -1075,8 +1129,21 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
             for batch, seq_q, seq_k in parse_shapes(config["shapes"])
         ]
 
+    captured = {
+        kind: CapturedInputs.load(kind, config.get("captured_layer") or 0)
+        for kind in kinds
+        if kind.startswith(_captured.PREFIX)
+    }  # errors naming --inputs / --captured_layer, before any work
+    if captured and config.get("varlen"):
+        raise ValueError("--inputs captured:PATH and --varlen: a capture is one dense batch; drop one of them")
+
     env = collect_env()
     _log(header_line(env))
+    for kind, c in captured.items():
+        _log(
+            f"{c.label}: q {list(c.q.shape)}, k and v {list(c.k.shape)} from the file "
+            f"(--shapes, --heads, --kv_heads, --head_dim ignored for these inputs)"
+        )
     if config["smoke"]:
         _log("smoke mode: small shapes, few iterations (no GPU, or --smoke)")
     if window is not None:
@@ -1106,14 +1173,19 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    total = len(kinds) * len(problems) * len(impl_names) * len(run_directions)
+    kind_problems = {
+        kind: [captured[kind].problem(problems[0])] if kind in captured else problems for kind in kinds
+    }
+    total = sum(map(len, kind_problems.values())) * len(impl_names) * len(run_directions)
     done = 0
     try:
         for kind in kinds:
-            for problem in problems:
+            source = captured.get(kind, kind)
+            label = source.label if kind in captured else kind
+            for problem in kind_problems[kind]:
                 n_sets = rotation_sets(problem, config["rotate_mb"])
                 try:
-                    sets = make_input_sets(problem, kind, n_sets, config["seed"])
+                    sets = make_input_sets(problem, source, n_sets, config["seed"])
                 except realistic_inputs.ModelInputsUnavailable as e:
                     skipped[kind] = str(e)
                     _log(f"{kind} inputs skipped: {e}")
@@ -1126,7 +1198,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                     else f"{len(ref.batches)} (batch, head) pairs"
                 )
                 _log(
-                    f"{kind} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
+                    f"{label} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
                     f"reference on {checked} in {ref.seconds:.1f} s"
                 )
                 grad_ref = None
@@ -1144,7 +1216,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                         result = measure_peer(
                             peers.PEERS[name], problem, sets, ref, opts, monitor, direction, grad_ref
                         )
-                        result["inputs"] = kind
+                        result["inputs"] = label
                         result["reference_pairs"] = len(ref.batches)
                         results.append(result)
                         _log(f"[{done}/{total}] " + progress_line(result))
