@@ -71,6 +71,7 @@ from jzyfa.bench import captured as _captured
 from jzyfa.bench import directions as _directions
 from jzyfa.bench import float64, peers
 from jzyfa.bench import inputs as realistic_inputs
+from jzyfa.bench import sustained as _sustained
 from jzyfa.bench import timing as _timing
 from jzyfa.bench.float64 import Reference, take_pairs
 from jzyfa.bench.peers import Unsupported
@@ -139,6 +140,13 @@ flags.DEFINE_string(
     "outlier channels in k, an attention sink, head scale spread), captured:PATH (q/k/v of one layer "
     "of a trained LM, written by examples/capture.py; its shapes come from the file and --shapes is "
     "ignored for it; --captured_layer picks the layer), model (not available: use captured:PATH).",
+)
+flags.DEFINE_float(
+    "sustained",
+    0.0,
+    "Also time each implementation back to back for this many seconds of wall time per burst, two "
+    "passes interleaved (A, B, A, B); rows '<impl> sustained' give the better pass's TFLOP/s from "
+    "wall time and the SM clock and board power during it (jzyfa.bench.sustained). 0: off.",
 )
 flags.DEFINE_integer("captured_layer", 0, "The layer of a --inputs captured:PATH file to run on.")
 flags.DEFINE_string(
@@ -565,6 +573,21 @@ def _torch_sync(_out=None) -> None:
     torch.cuda.synchronize()
 
 
+def build_timed(peer: peers.Peer, problem: Problem, sets: list[peers.InputSet], opts: Options, direction: str):
+    """(built, the timed function, its callable form (jitted for JAX peers), argument sets, sync) of one
+    implementation in one direction; raises Unsupported where it cannot run the problem."""
+    if (reason := peer.supports(problem)) is not None:
+        raise Unsupported(reason)
+    if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
+        raise Unsupported(reason)
+    built = peer.build(problem, opts.peer_options)
+    douts = [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))] if direction != "fwd" else []
+    timed_fn, args = _directions.timed_call(built.fn, [peer.arguments(problem, s) for s in sets], douts, direction)
+    torch_peer = peer.framework == "torch"
+    fn = timed_fn if torch_peer else jax.jit(timed_fn)
+    return built, timed_fn, fn, args, _torch_sync if torch_peer else jax.block_until_ready
+
+
 def measure_peer(
     peer: peers.Peer,
     problem: Problem,
@@ -574,9 +597,11 @@ def measure_peer(
     monitor: _timing.ClockMonitor,
     direction: str = "fwd",
     grad_ref: _directions.GradientReference | None = None,
+    keep: list[_sustained.Entry] | None = None,
 ) -> dict[str, Any]:
     """Checks one implementation on one problem in one direction (the forward's output against `ref`,
-    the backward's gradients against `grad_ref`), then times it. Never raises."""
+    the backward's gradients against `grad_ref`), then times it. Never raises. With `keep`, a timed
+    row's callable is appended to it (for --sustained)."""
     compute_dtype = peer.compute_dtype(problem)
     max_rel_err = opts.max_rel_err if opts.max_rel_err is not None else DEFAULT_MAX_REL_ERR[compute_dtype]
     result: dict[str, Any] = {
@@ -616,26 +641,12 @@ def measure_peer(
         "memory_mb": None,  # what XLA holds for one call: arguments, results, temporaries (JAX peers)
     }
     torch_peer = peer.framework == "torch"
-    sync = _torch_sync if torch_peer else jax.block_until_ready
     # Build and check.
     try:
-        if (reason := peer.supports(problem)) is not None:
-            raise Unsupported(reason)
-        if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
-            raise Unsupported(reason)
-        built = peer.build(problem, opts.peer_options)
+        built, timed_fn, fn, args, sync = build_timed(peer, problem, sets, opts, direction)
         result["path"] = built.path
         if built.path == "xla-fallback":  # never timed under the kernel's name
             result["impl"] = result["impl"].replace(peer.name, f"{peer.name}[xla-fallback]", 1)
-        douts = (
-            [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))]
-            if direction != "fwd"
-            else []
-        )
-        timed_fn, args = _directions.timed_call(
-            built.fn, [peer.arguments(problem, s) for s in sets], douts, direction
-        )
-        fn = timed_fn if torch_peer else jax.jit(timed_fn)
         raw = fn(*args[0])
         sync(raw)
         if direction == "fwd":
@@ -704,6 +715,8 @@ def measure_peer(
     result["status"] = "ok" if result["err_ok"] else "bad"
     if not result["err_ok"]:
         result["message"] = f"relative error {err['rel_l2']:.3g} > {max_rel_err:g}"
+    if keep is not None:
+        keep.append(_sustained.Entry(result, fn, args, sync, per_call_s))
     return result
 
 
@@ -1034,6 +1047,7 @@ def resolve_config() -> dict[str, Any]:
         "min_time_s",
         "warmup_s",
         "wall_rounds",
+        "sustained",
         "rotate_mb",
         "cupti_mem_mb",
         "ref_pairs",
@@ -1210,16 +1224,37 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                     _log(
                         f"gradients checked on {len(grad_ref.groups)} (batch, kv head) groups, {grad_ref.seconds:.1f} s"
                     )
+                keep: dict[str, list[_sustained.Entry]] | None = (
+                    {d: [] for d in run_directions} if config.get("sustained") else None
+                )
                 for name in impl_names:
                     for direction in run_directions:
                         done += 1
                         result = measure_peer(
-                            peers.PEERS[name], problem, sets, ref, opts, monitor, direction, grad_ref
+                            peers.PEERS[name],
+                            problem,
+                            sets,
+                            ref,
+                            opts,
+                            monitor,
+                            direction,
+                            grad_ref,
+                            None if keep is None else keep[direction],
                         )
                         result["inputs"] = label
                         result["reference_pairs"] = len(ref.batches)
                         results.append(result)
                         _log(f"[{done}/{total}] " + progress_line(result))
+                for entries in (keep or {}).values():
+                    if entries:
+                        _log(
+                            f"sustained: {len(entries)} implementations x {_sustained.PASSES} passes of "
+                            f"{config['sustained']:g} s, interleaved"
+                        )
+                    for row in _sustained.sustained_rows(entries, config["sustained"], monitor):
+                        results.append(row)
+                        _log(progress_line(row))
+                del keep
                 del sets
                 gc.collect()
     finally:
