@@ -1,11 +1,11 @@
-"""`python -m jzyfa.bench --inputs captured:PATH`: the capture format's reader, its errors, and smoke
-runs on a tiny capture (CPU)."""
+"""`--inputs captured:PATH` of `python -m jzyfa.bench` and `python -m jzyfa.bench.accuracy`: the capture
+format's reader, its errors, and smoke runs on a tiny capture (CPU)."""
 
 import numpy as np
 import pytest
-from bench_helpers import resolve_config, run_bench
+from bench_helpers import accuracy_config, resolve_config, run_bench
 
-from jzyfa.bench import captured, speed
+from jzyfa.bench import accuracy, captured, speed
 
 
 def write_capture(path, layers=2, batch=1, seq=48, heads_q=4, heads_kv=2, head_dim=32, seed=0):
@@ -95,3 +95,43 @@ def test_model_kind_points_to_captured():
     proc = run_bench("--smoke", "--inputs", "model", "--shapes", "1x64", "--impls", "jzyfa")
     assert proc.returncode != 0
     assert "--inputs captured:" in proc.stderr
+
+
+def test_layer_selection(tmp_path):
+    path = tmp_path / "qkv.npz"
+    write_capture(path, layers=3)
+    assert captured.layers_of(path, -1) == [0, 1, 2] and captured.layers_of(path, 2) == [2]
+    with pytest.raises(captured.CapturedFormatError, match="--captured_layer 3 is out of range"):
+        captured.layers_of(path, 3)
+    with pytest.raises(captured.CapturedFormatError, match="give the capture's path"):
+        captured.path_of("captured:")
+
+
+def test_accuracy_report_per_captured_layer(tmp_path):
+    path = tmp_path / "qkv.npz"
+    write_capture(path)
+    config = accuracy_config(
+        shapes=[(1, 32, 32)],
+        inputs=["gaussian", f"captured:{path}"],
+        variants=["jzyfa_bf16", "fp8_dequant_exact"],
+    )
+    report = accuracy.run(config, log=lambda line: None)
+    kinds = [r["inputs"] for r in report["errors"]]
+    assert kinds == ["gaussian"] * 2 + ["captured:qkv.npz layer 0"] * 2 + ["captured:qkv.npz layer 1"] * 2
+    rows = [r for r in report["errors"] if r["inputs"].startswith("captured")]
+    assert all(r["heads_q"] == 4 and r["seq_q"] == 48 and r["status"] == "ok" for r in rows)
+    tables = accuracy.format_tables(report, markdown=True)
+    assert "captured:qkv.npz layer 1 inputs, 1x48, 4/2 heads of 32 (the file's)" in tables
+    one = accuracy.run(config | {"inputs": [f"captured:{path}"], "captured_layer": 1}, log=lambda line: None)
+    assert {r["inputs"] for r in one["errors"]} == {"captured:qkv.npz layer 1"}
+
+
+def test_accuracy_command_line_errors(tmp_path):
+    path = tmp_path / "qkv.npz"
+    write_capture(path)
+    for args, message in [
+        ([f"--inputs=captured:{tmp_path / 'missing.npz'}"], "no file"),
+        ([f"--inputs=captured:{path}", "--captured_layer=2"], "--captured_layer 2 is out of range"),
+    ]:
+        proc = run_bench("--smoke", *args, module="jzyfa.bench.accuracy")
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]

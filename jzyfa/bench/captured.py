@@ -3,12 +3,15 @@
 One `.npz`: `layer{i}_q`, `layer{i}_k`, `layer{i}_v` as uint16 bit patterns of bf16 (numpy has no
 bf16 of its own; `load_captured` views them back), and `header`, JSON with the layer count, seq,
 dtype, each array's shape, and the model's config. q is [batch, seq, heads_q, head_dim], k and v
-[batch, seq, heads_kv, head_dim]. `python -m jzyfa.bench --inputs captured:PATH` runs on one layer.
+[batch, seq, heads_kv, head_dim]. `python -m jzyfa.bench --inputs captured:PATH` times one layer
+(`--captured_layer`); `python -m jzyfa.bench.accuracy --inputs captured:PATH` checks every layer, or
+the one `--captured_layer` names.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import zipfile
 from typing import Any
@@ -22,6 +25,55 @@ HOW_TO_WRITE = "write one with `python examples/capture.py --checkpoint LM.npz -
 
 class CapturedFormatError(ValueError):
     """The file is missing or not a capture written by examples/capture.py."""
+
+
+def is_captured(kind: str) -> bool:
+    """Whether an --inputs kind is captured:PATH."""
+    return kind.startswith(PREFIX)
+
+
+def path_of(kind: str) -> str:
+    """PATH of the --inputs kind "captured:PATH"."""
+    path = kind[len(PREFIX) :]
+    if not path:
+        raise CapturedFormatError(f"--inputs {kind!r}: give the capture's path, e.g. captured:/tmp/qkv.npz")
+    return path
+
+
+def label(path: str | pathlib.Path, layer: int) -> str:
+    """One layer's name in the reports' rows: captured:<file name> layer N."""
+    return f"{PREFIX}{os.path.basename(path)} layer {layer}"
+
+
+def shape_of(q: np.ndarray, k: np.ndarray) -> dict[str, int]:
+    """batch, seq_q, seq_k, heads_q, heads_kv, head_dim of one layer's q and k."""
+    batch, seq_q, heads_q, head_dim = q.shape
+    _, seq_k, heads_kv, _ = k.shape
+    return {
+        "batch": batch,
+        "seq_q": seq_q,
+        "seq_k": seq_k,
+        "heads_q": heads_q,
+        "heads_kv": heads_kv,
+        "head_dim": head_dim,
+    }
+
+
+def check_layer(header: dict, path: str | pathlib.Path, layer: int) -> None:
+    layers = header["layers"]
+    if not 0 <= layer < layers:
+        raise CapturedFormatError(
+            f"--captured_layer {layer} is out of range: {str(path)!r} holds layers 0 to {layers - 1}"
+        )
+
+
+def layers_of(path: str | pathlib.Path, layer: int | None, flag: str = "captured file") -> list[int]:
+    """[layer] (checked against the file), or every layer of the file for None or -1."""
+    header = read_header(path, flag)
+    if layer is None or layer == -1:
+        return list(range(header["layers"]))
+    check_layer(header, path, layer)
+    return [layer]
 
 
 def save_captured(path: str | pathlib.Path, captured: list, config: dict[str, Any] | None = None) -> None:
@@ -73,12 +125,7 @@ def read_header(path: str | pathlib.Path, flag: str = "captured file") -> dict:
 
 def load_layer(path: str | pathlib.Path, layer: int, flag: str = "captured file") -> tuple[np.ndarray, ...]:
     """(q, k, v) of one layer as numpy bf16 arrays; errors name `flag` and `--captured_layer`."""
-    header = read_header(path, flag)
-    layers = header["layers"]
-    if not 0 <= layer < layers:
-        raise CapturedFormatError(
-            f"--captured_layer {layer} is out of range: {str(path)!r} holds layers 0 to {layers - 1}"
-        )
+    check_layer(read_header(path, flag), path, layer)
     with _open(path, flag) as archive:
         missing = [f"layer{layer}_{n}" for n in "qkv" if f"layer{layer}_{n}" not in archive.files]
         if missing:
@@ -88,11 +135,7 @@ def load_layer(path: str | pathlib.Path, layer: int, flag: str = "captured file"
     if (
         any(a.dtype != np.uint16 or a.ndim != 4 for a in arrays)
         or k.shape != v.shape
-        or q.shape[:2]
-        != (
-            k.shape[0],
-            q.shape[1],
-        )
+        or q.shape[0] != k.shape[0]
     ):
         raise CapturedFormatError(
             f"{flag}: {str(path)!r} layer {layer}: expected uint16 (bf16 bits) q [B, S, Hq, D], k and v "
@@ -106,6 +149,8 @@ def load_layer(path: str | pathlib.Path, layer: int, flag: str = "captured file"
     return tuple(a.view(jnp.bfloat16) for a in arrays)
 
 
-def load_captured(path: str | pathlib.Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def load_captured(
+    path: str | pathlib.Path, flag: str = "captured file"
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """[(q, k, v) of layer 0, ...] as numpy bf16 arrays [batch, seq, heads, head_dim]."""
-    return [load_layer(path, index) for index in range(read_header(path)["layers"])]
+    return [load_layer(path, index, flag) for index in range(read_header(path, flag)["layers"])]

@@ -273,31 +273,18 @@ class CapturedInputs:
 
     @classmethod
     def load(cls, kind: str, layer: int) -> CapturedInputs:
-        path = kind[len(_captured.PREFIX) :]
-        if not path:
-            raise ValueError(f"--inputs {kind!r}: give the capture's path, e.g. captured:/tmp/qkv.npz")
+        path = _captured.path_of(kind)
         q, k, v = _captured.load_layer(path, layer, flag=f"--inputs {kind}")
         return cls(path, layer, q, k, v)
 
     @property
     def label(self) -> str:
         """The inputs' name in the report's rows."""
-        return f"captured:{os.path.basename(self.path)} layer {self.layer}"
+        return _captured.label(self.path, self.layer)
 
     def problem(self, template: Problem) -> Problem:
         """template (heads, mask, dtype from the flags) with the file's shapes."""
-        batch, seq_q, heads_q, head_dim = self.q.shape
-        _, seq_k, heads_kv, _ = self.k.shape
-        return dataclasses.replace(
-            template,
-            batch=batch,
-            seq_q=seq_q,
-            seq_k=seq_k,
-            heads_q=heads_q,
-            heads_kv=heads_kv,
-            head_dim=head_dim,
-            head_dim_v=None,
-        )
+        return dataclasses.replace(template, **_captured.shape_of(self.q, self.k), head_dim_v=None)
 
     def input_set(self, problem: Problem) -> peers.InputSet:
         dtype = problem.jnp_dtype
@@ -573,7 +560,9 @@ def _torch_sync(_out=None) -> None:
     torch.cuda.synchronize()
 
 
-def build_timed(peer: peers.Peer, problem: Problem, sets: list[peers.InputSet], opts: Options, direction: str):
+def build_timed(
+    peer: peers.Peer, problem: Problem, sets: list[peers.InputSet], opts: Options, direction: str
+):
     """(built, the timed function, its callable form (jitted for JAX peers), argument sets, sync) of one
     implementation in one direction; raises Unsupported where it cannot run the problem."""
     if (reason := peer.supports(problem)) is not None:
@@ -581,8 +570,12 @@ def build_timed(peer: peers.Peer, problem: Problem, sets: list[peers.InputSet], 
     if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
         raise Unsupported(reason)
     built = peer.build(problem, opts.peer_options)
-    douts = [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))] if direction != "fwd" else []
-    timed_fn, args = _directions.timed_call(built.fn, [peer.arguments(problem, s) for s in sets], douts, direction)
+    douts = (
+        [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))] if direction != "fwd" else []
+    )
+    timed_fn, args = _directions.timed_call(
+        built.fn, [peer.arguments(problem, s) for s in sets], douts, direction
+    )
     torch_peer = peer.framework == "torch"
     fn = timed_fn if torch_peer else jax.jit(timed_fn)
     return built, timed_fn, fn, args, _torch_sync if torch_peer else jax.block_until_ready
@@ -1091,9 +1084,7 @@ def resolve_impls(text: str, dtype: str) -> list[str]:
 
 def resolve_inputs(text: str) -> list[str]:
     kinds = _split(text)
-    unknown = [
-        k for k in kinds if k not in realistic_inputs.INPUT_KINDS and not k.startswith(_captured.PREFIX)
-    ]
+    unknown = [k for k in kinds if k not in realistic_inputs.INPUT_KINDS and not _captured.is_captured(k)]
     if unknown or not kinds:
         raise ValueError(
             f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS} or captured:PATH"
@@ -1146,10 +1137,12 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
     captured = {
         kind: CapturedInputs.load(kind, config.get("captured_layer") or 0)
         for kind in kinds
-        if kind.startswith(_captured.PREFIX)
+        if _captured.is_captured(kind)
     }  # errors naming --inputs / --captured_layer, before any work
     if captured and config.get("varlen"):
-        raise ValueError("--inputs captured:PATH and --varlen: a capture is one dense batch; drop one of them")
+        raise ValueError(
+            "--inputs captured:PATH and --varlen: a capture is one dense batch; drop one of them"
+        )
 
     env = collect_env()
     _log(header_line(env))
