@@ -49,6 +49,7 @@ import stdlib_text
 
 import jzyfa
 from jzyfa.bench import accuracy, float64
+from jzyfa.bench.captured import CapturedFormatError, load_captured
 from jzyfa.bench.report import markdown_table, short_error, write_json
 
 # (q, k, v) -> (out, lse or None), causal, default softmax scale; q, k, v bf16 [B, S, H, D].
@@ -301,11 +302,14 @@ def main(argv: list[str] | None = None) -> dict:
             log(f"{name}: skipped: {reason}")
     if REFERENCE in skipped:
         raise SystemExit(f"the reference variant {REFERENCE} cannot run here: {skipped[REFERENCE]}")
-    rows = model_rows(config, params, tokens, variants, log)
-    if args.captured is not None:
-        captured = capture.load_captured(args.captured)
+    if args.captured is not None:  # read first: a bad file fails before the model runs
+        try:
+            captured = load_captured(args.captured, flag="--captured")
+        except CapturedFormatError as e:
+            raise SystemExit(str(e)) from e
     else:
         captured = jax.jit(capture.capture_qkv, static_argnums=(0, 3))(config, params, tokens[:1], "jzyfa")
+    rows = model_rows(config, params, tokens, variants, log)
     report = {
         "checkpoint": str(args.load),
         "config": dataclasses.asdict(config),

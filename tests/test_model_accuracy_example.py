@@ -54,6 +54,8 @@ def test_variant_list_and_errors(checkpoint):
         model_accuracy.main(["--load", str(checkpoint), "--variants", "fp9"])
     with pytest.raises(SystemExit):
         model_accuracy.main(["--load", str(checkpoint.parent / "missing.npz")])
+    with pytest.raises(SystemExit, match="--captured: no file"):
+        model_accuracy.main(["--load", str(checkpoint), "--captured", str(checkpoint.parent / "missing.npz")])
 
 
 def _has_matplotlib():
