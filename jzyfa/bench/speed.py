@@ -67,9 +67,11 @@ import numpy as np
 from absl import app, flags
 
 from jzyfa import plan
+from jzyfa.bench import captured as _captured
 from jzyfa.bench import directions as _directions
 from jzyfa.bench import float64, peers
 from jzyfa.bench import inputs as realistic_inputs
+from jzyfa.bench import sustained as _sustained
 from jzyfa.bench import timing as _timing
 from jzyfa.bench.float64 import Reference, take_pairs
 from jzyfa.bench.peers import Unsupported
@@ -135,9 +137,18 @@ flags.DEFINE_string(
     "inputs",
     "gaussian,activations",
     "Comma-separated input kinds: gaussian (standard normal), activations (activation-like: RoPE, "
-    "outlier channels in k, an attention sink, head scale spread), model (q/k/v from a packaged "
-    "model: not available, see docs/measuring.md).",
+    "outlier channels in k, an attention sink, head scale spread), captured:PATH (q/k/v of one layer "
+    "of a trained LM, written by examples/capture.py; its shapes come from the file and --shapes is "
+    "ignored for it; --captured_layer picks the layer), model (not available: use captured:PATH).",
 )
+flags.DEFINE_float(
+    "sustained",
+    0.0,
+    "Also time each implementation back to back for this many seconds of wall time per burst, two "
+    "passes interleaved (A, B, A, B); rows '<impl> sustained' give the better pass's TFLOP/s from "
+    "wall time and the SM clock and board power during it (jzyfa.bench.sustained). 0: off.",
+)
+flags.DEFINE_integer("captured_layer", 0, "The layer of a --inputs captured:PATH file to run on.")
 flags.DEFINE_string(
     "impls",
     "auto",
@@ -238,6 +249,8 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
     every rotation count (and the Gaussian sets match the earlier benchmark runs).
     """
     keys = jax.random.split(jax.random.key(seed), n_sets)
+    if isinstance(kind, CapturedInputs):
+        return [kind.input_set(problem) for _ in range(n_sets)]  # copies: rotation still beats L2
     if problem.varlen:
         return [_packed_input_set(problem, kind, key) for key in keys]
     shape = dict(problem.sizes, dtype=problem.jnp_dtype)
@@ -246,6 +259,37 @@ def make_input_sets(problem: Problem, kind: str, n_sets: int, seed: int) -> list
         q, k, v = realistic_inputs.make_qkv(kind, keys[i], **shape)
         sets.append(peers.InputSet(*jax.block_until_ready((q, k, _v_columns(problem, v)))))
     return sets
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedInputs:
+    """`--inputs captured:PATH`: one layer's q, k, v (numpy bf16) read from a capture file."""
+
+    path: str
+    layer: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+
+    @classmethod
+    def load(cls, kind: str, layer: int) -> CapturedInputs:
+        path = _captured.path_of(kind)
+        q, k, v = _captured.load_layer(path, layer, flag=f"--inputs {kind}")
+        return cls(path, layer, q, k, v)
+
+    @property
+    def label(self) -> str:
+        """The inputs' name in the report's rows."""
+        return _captured.label(self.path, self.layer)
+
+    def problem(self, template: Problem) -> Problem:
+        """template (heads, mask, dtype from the flags) with the file's shapes."""
+        return dataclasses.replace(template, **_captured.shape_of(self.q, self.k), head_dim_v=None)
+
+    def input_set(self, problem: Problem) -> peers.InputSet:
+        dtype = problem.jnp_dtype
+        q, k, v = (jax.device_put(np.asarray(a).astype(dtype)) for a in (self.q, self.k, self.v))
+        return peers.InputSet(*jax.block_until_ready((q, k, v)))
 
 
 def _v_columns(problem: Problem, v):
@@ -516,6 +560,27 @@ def _torch_sync(_out=None) -> None:
     torch.cuda.synchronize()
 
 
+def build_timed(
+    peer: peers.Peer, problem: Problem, sets: list[peers.InputSet], opts: Options, direction: str
+):
+    """(built, the timed function, its callable form (jitted for JAX peers), argument sets, sync) of one
+    implementation in one direction; raises Unsupported where it cannot run the problem."""
+    if (reason := peer.supports(problem)) is not None:
+        raise Unsupported(reason)
+    if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
+        raise Unsupported(reason)
+    built = peer.build(problem, opts.peer_options)
+    douts = (
+        [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))] if direction != "fwd" else []
+    )
+    timed_fn, args = _directions.timed_call(
+        built.fn, [peer.arguments(problem, s) for s in sets], douts, direction
+    )
+    torch_peer = peer.framework == "torch"
+    fn = timed_fn if torch_peer else jax.jit(timed_fn)
+    return built, timed_fn, fn, args, _torch_sync if torch_peer else jax.block_until_ready
+
+
 def measure_peer(
     peer: peers.Peer,
     problem: Problem,
@@ -525,9 +590,11 @@ def measure_peer(
     monitor: _timing.ClockMonitor,
     direction: str = "fwd",
     grad_ref: _directions.GradientReference | None = None,
+    keep: list[_sustained.Entry] | None = None,
 ) -> dict[str, Any]:
     """Checks one implementation on one problem in one direction (the forward's output against `ref`,
-    the backward's gradients against `grad_ref`), then times it. Never raises."""
+    the backward's gradients against `grad_ref`), then times it. Never raises. With `keep`, a timed
+    row's callable is appended to it (for --sustained)."""
     compute_dtype = peer.compute_dtype(problem)
     max_rel_err = opts.max_rel_err if opts.max_rel_err is not None else DEFAULT_MAX_REL_ERR[compute_dtype]
     result: dict[str, Any] = {
@@ -567,26 +634,12 @@ def measure_peer(
         "memory_mb": None,  # what XLA holds for one call: arguments, results, temporaries (JAX peers)
     }
     torch_peer = peer.framework == "torch"
-    sync = _torch_sync if torch_peer else jax.block_until_ready
     # Build and check.
     try:
-        if (reason := peer.supports(problem)) is not None:
-            raise Unsupported(reason)
-        if direction != "fwd" and (reason := _directions.no_backward_reason(peer, problem)) is not None:
-            raise Unsupported(reason)
-        built = peer.build(problem, opts.peer_options)
+        built, timed_fn, fn, args, sync = build_timed(peer, problem, sets, opts, direction)
         result["path"] = built.path
         if built.path == "xla-fallback":  # never timed under the kernel's name
             result["impl"] = result["impl"].replace(peer.name, f"{peer.name}[xla-fallback]", 1)
-        douts = (
-            [_directions.cotangent(problem, i, opts.seed) for i in range(len(sets))]
-            if direction != "fwd"
-            else []
-        )
-        timed_fn, args = _directions.timed_call(
-            built.fn, [peer.arguments(problem, s) for s in sets], douts, direction
-        )
-        fn = timed_fn if torch_peer else jax.jit(timed_fn)
         raw = fn(*args[0])
         sync(raw)
         if direction == "fwd":
@@ -655,6 +708,8 @@ def measure_peer(
     result["status"] = "ok" if result["err_ok"] else "bad"
     if not result["err_ok"]:
         result["message"] = f"relative error {err['rel_l2']:.3g} > {max_rel_err:g}"
+    if keep is not None:
+        keep.append(_sustained.Entry(result, fn, args, sync, per_call_s))
     return result
 
 
@@ -977,6 +1032,7 @@ def resolve_config() -> dict[str, Any]:
         "direction",
         "dtype",
         "inputs",
+        "captured_layer",
         "impls",
         "allow_xla_fallback",
         "fp8_v_layout",
@@ -984,6 +1040,7 @@ def resolve_config() -> dict[str, Any]:
         "min_time_s",
         "warmup_s",
         "wall_rounds",
+        "sustained",
         "rotate_mb",
         "cupti_mem_mb",
         "ref_pairs",
@@ -1027,9 +1084,11 @@ def resolve_impls(text: str, dtype: str) -> list[str]:
 
 def resolve_inputs(text: str) -> list[str]:
     kinds = _split(text)
-    unknown = [k for k in kinds if k not in realistic_inputs.INPUT_KINDS]
+    unknown = [k for k in kinds if k not in realistic_inputs.INPUT_KINDS and not _captured.is_captured(k)]
     if unknown or not kinds:
-        raise ValueError(f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS}")
+        raise ValueError(
+            f"--inputs: unknown {unknown or text!r}; known: {realistic_inputs.INPUT_KINDS} or captured:PATH"
+        )
     return list(dict.fromkeys(kinds))
 
 
@@ -1075,8 +1134,23 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
             for batch, seq_q, seq_k in parse_shapes(config["shapes"])
         ]
 
+    captured = {
+        kind: CapturedInputs.load(kind, config.get("captured_layer") or 0)
+        for kind in kinds
+        if _captured.is_captured(kind)
+    }  # errors naming --inputs / --captured_layer, before any work
+    if captured and config.get("varlen"):
+        raise ValueError(
+            "--inputs captured:PATH and --varlen: a capture is one dense batch; drop one of them"
+        )
+
     env = collect_env()
     _log(header_line(env))
+    for kind, c in captured.items():
+        _log(
+            f"{c.label}: q {list(c.q.shape)}, k and v {list(c.k.shape)} from the file "
+            f"(--shapes, --heads, --kv_heads, --head_dim ignored for these inputs)"
+        )
     if config["smoke"]:
         _log("smoke mode: small shapes, few iterations (no GPU, or --smoke)")
     if window is not None:
@@ -1106,14 +1180,19 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    total = len(kinds) * len(problems) * len(impl_names) * len(run_directions)
+    kind_problems = {
+        kind: [captured[kind].problem(problems[0])] if kind in captured else problems for kind in kinds
+    }
+    total = sum(map(len, kind_problems.values())) * len(impl_names) * len(run_directions)
     done = 0
     try:
         for kind in kinds:
-            for problem in problems:
+            source = captured.get(kind, kind)
+            label = source.label if kind in captured else kind
+            for problem in kind_problems[kind]:
                 n_sets = rotation_sets(problem, config["rotate_mb"])
                 try:
-                    sets = make_input_sets(problem, kind, n_sets, config["seed"])
+                    sets = make_input_sets(problem, source, n_sets, config["seed"])
                 except realistic_inputs.ModelInputsUnavailable as e:
                     skipped[kind] = str(e)
                     _log(f"{kind} inputs skipped: {e}")
@@ -1126,7 +1205,7 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                     else f"{len(ref.batches)} (batch, head) pairs"
                 )
                 _log(
-                    f"{kind} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
+                    f"{label} {problem.label}: {n_sets} input sets of {problem.set_bytes / 2**20:.0f} MB, "
                     f"reference on {checked} in {ref.seconds:.1f} s"
                 )
                 grad_ref = None
@@ -1138,16 +1217,37 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
                     _log(
                         f"gradients checked on {len(grad_ref.groups)} (batch, kv head) groups, {grad_ref.seconds:.1f} s"
                     )
+                keep: dict[str, list[_sustained.Entry]] | None = (
+                    {d: [] for d in run_directions} if config.get("sustained") else None
+                )
                 for name in impl_names:
                     for direction in run_directions:
                         done += 1
                         result = measure_peer(
-                            peers.PEERS[name], problem, sets, ref, opts, monitor, direction, grad_ref
+                            peers.PEERS[name],
+                            problem,
+                            sets,
+                            ref,
+                            opts,
+                            monitor,
+                            direction,
+                            grad_ref,
+                            None if keep is None else keep[direction],
                         )
-                        result["inputs"] = kind
+                        result["inputs"] = label
                         result["reference_pairs"] = len(ref.batches)
                         results.append(result)
                         _log(f"[{done}/{total}] " + progress_line(result))
+                for entries in (keep or {}).values():
+                    if entries:
+                        _log(
+                            f"sustained: {len(entries)} implementations x {_sustained.PASSES} passes of "
+                            f"{config['sustained']:g} s, interleaved"
+                        )
+                    for row in _sustained.sustained_rows(entries, config["sustained"], monitor):
+                        results.append(row)
+                        _log(progress_line(row))
+                del keep
                 del sets
                 gc.collect()
     finally:

@@ -410,3 +410,27 @@ def torch_event_time(
             torch.cuda.synchronize()
             samples += [begin.elapsed_time(end) / n_sets for begin, end in events]
     return Timing("cuda-events", samples, n_sets, monitor.stats())
+
+
+def sustained_burst(
+    fn: Callable,
+    arg_sets: Sequence[tuple],
+    *,
+    seconds: float,
+    per_call_s: float,
+    monitor: ClockMonitor,
+    sync: Callable[[Any], Any] = jax.block_until_ready,
+) -> tuple[int, float, ClockStats]:
+    """(calls, wall seconds, clock and power during them) of one burst: enough calls back to back to
+    fill `seconds` at `per_call_s` (a warm-up's estimate), inputs rotating, waiting only for the last.
+    """
+    calls = max(1, math.ceil(seconds / max(per_call_s, 1e-9)))
+    with monitor:
+        start = time.perf_counter()
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        sync(out)
+        elapsed = time.perf_counter() - start
+        del out
+    return calls, elapsed, monitor.stats()
