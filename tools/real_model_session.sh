@@ -14,7 +14,7 @@
 # (under a minute on a CPU; tests/test_real_model_session.py).
 # What comes back (at most 8 files): session.log, summary.md (every table), bench_speed.png,
 # model_kl.png, model_layer_error.png, and real_model.tar.gz (every log and JSON).
-# Knobs (environment): TRAIN_STEPS, TRAIN_ATTENTION (cudnn | jzyfa | xla), CAPTURE_SEQ,
+# Knobs (environment): TRAIN_STEPS, TRAIN_BATCH, TRAIN_ATTENTION (jzyfa | cudnn | xla), CAPTURE_SEQ,
 # SUSTAINED_S, BENCH_SHAPES (Gaussian/activation-like shapes), TOTAL_S (the session's budget),
 # WORK_DIR (the checkpoint, capture and logs; default a new folder in /tmp), and
 # T_BUILD, T_TRAIN, T_CAPTURE, T_BENCH, T_SUSTAINED, T_ACCURACY (seconds per step, cut to what is left).
@@ -36,11 +36,11 @@ if [ "$SMOKE" = 1 ]; then
   TRAIN_FLAGS=(--preset cpu --seq 64 --steps "${TRAIN_STEPS:-3}" --eval-batches 1 --log-every 100)
   CAPTURE_SEQ=${CAPTURE_SEQ:-128}; SUSTAINED_S=${SUSTAINED_S:-0.01}; BENCH_SHAPES=${BENCH_SHAPES:-1x64}
   BENCH_FLAGS=(--smoke --heads 2 --kv_heads 1 --head_dim 128)  # the cpu preset's attention
-  TRAIN_ATTENTION=${TRAIN_ATTENTION:-jzyfa}  # no cuDNN on a CPU
   IMPLS_16=jzyfa_xla; IMPLS_FP8=jzyfa_fp8_xla; ACCURACY_FLAGS=(--seq 64 --windows 1)
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 else
-  TRAIN_FLAGS=(--preset h200 --steps "${TRAIN_STEPS:-400}" --log-every 50)
+  # Batch 16: the preset's 32 needs about 72 GB of temporaries, more than an H100 has.
+  TRAIN_FLAGS=(--preset h200 --batch "${TRAIN_BATCH:-16}" --steps "${TRAIN_STEPS:-400}" --log-every 50)
   CAPTURE_SEQ=${CAPTURE_SEQ:-8192}; SUSTAINED_S=${SUSTAINED_S:-2}; BENCH_SHAPES=${BENCH_SHAPES:-1x8192}
   BENCH_FLAGS=(--heads 8 --kv_heads 2 --head_dim 128)  # the h200 preset's attention
   IMPLS_16=jzyfa,cudnn; IMPLS_FP8=jzyfa_fp8,jzyfa_fp8_exact_p,cudnn_fp8,jzyfa,cudnn
@@ -85,7 +85,7 @@ if [ "$SMOKE" = 0 ]; then
 fi
 
 step train "${T_TRAIN:-300}" "$PYTHON" "$REPO/examples/train.py" "${TRAIN_FLAGS[@]}" \
-  --attention "${TRAIN_ATTENTION:-cudnn}" --save "$CHECKPOINT" || exit 1  # nothing to measure without it
+  --attention "${TRAIN_ATTENTION:-jzyfa}" --save "$CHECKPOINT" || exit 1  # nothing to measure without it
 step capture "${T_CAPTURE:-90}" "$PYTHON" "$REPO/examples/capture.py" --checkpoint "$CHECKPOINT" \
   --seq "$CAPTURE_SEQ" --out "$CAPTURED" || exit 1
 INPUTS="gaussian,activations,captured:$CAPTURED"
