@@ -15,6 +15,8 @@ from attention_oracle import (
     relative_l2,
 )
 from gpu_utils import assert_bitwise_reruns, requires_hopper
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jax
 import jax.numpy as jnp
@@ -194,7 +196,7 @@ def test_bitwise_reruns():
     def fn(*a):
         return bwd_call(*a, causal=True, softmax_scale=128**-0.5)
 
-    assert_bitwise_reruns(fn, (q, k, v, dout, lse, delta), reruns=10)
+    assert_bitwise_reruns(fn, (q, k, v, dout, lse, delta), reruns=100)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
@@ -236,3 +238,31 @@ def test_public_path_grad():
     want = naive_attention_grads_f64(q, k, v, dout, causal=True, softmax_scale=128**-0.5)
     for name, g, ref in zip(("dq", "dk", "dv"), got, want):
         assert relative_l2(np.asarray(g, np.float64), ref) < TOLERANCE, name
+
+
+# Window sides: unbounded, small (most blocks edge blocks) or wide (blocks inside the window).
+_side = st.one_of(st.just(-1), st.integers(0, 16), st.integers(0, 400))
+
+
+@settings(
+    max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
+@given(
+    seq_q=st.integers(1, 600),
+    seq_k=st.integers(1, 600),
+    kv_heads=st.sampled_from([1, 2]),
+    ratio=st.sampled_from([1, 2, 3, 8]),
+    head_dim=st.sampled_from([64, 128]),
+    dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
+    mask=st.one_of(
+        st.just(("none", None)),
+        st.just(("causal", None)),
+        st.tuples(st.just("window"), st.tuples(_side, _side)),
+    ),
+    batch=st.integers(1, 2),
+)
+def test_property_shapes_ratios_masks(seq_q, seq_k, kv_heads, ratio, head_dim, dtype, mask, batch):
+    """Random lengths (Sq != Sk both ways), GQA ratios, head dims, dtypes and masks against float64."""
+    kind, window = mask
+    check(seq_q, seq_k, heads_q=kv_heads * ratio, heads_kv=kv_heads, head_dim=head_dim, dtype=dtype,
+          causal=kind == "causal", batch=batch, window=window, seed=seq_q * 1000 + seq_k)  # fmt: skip
