@@ -161,6 +161,33 @@ __device__ __forceinline__ void LoadOperand(uint32_t dst, const CUtensorMap* map
   }
 }
 
+// Both tile operands (maps[a] then maps[b]) for both consumers: consumer c's 64 rows from row + 64c.
+template <int kHeadDim>
+__device__ __forceinline__ void LoadTileOperands(const BwdSmem<kHeadDim>& smem, const CUtensorMap* a,
+                                                 const CUtensorMap* b, uint32_t bar, int row, int head,
+                                                 int batch) {
+  for (int which = 0; which < 2; ++which)
+    for (int c = 0; c < BwdTile<kHeadDim>::kConsumers; ++c)
+      LoadOperand<kHeadDim>(smem.tile(which, c), which ? b : a, bar, row + 64 * c, head, batch);
+}
+
+// A block's two smem x smem GEMMs of one consumer, each once its streamed operand has landed:
+// x = tile operand 0 times streamed operand 0 (S or S^T), y = operand 1 times operand 1 (dP or dP^T),
+// [64 x 64] each; waits for both.
+template <typename Element, int kHeadDim, int kStages>
+__device__ __forceinline__ void IssueBlockScores(float (&x)[32], float (&y)[32], const BwdSmem<kHeadDim>& smem,
+                                                 FwdBarriers<kStages, 1>& bars, const RingSlot<kStages>& slot,
+                                                 int consumer) {
+  constexpr int kSlice = BwdTile<kHeadDim>::kSliceBytes;
+  ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
+  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(x, smem.tile(0, consumer), smem.stream(slot.stage, 0), 0);
+  ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
+  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(y, smem.tile(1, consumer), smem.stream(slot.stage, 1), 0);
+  ptx::wgmma_wait_group<0>();
+  FenceRegisters(x);
+  FenceRegisters(y);
+}
+
 // Where a tile's rows sit in the tensor maps: a dense batch row b is map batch b from row 0, a varlen
 // sequence map batch 0 from its first token.
 struct BwdMapRows {

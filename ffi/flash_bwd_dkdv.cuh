@@ -70,10 +70,7 @@ struct BwdDkdvMainloop {
   // maps: q, k, v, dout. Tile operands K (0) and V (1); streamed Q (0) and dO (1).
   static __device__ __forceinline__ void Run(const CUtensorMap* const (&maps)[4], const BwdDkdvArgs& args) {
     auto load_tile = [&](const Smem& smem, const BwdDkdvWork& w, uint32_t bar) {
-      for (int which = 0; which < 2; ++which)
-        for (int c = 0; c < Tile::kConsumers; ++c)
-          LoadOperand<kHeadDim>(smem.tile(which, c), maps[1 + which], bar,
-                                w.rows.k_row0 + w.key_start + 64 * c, w.kv_head, w.rows.batch);
+      LoadTileOperands(smem, maps[1], maps[2], bar, w.rows.k_row0 + w.key_start, w.kv_head, w.rows.batch);
     };
     // The producer streams a tile's steps in order (ProduceTiles: Q then dO of step 0, 1, ...): it
     // counts the step's query block and head instead of dividing (its 40 registers).
@@ -129,15 +126,7 @@ struct BwdDkdvMainloop {
                            : DeltaAt(args.delta + lse_row0, query, seq.len_q);
         }
         float s[32], dp[32];  // S^T and dP^T: [64 keys x 64 queries]
-        ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
-        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
-            s, smem.tile(0, t.consumer), smem.stream(slot.stage, 0), 0);
-        ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
-        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
-            dp, smem.tile(1, t.consumer), smem.stream(slot.stage, 1), 0);
-        ptx::wgmma_wait_group<0>();
-        FenceRegisters(s);
-        FenceRegisters(dp);
+        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer);
         // The rows are written (this buffer's last readers finished a block ago: they passed this
         // barrier of the block in between).
         ptx::named_barrier_sync(kBwdRowsBarrier + t.consumer, 128);

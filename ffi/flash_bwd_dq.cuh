@@ -59,10 +59,7 @@ struct BwdDqMainloop {
   // maps: q, k, v, dout. Tile operands Q (0) and dO (1); streamed K (0) and V (1).
   static __device__ __forceinline__ void Run(const CUtensorMap* const (&maps)[4], const BwdDqArgs& args) {
     auto load_tile = [&](const Smem& smem, const BwdDqWork& w, uint32_t bar) {
-      for (int which = 0; which < 2; ++which)
-        for (int c = 0; c < Tile::kConsumers; ++c)
-          LoadOperand<kHeadDim>(smem.tile(which, c), maps[which ? 3 : 0], bar,
-                                w.rows.q_row0 + w.q_start + 64 * c, w.head, w.rows.batch);
+      LoadTileOperands(smem, maps[0], maps[3], bar, w.rows.q_row0 + w.q_start, w.head, w.rows.batch);
     };
     auto load_stream = [&](const Smem& smem, const BwdDqWork& w, int block, int stage, int which,
                            uint32_t bar) {
@@ -89,15 +86,7 @@ struct BwdDqMainloop {
       for (int block = 0; block < work.num_blocks; ++block) {
         const RingSlot<Tile::kStages> slot(ring + block);
         float s[32], dp[32];  // S and dP: [64 rows x 64 keys]
-        ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
-        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
-            s, smem.tile(0, t.consumer), smem.stream(slot.stage, 0), 0);
-        ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
-        IssueQK<Element, 64, kHeadDim, Tile::kSliceBytes, Tile::kSliceBytes, 0>(
-            dp, smem.tile(1, t.consumer), smem.stream(slot.stage, 1), 0);
-        ptx::wgmma_wait_group<0>();
-        FenceRegisters(s);
-        FenceRegisters(dp);
+        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer);
         t.Release(bars.v_empty[slot.stage]);  // V is read (dP has landed)
         const int key_start = (work.n_first + block) * Tile::kBlockN, key_last = key_start + 63;
         const bool needs_mask = key_last >= seq.len_k ||
