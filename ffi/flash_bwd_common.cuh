@@ -138,9 +138,12 @@ struct BwdSmem {
 };
 
 // A consumer thread: its warpgroup among the consumers, its warp and lane; the first of its two
-// accumulator rows in the warpgroup's 64 is 16 warp + lane / 4 (the other 8 further).
+// accumulator rows in the warpgroup's 64 is 16 warp + lane / 4 (the other 8 further). turns: the
+// consumers take turns issuing their GEMMs (the forward's ping-pong, named barriers 1 and 2), two a
+// block (S and dP, then the register-A GEMMs), so one's elementwise work overlaps the other's GEMMs.
 struct BwdThread {
   int consumer, warp, lane;
+  PingPong turns;
   __device__ __forceinline__ int row() const { return 16 * warp + lane / 4; }
   // One lane per warp arrives on an "empty" barrier (each warp's wait_group covered its wgmma).
   __device__ __forceinline__ void Release(uint64_t& empty) const {
@@ -171,18 +174,20 @@ __device__ __forceinline__ void LoadTileOperands(const BwdSmem<kHeadDim>& smem, 
       LoadOperand<kHeadDim>(smem.tile(which, c), which ? b : a, bar, row + 64 * c, head, batch);
 }
 
-// A block's two smem x smem GEMMs of one consumer, each once its streamed operand has landed:
+// A block's two smem x smem GEMMs of one consumer, in its turn once both streamed operands landed:
 // x = tile operand 0 times streamed operand 0 (S or S^T), y = operand 1 times operand 1 (dP or dP^T),
 // [64 x 64] each; waits for both.
 template <typename Element, int kHeadDim, int kStages>
 __device__ __forceinline__ void IssueBlockScores(float (&x)[32], float (&y)[32], const BwdSmem<kHeadDim>& smem,
                                                  FwdBarriers<kStages, 1>& bars, const RingSlot<kStages>& slot,
-                                                 int consumer) {
+                                                 int consumer, const PingPong& turns) {
   constexpr int kSlice = BwdTile<kHeadDim>::kSliceBytes;
   ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
-  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(x, smem.tile(0, consumer), smem.stream(slot.stage, 0), 0);
   ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
+  turns.Begin();
+  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(x, smem.tile(0, consumer), smem.stream(slot.stage, 0), 0);
   IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(y, smem.tile(1, consumer), smem.stream(slot.stage, 1), 0);
+  turns.End();
   ptx::wgmma_wait_group<0>();
   FenceRegisters(x);
   FenceRegisters(y);
@@ -230,8 +235,9 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
 
   // ---------------------------------------------------------------------------- consumers
   ptx::setmaxnreg_inc<Tile::kConsumerRegs>();
-  const BwdThread thread{warpgroup - 1, static_cast<int>((threadIdx.x % 128) / 32),
-                         static_cast<int>(threadIdx.x % 32)};
+  const int consumer = warpgroup - 1, lane = static_cast<int>(threadIdx.x % 32);
+  const BwdThread thread{consumer, static_cast<int>((threadIdx.x % 128) / 32), lane, PingPong{consumer, lane}};
+  thread.turns.Open();
   uint32_t ring = 0;
   for (int round = 0;; ++round) {
     ptx::mbarrier_wait(SmemAddress(&bars.q_full[0]), RingSlot<1>(round).parity);
@@ -239,6 +245,7 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
     if (tile >= args.num_tiles) break;
     ring += consume_tile(smem, bars, tile, ring, thread);
   }
+  if (consumer == 0) thread.turns.Begin();  // consumer 1's last hand-over
 }
 
 // lse at row `row` of a sequence (in the log2 domain, +inf where P must be 0: rows past the sequence and

@@ -20,8 +20,9 @@ namespace jzyfa {
 
 struct BwdDkdvArgs : BwdArgs {};
 
-// Named barriers 1 and 2: consumer c's 128 threads after writing a block's lse and delta rows.
-constexpr int kBwdRowsBarrier = 1;
+// Named barriers 3 and 4: consumer c's 128 threads after writing a block's lse and delta rows (1 and
+// 2 are the consumers' turns).
+constexpr int kBwdRowsBarrier = 3;
 
 // A dK/dV tile: its sequence, KV head and keys, and the query blocks that see them. Step `block`
 // streams query head kv_head * group + block / m_count, query block m_first + block % m_count.
@@ -126,7 +127,7 @@ struct BwdDkdvMainloop {
                            : DeltaAt(args.delta + lse_row0, query, seq.len_q);
         }
         float s[32], dp[32];  // S^T and dP^T: [64 keys x 64 queries]
-        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer);
+        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer, t.turns);
         // The rows are written (this buffer's last readers finished a block ago: they passed this
         // barrier of the block in between).
         ptx::named_barrier_sync(kBwdRowsBarrier + t.consumer, 128);
@@ -154,8 +155,10 @@ struct BwdDkdvMainloop {
         uint32_t p_frag[4][4], ds_frag[4][4];
         PackFragments<Element, 64>(s, p_frag);
         PackFragments<Element, 64>(dp, ds_frag);
+        t.turns.Begin();
         IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dv, p_frag, smem.stream(slot.stage, 1));
         IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dk, ds_frag, smem.stream(slot.stage, 0));
+        t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dk);
         FenceRegisters(dv);

@@ -86,7 +86,7 @@ struct BwdDqMainloop {
       for (int block = 0; block < work.num_blocks; ++block) {
         const RingSlot<Tile::kStages> slot(ring + block);
         float s[32], dp[32];  // S and dP: [64 rows x 64 keys]
-        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer);
+        IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer, t.turns);
         t.Release(bars.v_empty[slot.stage]);  // V is read (dP has landed)
         const int key_start = (work.n_first + block) * Tile::kBlockN, key_last = key_start + 63;
         const bool needs_mask = key_last >= seq.len_k ||
@@ -106,7 +106,9 @@ struct BwdDqMainloop {
           }
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);
+        t.turns.Begin();
         IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dq, ds_frag, smem.stream(slot.stage, 0));
+        t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dq);
         t.Release(bars.k_empty[slot.stage]);
