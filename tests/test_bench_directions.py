@@ -83,5 +83,7 @@ def test_smoke_run_times_every_direction():
         assert r["flops"] == forward_flops * directions.FLOP_FACTORS[r["direction"]]
         if not ON_GPU:
             assert r["memory_mb"] > 0
+        assert r["compile_s"] > 0  # the first call's compile time (issue 30: within 1.5x of cuDNN's)
     assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
     assert "mem MB" in speed.format_plain(report["results"])
+    assert "compile s" in speed.format_plain(report["results"])

@@ -77,13 +77,17 @@ def timed_call(forward: Callable, args: Sequence[tuple], douts: Sequence[jax.Arr
     return (lambda pullback, dout: pullback(dout)), list(zip(pullbacks, douts))
 
 
-def memory_bytes(fn: Callable, args: tuple) -> int | None:
-    """What XLA holds for one call of jit(fn) on args: arguments, results and temporaries (None where the
-    backend reports no memory analysis)."""
-    memory = jax.jit(fn).lower(*args).compile().memory_analysis()
+def compile_stats(fn: Callable, args: tuple) -> tuple[int | None, float]:
+    """What XLA holds for one call of jit(fn) on args (arguments, results and temporaries; None where the
+    backend reports no memory analysis), and the seconds lowering and compiling it took (a fresh
+    compile: JAX's in-memory caches hold jitted callables, not this lowering)."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
     if memory is None:
-        return None
-    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes)
+        return None, seconds
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes), seconds
 
 
 # ----------------------------------------------------------------------------------------------

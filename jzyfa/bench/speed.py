@@ -632,6 +632,7 @@ def measure_peer(
         "wall": None,  # wall-clock summary
         "wall_tflops": None,
         "memory_mb": None,  # what XLA holds for one call: arguments, results, temporaries (JAX peers)
+        "compile_s": None,  # lowering and compiling the timed call once (JAX peers)
     }
     torch_peer = peer.framework == "torch"
     # Build and check.
@@ -648,7 +649,7 @@ def measure_peer(
             err = _directions.gradient_error(raw, grad_ref, problem.heads_q, problem.heads_kv)
         del raw
         if not torch_peer:
-            memory = _directions.memory_bytes(timed_fn, args[0])
+            memory, result["compile_s"] = _directions.compile_stats(timed_fn, args[0])
             result["memory_mb"] = None if memory is None else memory / 2**20
     except Unsupported as e:
         result.update(status="unsupported", message=str(e))
@@ -768,6 +769,7 @@ TABLE_COLUMNS = [
     "W",
     "rel err",
     "mem MB",
+    "compile s",
     "status",
 ]
 
@@ -798,6 +800,7 @@ def table_rows(results: Sequence[dict[str, Any]]) -> list[list[str]]:
                 fmt(r.get("board_power_w"), ".0f"),
                 fmt(r["rel_err"], ".2e"),
                 fmt(r.get("memory_mb"), ".0f"),
+                fmt(r.get("compile_s"), ".2f"),
                 status,
             ]
         )
