@@ -147,8 +147,8 @@ constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
   return false;
 }
 
-// The backward tiles. Both kernels: 2 warpgroups of 64 rows (the wgmma M), no producer warpgroup
-// (the first version loads with cp.async, 2 stages), so each thread may hold up to 255 registers.
+// The backward tiles. Both kernels: 2 consumer warpgroups of 64 rows (the wgmma M) and a producer
+// warpgroup loading with TMA through a 2-stage ring (flash_bwd_common.cuh's BwdTiles).
 //   dK/dV kernel: 128 keys per tile (64 per warpgroup: dK and dV accumulate in registers, head_dim
 //     / 2 floats each), query blocks of dkdv_block_m rows streamed through the ring.
 //   dQ kernel: 128 query rows per tile (64 per warpgroup: dQ in registers), key blocks of
