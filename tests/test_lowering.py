@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jzyfa
-from jzyfa.primitives import FFI_TARGET
+from jzyfa.primitives import FFI_TARGET, FFI_TARGET_BWD
 
 # Dispatch as on a CPU host (the kernel path is taken), even when these tests run on a GPU host.
 pytestmark = pytest.mark.usefixtures("cpu_backend")
@@ -94,12 +94,24 @@ def test_vmap_lowers_to_one_call_with_folded_batch():
     assert "bf16[6,40,8,128]" in call
 
 
-def test_grad_lowers_forward_to_the_kernel_and_backward_to_xla():
+def test_grad_lowers_forward_and_backward_to_the_kernels():
     def loss(q, k, v):
         return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True).astype(jnp.float32))
 
     text = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), Q, KV, KV).as_text(dialect="hlo")
-    assert len(custom_calls(text)) == 1 and FFI_TARGET in text
+    assert len(custom_calls(text)) == 2 and FFI_TARGET in text and FFI_TARGET_BWD in text
+
+
+def test_grad_without_a_backward_kernel_lowers_the_backward_to_xla():
+    """Head dim 256 has a forward kernel and no backward one: the pullback is the pure-JAX backward."""
+    q = jax.ShapeDtypeStruct((2, 40, 8, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 72, 2, 256), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True).astype(jnp.float32))
+
+    text = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, kv, kv).as_text(dialect="hlo")
+    assert len(custom_calls(text)) == 1 and FFI_TARGET in text and FFI_TARGET_BWD not in text
 
 
 def test_export_for_cpu_and_cuda_runs_on_cpu():
