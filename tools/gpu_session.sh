@@ -39,6 +39,8 @@ python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DI
 grep -E "registers|spill|stack frame|C75" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/summary.txt"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 SO=$(ls "$SITE"/jzyfa/_jzyfa_ffi*.so)
+# What the build is made from, for tools/real_model_session.sh's reuse of this build.
+bash "$REPO/tools/source_stamp.sh" "$REPO" > "$SITE/jzyfa-source.txt"
 cuobjdump --dump-sass "$SO" > /tmp/jzyfa_sass.txt 2>&1
 grep -oE "\b(HGMMA|QGMMA|UTMALDG|UTMASTG|MUFU\.EX2|LDL|STL|WARPGROUP\.ARRIVE)[.A-Z0-9x_]*" /tmp/jzyfa_sass.txt \
   | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"

@@ -10,8 +10,9 @@
 # On the H200 the whole session stays within TOTAL_S (560 s by default, so it ends inside one
 # 10-minute command; the step timeouts below are estimates from the preset's arithmetic, see
 # docs/measuring.md): builds and installs jzyfa as tools/gpu_session.sh does (skipped where
-# $JZYFA_SITE already holds the extension). --smoke: the same steps at CPU sizes from the checkout
-# (under a minute on a CPU; tests/test_real_model_session.py).
+# $JZYFA_SITE already holds the extension built from this tree, by its jzyfa-source.txt:
+# tools/source_stamp.sh). --smoke: the same steps at CPU sizes from the checkout (under a minute on a
+# CPU; tests/test_real_model_session.py).
 # What comes back (at most 8 files): session.log, summary.md (every table), bench_speed.png,
 # model_kl.png, model_layer_error.png, and real_model.tar.gz (every log and JSON).
 # Knobs (environment): TRAIN_STEPS, TRAIN_BATCH, TRAIN_ATTENTION (jzyfa | cudnn | xla), CAPTURE_SEQ,
@@ -74,11 +75,21 @@ step() {
 if [ "$SMOKE" = 0 ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv
   SITE=${JZYFA_SITE:-/tmp/jzyfa-site}
-  if ! ls "$SITE"/jzyfa/_jzyfa_ffi*.so > /dev/null 2>&1; then
+  # Reuse an installed extension only where it was built from this tree (tools/source_stamp.sh): a
+  # warm machine's $SITE may hold another tree's build (an A/B tree of gpu_session.sh, say).
+  STAMP=$(bash "$REPO/tools/source_stamp.sh" "$REPO")
+  if ls "$SITE"/jzyfa/_jzyfa_ffi*.so > /dev/null 2>&1 && [ "$(cat "$SITE/jzyfa-source.txt" 2>/dev/null)" = "$STAMP" ]; then
+    echo "jzyfa: reusing the build in $SITE ($STAMP)"
+  else
+    if [ -e "$SITE" ]; then
+      echo "jzyfa: $SITE holds another build ($(cat "$SITE/jzyfa-source.txt" 2>/dev/null || echo 'no jzyfa-source.txt')); building $REPO ($STAMP)"
+      rm -rf "$SITE"
+    fi
     export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
     step build "${T_BUILD:-240}" "$PYTHON" -m pip install --no-build-isolation --no-deps \
       -C build-dir=/tmp/jzyfa-build-real-model --target "$SITE" "$REPO" > /dev/null \
       || { echo "BUILD FAILED"; exit 1; }
+    echo "$STAMP" > "$SITE/jzyfa-source.txt"
   fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   cd /tmp  # `import jzyfa` finds the installed package with its extension
