@@ -4,6 +4,7 @@ captured inputs with sustained rows, model accuracy), and what it leaves in its 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -37,3 +38,4 @@ def test_smoke_session(tmp_path):
     assert (tmp_path / "work" / "lm.npz").is_file() and (tmp_path / "work" / "qkv.npz").is_file()
     summary = (out / "summary.md").read_text()
     assert "held-out loss" in summary and "KL mean" in summary and "captured:qkv.npz" in summary
+    assert re.search(r"\] step +0/\d+ +loss \d", summary), "the training curve's logged steps"

@@ -120,7 +120,8 @@ status=${PIPESTATUS[0]}
 for name in train bench_bf16 bench_fp8 bench_sustained accuracy; do
   [ -f "$WORK/$name.log" ] || continue
   printf '\n## %s\n\n' "$name"
-  grep -E '^\||^[A-Za-z].*:$|held-out loss' "$WORK/$name.log"
+  # Tables, their captions, the training curve's logged steps and the held-out loss.
+  grep -E '^\||^[A-Za-z].*:$|\] step +[0-9]+/|held-out loss' "$WORK/$name.log"
 done > "$OUT_DIR/summary.md"
 tar -czf "$OUT_DIR/real_model.tar.gz" -C "$WORK" --exclude='*.npz' .
 echo "wrote $OUT_DIR (work files in $WORK)"
