@@ -33,8 +33,10 @@ import tempfile
 # One SASS line of nvdisasm -plr: /*addr*/ instruction ... // | count columns
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*//\s*\|\s*(\d+)\s?(.*)$")
 _SECTION = re.compile(r"^//-+ (\S+)\s+-+")
-# Values the math writes: left out of --live unless --all.
-_MATH = re.compile(r"^(@!?P\d\s+)?(HGMMA|QGMMA|IGMMA|MUFU|FFMA|FADD|FMUL|FMNMX|FSEL|F2FP|HADD2|HMUL2)")
+# Values the math writes (and accumulators zeroed before a loop): left out of --live unless --all.
+_MATH = re.compile(
+    r"^(@!?P\d\s+)?(HGMMA|QGMMA|IGMMA|MUFU|FFMA|FADD|FMUL|FMNMX|FSEL|F2FP|HADD2|HMUL2|CS2R R\d+, SRZ)"
+)
 
 
 @dataclasses.dataclass
