@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from test_ptx_generator import find_tool
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
@@ -39,11 +38,19 @@ def test_parses_counts_and_finds_the_peak_and_its_writers():
     assert len(register_peak.live_values(instructions, 0x20, every=True)) == 3
 
 
+def run_tool(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "register_peak.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+    )
+
+
 @pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason="JZYFA_SKIP_NVCC=1")
 def test_reports_a_compiled_kernel(tmp_path):
-    nvcc = find_tool("nvcc")
+    nvcc = register_peak.find_tool("nvcc")
     assert nvcc, "nvcc not found: install the CUDA toolkit (or set JZYFA_SKIP_NVCC=1)"
-    assert find_tool("nvdisasm"), "nvdisasm not found: pip install nvidia-cuda-nvdisasm"
+    assert register_peak.find_tool("nvdisasm"), "nvdisasm not found: pip install nvidia-cuda-nvdisasm"
     (tmp_path / "k.cu").write_text(
         "__global__ void saxpy(float* y, const float* x, float a, int n) {\n"
         "  int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
@@ -53,30 +60,9 @@ def test_reports_a_compiled_kernel(tmp_path):
     subprocess.run(
         [nvcc, "-c", "-gencode=arch=compute_90a,code=sm_90a", "k.cu", "-o", "k.o"], cwd=tmp_path, check=True
     )
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "register_peak.py"),
-            str(tmp_path / "k.o"),
-            "--kernel",
-            "saxpy",
-            "--live",
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    assert out.startswith("_Z5saxpyPfPKffi: peak ") and "live registers" in out
-    assert "live at /*" in out and "LDC" in out
-    missing = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "register_peak.py"),
-            str(tmp_path / "k.o"),
-            "--kernel",
-            "nothing",
-        ],
-        capture_output=True,
-        text=True,
-    )
+    out = run_tool(tmp_path / "k.o", "--kernel", "saxpy", "--live")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("_Z5saxpyPfPKffi: peak ") and "live registers" in out.stdout
+    assert "live at /*" in out.stdout and "LDC" in out.stdout
+    missing = run_tool(tmp_path / "k.o", "--kernel", "nothing")
     assert missing.returncode != 0 and "no kernel named like 'nothing'" in missing.stderr

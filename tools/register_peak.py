@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Where a kernel's registers peak, from nvdisasm's live-register report.
 
-ptxas says how many bytes a kernel spills, not where its registers run out. nvdisasm -plr prints,
-for every SASS instruction, how many general registers are live (-lrm count) and which (-lrm narrow).
-This tool reads both for the kernels of an object or cubin whose mangled name contains --kernel and
+ptxas says how many bytes a kernel spills, not where its registers run out. nvdisasm -plr -lrm narrow
+prints, for every SASS instruction, how many general registers are live and which. This tool reads it
+for the kernels of an object or cubin whose mangled name contains --kernel and
 prints, per kernel: the peak count and where it is (the instructions around each place it is
 reached), and with --live the registers live at the first peak with the instruction that last wrote
 each (accumulators of wgmma and float math left out unless --all): the values a loop carries through
@@ -91,9 +91,10 @@ def parse(text: str) -> dict[str, list[Instruction]]:
     return kernels
 
 
-def listing(nvdisasm: str, cubin: pathlib.Path, mode: str) -> dict[str, list[Instruction]]:
+def listing(nvdisasm: str, cubin: pathlib.Path) -> dict[str, list[Instruction]]:
+    """Kernel name -> its instructions with their live counts and register columns (-lrm narrow)."""
     out = subprocess.run(
-        [nvdisasm, "-plr", "-lrm", mode, str(cubin)], check=True, capture_output=True, text=True
+        [nvdisasm, "-plr", "-lrm", "narrow", str(cubin)], check=True, capture_output=True, text=True
     )
     return parse(out.stdout)
 
@@ -145,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     reported = 0
     with tempfile.TemporaryDirectory() as tmp:
         for cubin in cubins(args.path, pathlib.Path(tmp)):
-            counts = listing(nvdisasm, cubin, "count")
-            narrow = listing(nvdisasm, cubin, "narrow") if args.live else {}
-            for name, instructions in counts.items():
+            for name, instructions in listing(nvdisasm, cubin).items():
                 if args.kernel not in name or not instructions:
                     continue
                 reported += 1
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  /*{i.address:04x}*/ {i.live:4d}  {i.text}")
                 if args.live:
                     print(f"  live at /*{instructions[starts[0]].address:04x}*/:")
-                    print("\n".join(live_values(narrow[name], instructions[starts[0]].address, args.all)))
+                    print("\n".join(live_values(instructions, instructions[starts[0]].address, args.all)))
     if reported == 0:
         raise SystemExit(f"no kernel named like {args.kernel!r} in {args.path}")
     return 0
