@@ -131,12 +131,15 @@ fi
 if [ -n "${JZYFA_NCU_RUNS:-}" ]; then
   # Nsight Compute on one attention call each (warp stall reasons, per-instruction samples), e.g.
   # JZYFA_NCU_RUNS="--dtype fp8 --seq 16384;--dtype bf16 --seq 16384". One tarball of reports.
+  # JZYFA_NCU_KERNEL: which kernel, a regex over demangled names (default FlashFwd; BwdDkdv for
+  # the backward's dK/dV kernel with "--dtype bf16 --direction bwd" runs).
   IFS=';' read -ra ncu_runs <<< "${JZYFA_NCU_RUNS}"
   mkdir -p /tmp/ncu
   for i in "${!ncu_runs[@]}"; do
     step "ncu: ${ncu_runs[$i]}"
     # shellcheck disable=SC2086
-    timeout 300 ncu --clock-control none -k regex:FlashFwd --launch-skip 1 --launch-count 1 \
+    timeout 300 ncu --clock-control none --kernel-name-base demangled \
+      -k "regex:${JZYFA_NCU_KERNEL:-FlashFwd}" --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \
       --section SourceCounters --import-source no -f -o "/tmp/ncu/run$i" \
       python3 "$REPO/tools/profile_call.py" ${ncu_runs[$i]} 2>&1 | tail -5 | tee -a "$OUT_DIR/ncu.log"
