@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_bwd_common.cuh"
 
@@ -117,15 +118,20 @@ struct BwdDkdvMainloop {
       // of lse and delta (counters, not divisions: fewer live registers).
       int m = 0;
       int64_t lse_row0 = seq.lse_offset + int64_t{work.first_head} * seq.lse_head_stride;
+      // Thread i of the consumer writes entry i of a block's rows: lse (i < 64) or delta of query i % 64.
+      // Its raw value is loaded a block ahead, during the previous block's dV and dK GEMMs, where the
+      // load's latency hides; the first block's here.
+      const int row_entry = threadIdx.x % 128;
+      auto load_row_entry = [&](int m_start, int64_t row0) {
+        return RawQueryRow(row_entry < 64 ? args.lse : args.delta, row0, m_start + row_entry % 64,
+                           seq.len_q, row_entry < 64 ? -INFINITY : 0.f);
+      };
+      float next_row_entry = load_row_entry(work.m_first * kBwdRowsPerWarpgroup, lse_row0);
       for (int block = 0; block < work.num_blocks; ++block) {
         const RingSlot<Tile::kStages> slot(ring + block);
         const int m_start = (work.m_first + m) * kBwdRowsPerWarpgroup;
         float* rows = query_rows[t.consumer][slot.stage];
-        {
-          const int i = threadIdx.x % 128, query = m_start + i % 64;
-          rows[i] = i < 64 ? LseLog2At(args.lse + lse_row0, query, seq.len_q)
-                           : DeltaAt(args.delta + lse_row0, query, seq.len_q);
-        }
+        rows[row_entry] = row_entry < 64 ? LseLog2(next_row_entry) : next_row_entry;
         float s[32], dp[32];  // S^T and dP^T: [64 keys x 64 queries]
         IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer, t.turns);
         // The rows are written (this buffer's last readers finished a block ago: they passed this
@@ -137,24 +143,43 @@ struct BwdDkdvMainloop {
         const bool needs_mask = key_last >= seq.len_k || m_start + 64 > seq.len_q ||
                                 key_last - (m_start + diagonal) > args.window_right ||
                                 m_start + 63 + diagonal - key_first > args.window_left;
+        // Two copies of the softmax and one branch a block: the per-element tests of the mask only in
+        // the copy for blocks that need them (a test per element costs a branch per element).
+        auto softmax = [&](auto masked) {
 #pragma unroll
-        for (int c = 0; c < 8; ++c)
+          for (int c = 0; c < 8; ++c)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int query = m_start + 8 * c + 2 * (t.lane % 4) + e;  // columns are queries
-            const float lse_log2 = rows[query - m_start], delta = rows[64 + query - m_start];
+            for (int e = 0; e < 2; ++e) {
+              const int query = m_start + 8 * c + 2 * (t.lane % 4) + e;  // columns are queries
+              const float lse_log2 = rows[query - m_start], delta = rows[64 + query - m_start];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int i = 4 * c + 2 * h + e;
-              float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
-              if (needs_mask && !(visible_from[h] <= query && query <= visible_to[h])) p = 0.f;
-              s[i] = p;
-              dp[i] = p * (dp[i] - delta);
+              for (int h = 0; h < 2; ++h) {
+                const int i = 4 * c + 2 * h + e;
+                float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
+                if constexpr (decltype(masked)::value) {
+                  if (!(visible_from[h] <= query && query <= visible_to[h])) p = 0.f;
+                }
+                s[i] = p;
+                dp[i] = p * (dp[i] - delta);
+              }
             }
-          }
+        };
+        if (needs_mask) {
+          softmax(std::true_type{});
+        } else {
+          softmax(std::false_type{});
+        }
         uint32_t p_frag[4][4], ds_frag[4][4];
         PackFragments<Element, 64>(s, p_frag);
         PackFragments<Element, 64>(dp, ds_frag);
+        // The next block's query block and head, and its row entry's load.
+        if (++m == work.m_count) {
+          m = 0;
+          lse_row0 += seq.lse_head_stride;
+        }
+        if (block + 1 < work.num_blocks) {
+          next_row_entry = load_row_entry((work.m_first + m) * kBwdRowsPerWarpgroup, lse_row0);
+        }
         t.turns.Begin();
         IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dv, p_frag, smem.stream(slot.stage, 1));
         IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dk, ds_frag, smem.stream(slot.stage, 0));
@@ -164,10 +189,6 @@ struct BwdDkdvMainloop {
         FenceRegisters(dv);
         t.Release(bars.k_empty[slot.stage]);
         t.Release(bars.v_empty[slot.stage]);
-        if (++m == work.m_count) {
-          m = 0;
-          lse_row0 += seq.lse_head_stride;
-        }
       }
       t.Release(bars.q_empty[0]);  // K and V are read: the producer may load the next tile's
       // The tile's place again (not kept live through the loop: its registers are the loop's).

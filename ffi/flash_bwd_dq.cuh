@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_bwd_common.cuh"
 
@@ -92,18 +93,26 @@ struct BwdDqMainloop {
         const bool needs_mask = key_last >= seq.len_k ||
                                 key_last - (rows_start + diagonal) > args.window_right ||
                                 rows_start + 63 + diagonal - key_start > args.window_left;
+        // Two copies of the softmax and one branch a block, as in the dK/dV kernel.
+        auto softmax = [&](auto masked) {
 #pragma unroll
-        for (int c = 0; c < 8; ++c)
+          for (int c = 0; c < 8; ++c)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 4 * c + e, h = e >> 1;
-            float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2[h]));
-            if (needs_mask) {
-              const int key = key_start + 8 * c + 2 * (t.lane % 4) + (e & 1);
-              if (!(key < seq.len_k && KeyVisible(args, key, row + 8 * h + diagonal))) p = 0.f;
+            for (int e = 0; e < 4; ++e) {
+              const int i = 4 * c + e, h = e >> 1;
+              float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2[h]));
+              if constexpr (decltype(masked)::value) {
+                const int key = key_start + 8 * c + 2 * (t.lane % 4) + (e & 1);
+                if (!(key < seq.len_k && KeyVisible(args, key, row + 8 * h + diagonal))) p = 0.f;
+              }
+              dp[i] = p * (dp[i] - delta[h]);
             }
-            dp[i] = p * (dp[i] - delta[h]);
-          }
+        };
+        if (needs_mask) {
+          softmax(std::true_type{});
+        } else {
+          softmax(std::false_type{});
+        }
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);
         t.turns.Begin();
