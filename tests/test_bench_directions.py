@@ -70,6 +70,28 @@ def test_who_is_not_differentiated_says_why():
     assert "causal" in directions.no_backward_reason(peers.PEERS["pallas"], dense)
 
 
+# The event JAX records for each backend compile (jax._src.dispatch.BACKEND_COMPILE_EVENT).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def test_compile_stats_compiles_what_was_compiled_before():
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: compiles.append(seconds) if event == BACKEND_COMPILE_EVENT else None
+    )
+
+    def fn(x):
+        return jnp.sin(x) @ x
+
+    x = jnp.ones((32, 32))
+    jax.jit(fn)(x).block_until_ready()
+    before = len(compiles)
+    memory, seconds = directions.compile_stats(fn, (x,))
+    assert len(compiles) == before + 1  # a backend compile, not a cache hit
+    assert seconds >= compiles[-1]
+    assert memory is None or memory > 0
+
+
 def test_smoke_run_times_every_direction():
     config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
                              "--direction", "fwd,bwd,fwd+bwd", "--kv_heads", "2"])  # fmt: skip

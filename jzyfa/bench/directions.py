@@ -79,8 +79,11 @@ def timed_call(forward: Callable, args: Sequence[tuple], douts: Sequence[jax.Arr
 
 def compile_stats(fn: Callable, args: tuple) -> tuple[int | None, float]:
     """What XLA holds for one call of jit(fn) on args (arguments, results and temporaries; None where the
-    backend reports no memory analysis), and the seconds lowering and compiling it took (a fresh
-    compile: JAX's in-memory caches hold jitted callables, not this lowering)."""
+    backend reports no memory analysis), and the seconds lowering and compiling it took: a first call's
+    compile. JAX's in-memory caches are cleared first: a program compiled before (the correctness
+    check's call) would otherwise come from them in about a millisecond. (A persistent compilation
+    cache, where one is configured, is not cleared.)"""
+    jax.clear_caches()
     start = time.perf_counter()
     compiled = jax.jit(fn).lower(*args).compile()
     seconds = time.perf_counter() - start
