@@ -6,12 +6,11 @@ import importlib.util
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
+from repo_tools import load_tool
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,12 +26,7 @@ def load_generator():
 gen_ptx = load_generator()
 
 
-def find_tool(name: str) -> str | None:
-    """A CUDA tool on PATH, in the CUDA toolkit, or in the pip wheels (nvidia-cuda-*)."""
-    candidates = [shutil.which(name), f"/usr/local/cuda/bin/{name}"]
-    purelib = pathlib.Path(sysconfig.get_paths()["purelib"])
-    candidates += [str(p) for p in sorted(purelib.glob(f"nvidia/cu*/bin/{name}"))]
-    return next((c for c in candidates if c and os.path.exists(c)), None)
+find_tool = load_tool("register_peak").find_tool  # a CUDA tool on PATH, in the toolkit or in the wheels
 
 
 def test_wgmma_operand_lists_are_complete():

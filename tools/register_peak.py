@@ -48,6 +48,7 @@ class Instruction:
 
 
 def find_tool(name: str) -> str | None:
+    """A CUDA tool on PATH, in the CUDA toolkit, or in the pip wheels (nvidia-cuda-*)."""
     candidates = [shutil.which(name), f"/usr/local/cuda/bin/{name}"]
     purelib = pathlib.Path(sysconfig.get_paths()["purelib"])
     candidates += [str(p) for p in sorted(purelib.glob(f"nvidia/cu*/bin/{name}"))]
