@@ -248,23 +248,23 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
   if (consumer == 0) thread.turns.Begin();  // consumer 1's last hand-over
 }
 
-// lse at row `row` of a sequence (in the log2 domain, +inf where P must be 0: rows past the sequence and
-// rows that saw no key) and delta (0 there).
-__device__ __forceinline__ float LseLog2(float lse) {
-  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
-}
-
-__device__ __forceinline__ float LseLog2At(const float* lse, int row, int len) {
-  return LseLog2(row < len ? __ldg(lse + row) : -INFINITY);
-}
-
 // A row's raw lse or delta (`outside` past the sequence): a load whose use can come a block later.
 __device__ __forceinline__ float RawQueryRow(const float* rows, int64_t row0, int row, int len, float outside) {
   return row < len ? __ldg(rows + row0 + row) : outside;
 }
 
+// lse in the log2 domain, +inf where P must be 0 (rows past the sequence and rows that saw no key).
+__device__ __forceinline__ float LseLog2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+}
+
+// lse (log2 domain) and delta (0 past the sequence) at row `row` of a sequence.
+__device__ __forceinline__ float LseLog2At(const float* lse, int row, int len) {
+  return LseLog2(RawQueryRow(lse, 0, row, len, -INFINITY));
+}
+
 __device__ __forceinline__ float DeltaAt(const float* delta, int row, int len) {
-  return row < len ? __ldg(delta + row) : 0.f;
+  return RawQueryRow(delta, 0, row, len, 0.f);
 }
 
 

@@ -76,17 +76,22 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 def test_compile_stats_compiles_what_was_compiled_before():
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, seconds, **_: compiles.append(seconds) if event == BACKEND_COMPILE_EVENT else None
-    )
+
+    def listener(event, seconds, **_):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(seconds)
 
     def fn(x):
         return jnp.sin(x) @ x
 
     x = jnp.ones((32, 32))
-    jax.jit(fn)(x).block_until_ready()
-    before = len(compiles)
-    memory, seconds = directions.compile_stats(fn, (x,))
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jax.jit(fn)(x).block_until_ready()
+        before = len(compiles)
+        memory, seconds = directions.compile_stats(fn, (x,))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert len(compiles) == before + 1  # a backend compile, not a cache hit
     assert seconds >= compiles[-1]
     assert memory is None or memory > 0

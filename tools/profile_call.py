@@ -2,7 +2,7 @@
 
     ncu -k regex:FlashFwd --launch-skip 1 --launch-count 1 python tools/profile_call.py --dtype fp8
     ncu --kernel-name-base demangled -k regex:BwdDkdv --launch-skip 1 --launch-count 1 \
-        python tools/profile_call.py --dtype bf16 --direction bwd --set_env JZYFA_BWD_DQ=kernel
+        python tools/profile_call.py --dtype bf16 --direction bwd
 
 Runs the call twice: the first compiles and warms up, the second is the one to profile (hence
 --launch-skip 1). `--direction bwd` runs the gradient of sum(out * do) instead (16-bit only), so
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="an environment setting made before jzyfa is imported (e.g. JZYFA_BWD_DQ=kernel)",
+        help="an environment setting made before jzyfa is imported (e.g. JZYFA_FP8_V_LAYOUT=staged)",
     )
     args = parser.parse_args(argv)
     if args.direction == "bwd" and args.dtype != "bf16":
