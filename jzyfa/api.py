@@ -57,8 +57,8 @@ def _problem(
     family, problem = _family_problem(q.dtype)
     if problem:
         return problem
-    if softcap is not None:
-        return "the kernels have no softcap (the tanh cap of the scores); the pure-JAX path serves it"
+    if softcap is not None and family == "fp8":
+        return "the FP8 kernel has no softcap (the tanh cap of the scores); the pure-JAX path serves it"
     config = plan.Config(family, (q.shape[-1], v.shape[-1]), mask, layout)
     return plan.call_problem(config, sizes, softmax_scale)
 
@@ -372,6 +372,7 @@ def flash_attention(
             lean_p=lean_p,
             backward_kernel=not fp8 and _backward_kernel(q, v, mask, layout),
             seqlens=bool(lengths),
+            softcap=softcap,
         )
         if fp8:  # FP8 inputs are not differentiated
             out, lse = primitives.attention_fwd(q, k, v, *lengths, *descales, spec=spec)
@@ -517,6 +518,7 @@ def flash_attention_varlen(
             varlen=(max_seqlen_q, max_seqlen_k),
             fp8=fp8,
             backward_kernel=not fp8 and _backward_kernel(q, v, mask, "varlen"),
+            softcap=softcap,
         )
         if fp8:
             out, lse = primitives.attention_fwd(q, k, v, cu_q, cu_k, *descales, spec=spec)

@@ -60,6 +60,7 @@ class AttentionSpec:
     `backward_kernel`: the plan has a backward kernel for this configuration, which the backward
     primitive's CUDA lowering then calls. `seqlens`: a dense call with per-sequence lengths (extras
     seqlens_q, seqlens_k), computed per shard as a packed call of 2 * batch sequences (`jzyfa.padded`).
+    `softcap`: c > 0 caps each scaled score s to c * tanh(s / c) (16-bit calls); 0 for none.
     """
 
     softmax_scale: float
@@ -73,6 +74,7 @@ class AttentionSpec:
     key_block: int = 0
     backward_kernel: bool = False
     seqlens: bool = False
+    softcap: float = 0.0
 
     @property
     def num_extras(self) -> int:
@@ -94,6 +96,7 @@ def make_spec(
     lean_p: bool = True,
     backward_kernel: bool = False,
     seqlens: bool = False,
+    softcap: float | None = None,
 ) -> AttentionSpec:
     """An AttentionSpec of plain hashable Python values."""
     return AttentionSpec(
@@ -106,6 +109,7 @@ def make_spec(
         lean_p=bool(lean_p),
         backward_kernel=bool(backward_kernel),
         seqlens=bool(seqlens),
+        softcap=0.0 if softcap is None else float(softcap),
     )
 
 
@@ -306,7 +310,7 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
         if not spec.fp8:
             return varlen_attention_reference(
                 q, k, v, cu_q, cu_k, max_q, max_k, window=window, softmax_scale=spec.softmax_scale,
-                trust_maxima=True,
+                softcap=spec.softcap or None, trust_maxima=True,
             )  # fmt: skip
         if spec.v_transposed:
             v = fp8_layout.varlen_value_from_operand(v, cu_k, k.shape[0])
@@ -317,8 +321,9 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
         )  # fmt: skip
     if not spec.fp8:
         return attention_reference(
-            q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window
-        )
+            q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale, window=spec.window,
+            softcap=spec.softcap or None,
+        )  # fmt: skip
     if spec.v_transposed:
         v = fp8_layout.value_from_operand(v, k.shape[1])
     descales = (d.reshape(k.shape[0], k.shape[2]) for d in extras)
@@ -357,6 +362,7 @@ def ffi_attributes(spec: AttentionSpec) -> dict:
         "lean_p": bool(spec.lean_p),
         "v_transposed": bool(spec.v_transposed),
         "key_block": np.int64(spec.key_block),
+        "softcap": np.float32(spec.softcap),  # 0: none
     }
 
 
@@ -460,9 +466,11 @@ def _pure_jax_backward(q, k, v, dout, lse, delta, *extras, spec: AttentionSpec):
     if spec.varlen:
         return varlen_attention_bwd_reference(
             q, k, v, dout, lse, delta, *extras, *spec.varlen, window=window, softmax_scale=spec.softmax_scale,
-            trust_maxima=True,
+            softcap=spec.softcap or None, trust_maxima=True,
         )  # fmt: skip
-    return attention_bwd_reference(q, k, v, dout, lse, delta, softmax_scale=spec.softmax_scale, window=window)
+    return attention_bwd_reference(
+        q, k, v, dout, lse, delta, softmax_scale=spec.softmax_scale, window=window, softcap=spec.softcap or None
+    )
 
 
 _pure_jax_backward_lowering = mlir.lower_fun(_pure_jax_backward, multiple_results=True)
@@ -473,9 +481,10 @@ BWD_TILE_COUNTERS = jax.core.ShapedArray((2,), np.int32)
 
 
 def ffi_attributes_bwd(spec: AttentionSpec) -> dict:
-    """The backward custom call's attributes: the forward's mask, scale and varlen ones."""
+    """The backward custom call's attributes: the forward's mask, scale, softcap and varlen ones."""
     keys = (
         "softmax_scale",
+        "softcap",
         "causal",
         "window_left",
         "window_right",

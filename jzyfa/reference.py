@@ -179,12 +179,13 @@ def masked_attention_bwd(
     delta: jax.Array,
     mask: jax.Array | None,
     softmax_scale: float,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The backward's core: (dq, dk, dv) in float32 from the residuals of `masked_attention`.
 
     q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv], dout [B, Sq, Hq, Dv]; lse and delta float32
-    [B, Hq, Sq]; mask as in `masked_attention`. Rows with lse = -inf (they saw no key) contribute
-    nothing and get dq = 0. dk and dv sum over the query heads that share a KV head.
+    [B, Hq, Sq]; mask and softcap as in `masked_attention`. Rows with lse = -inf (they saw no key)
+    contribute nothing and get dq = 0. dk and dv sum over the query heads that share a KV head.
     """
     batch, seq_q, heads_q, head_dim = q.shape
     heads_kv, value_dim = k.shape[2], v.shape[3]
@@ -195,6 +196,9 @@ def masked_attention_bwd(
     rows = lambda x: x.reshape(batch, heads_kv, group, seq_q, 1)  # [B, Hq, Sq] -> the scores' rows
 
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kf, precision=_HIGHEST) * softmax_scale
+    if softcap is not None:  # scores c tanh(s / c), whose derivative in s is 1 - tanh^2
+        capped = jnp.tanh(scores / softcap)
+        scores = softcap * capped
     # exp(s - (-inf)) would be inf: rows that saw no key subtract +inf instead and get p = 0.
     lse_rows = rows(lse)
     probs = jnp.exp(scores - jnp.where(jnp.isfinite(lse_rows), lse_rows, jnp.inf))
@@ -203,6 +207,8 @@ def masked_attention_bwd(
     dv = jnp.einsum("bhgqk,bqhgd->bkhd", probs, dof, precision=_HIGHEST)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", dof, vf, precision=_HIGHEST)
     ds = probs * (dp - rows(delta))
+    if softcap is not None:
+        ds = ds * (1.0 - capped * capped)
     dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kf, precision=_HIGHEST) * softmax_scale
     dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qf, precision=_HIGHEST) * softmax_scale
     return dq.reshape(batch, seq_q, heads_q, head_dim), dk, dv
@@ -219,24 +225,25 @@ def attention_bwd_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     window: Window | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in the dtypes of q, k, v, from the residuals of `attention_reference`.
 
     dout is the cotangent of out [B, Sq, Hq, Dv]; lse the forward's float32 [B, Hq, Sq]; delta float32
-    [B, Hq, Sq] is rowsum(dout * out) minus the cotangent of lse (`attention_delta`). Masks as in
-    `attention_reference`. Past CHUNK_SCORE_ENTRIES it runs over chunks of query rows, accumulating dk
+    [B, Hq, Sq] is rowsum(dout * out) minus the cotangent of lse (`attention_delta`). Masks and softcap
+    as in `attention_reference`. Past CHUNK_SCORE_ENTRIES it runs over chunks of query rows, accumulating dk
     and dv in float32 in chunk order, so it never holds the whole score matrix.
     """
     softmax_scale, window, rows, mask = _call_setup(q, k, causal, softmax_scale, window)
     if mask is not False:
-        grads = masked_attention_bwd(q, k, v, dout, lse, delta, mask, softmax_scale)
+        grads = masked_attention_bwd(q, k, v, dout, lse, delta, mask, softmax_scale, softcap)
     else:
-        grads = _attention_bwd_by_query_chunks(q, k, v, dout, lse, delta, window, softmax_scale, rows)
+        grads = _attention_bwd_by_query_chunks(q, k, v, dout, lse, delta, window, softmax_scale, rows, softcap)
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _attention_bwd_by_query_chunks(
-    q, k, v, dout, lse, delta, window: Window, softmax_scale: float, rows: int
+    q, k, v, dout, lse, delta, window: Window, softmax_scale: float, rows: int, softcap=None
 ):
     """masked_attention_bwd over chunks of `rows` query rows (lax.scan, dk and dv carried in float32)."""
     seq_q, seq_k = q.shape[1], k.shape[1]
@@ -259,7 +266,7 @@ def _attention_bwd_by_query_chunks(
         query_pos = index * rows + jnp.arange(rows)[:, None] + (seq_k - seq_q)
         mask = None if window == NO_WINDOW else window_visible(query_pos, jnp.arange(seq_k)[None, :], window)
         dq_chunk, dk_chunk, dv_chunk = masked_attention_bwd(
-            q_chunk, k, v, dout_chunk, lse_chunk, delta_chunk, mask, softmax_scale
+            q_chunk, k, v, dout_chunk, lse_chunk, delta_chunk, mask, softmax_scale, softcap
         )
         return (dk + dk_chunk, dv + dv_chunk), dq_chunk
 

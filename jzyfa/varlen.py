@@ -275,12 +275,13 @@ def varlen_attention_bwd_reference(
     *,
     window: Window,
     softmax_scale: float,
+    softcap: float | None = None,
     trust_maxima: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) in the dtypes of q, k, v for a packed call of `varlen_attention_reference`, from its
     residuals: dout [total_q, Hq, Dv], lse and delta float32 [Hq, total_q] (`attention_delta`). Tokens
     outside every sequence get zero gradients. Exact whatever the maxima, as the forward."""
-    options = {"window": window, "softmax_scale": softmax_scale}
+    options = {"window": window, "softmax_scale": softmax_scale, "softcap": softcap}
     slots = functools.partial(
         _slot_attention_bwd, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **options
     )
@@ -290,7 +291,7 @@ def varlen_attention_bwd_reference(
 
 
 def _whole_buffer_attention_bwd(
-    q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, *, block, window, softmax_scale
+    q, k, v, dout, lse, delta, cu_seqlens_q, cu_seqlens_k, *, block, window, softmax_scale, softcap
 ):
     """`varlen_attention_bwd_reference` with no maxima, a block of query tokens at a time (dk and dv
     accumulate in float32)."""
@@ -301,7 +302,8 @@ def _whole_buffer_attention_bwd(
         visible = _block_visibility(query_rows, keys, window)
         per_row = lambda x: x.T[None]  # [block, Hq] -> [1, Hq, block]
         dq, dk, dv = masked_attention_bwd(q_block[None], k[None], v[None], dout_block[None], per_row(lse_block),
-                                          per_row(delta_block), visible[None, None, None], softmax_scale)  # fmt: skip
+                                          per_row(delta_block), visible[None, None, None], softmax_scale,
+                                          softcap)  # fmt: skip
         return (acc[0] + dk[0], acc[1] + dv[0]), dq[0]
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -324,6 +326,7 @@ def _slot_attention_bwd(
     max_seqlen_k,
     window,
     softmax_scale,
+    softcap,
 ):
     """`varlen_attention_bwd_reference` on [num_seqs, max_seqlen] slots: every sequence must fit them."""
     starts_q, starts_k = cu_seqlens_q[:-1], cu_seqlens_k[:-1]
@@ -341,6 +344,7 @@ def _slot_attention_bwd(
         per_row(delta),
         visible[:, None, None],
         softmax_scale,
+        softcap,
     )
 
     def unpad(grad_pad, cu_seqlens, total, max_len, like):

@@ -61,6 +61,7 @@ def test_cuda_lowering_is_the_typed_ffi_custom_call(implementation):
         "lean_p": "true",
         "v_transposed": "false",
         "key_block": "0 : i64",
+        "softcap": "0.000000e+00 : f32",
     }
 
 
@@ -100,6 +101,16 @@ def test_grad_lowers_forward_and_backward_to_the_kernels():
 
     text = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), Q, KV, KV).as_text(dialect="hlo")
     assert len(custom_calls(text)) == 2 and FFI_TARGET in text and FFI_TARGET_BWD in text
+
+
+def test_softcap_reaches_both_custom_calls():
+    def loss(q, k, v):
+        return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True, softcap=30.0).astype(jnp.float32))
+
+    calls = custom_calls(lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), Q, KV, KV).as_text(dialect="hlo"))
+    assert len(calls) == 2
+    for call in calls:
+        assert re.findall(r"softcap = ([-+.\de]+) : f32", call) == ["3.000000e+01"], call
 
 
 def test_grad_without_a_backward_kernel_lowers_the_backward_to_xla():

@@ -1,5 +1,8 @@
-"""softcap (Gemma 2's tanh cap of the scores): the pure-JAX path serves it (the kernels have none), in
-every layout and precision, against a float64 oracle; gradients by autodiff."""
+"""softcap (Gemma 2's tanh cap of the scores) against a float64 oracle, in every layout: 16-bit calls
+through the attention primitives (their CPU lowering is the reference, their CUDA one the 16-bit kernels,
+forward and backward), float32 and FP8 calls through the pure-JAX path."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import pytest
 from attention_oracle import offsets, random_qkv, relative_l2, visible_f64
 
 import jzyfa
+from jzyfa.reference import attention_bwd_reference, attention_delta, attention_reference
 
 pytestmark = pytest.mark.usefixtures("cpu_backend")
 
@@ -35,7 +39,8 @@ def test_softcap_matches_the_oracle_and_differentiates(rng, dtype):
     assert relative_l2(out, want) < (1e-6 if dtype == jnp.float32 else 1e-2)
     assert relative_l2(out, softcap_oracle(q, k, v, 50.0, causal=True)) > 0.05  # the cap changed something
     jaxpr = str(jax.make_jaxpr(lambda q: jzyfa.flash_attention(q, k, v, causal=True, softcap=2.0))(q))
-    assert "jzyfa_attention_fwd" not in jaxpr and "tanh" in jaxpr
+    # 16-bit calls bind the primitive (the kernels' path); float32 ones run the pure-JAX reference.
+    assert ("jzyfa_attention_fwd" in jaxpr) == (dtype == jnp.bfloat16)
     grads = jax.grad(lambda q: jnp.sum(jzyfa.flash_attention(q, k, v, softcap=2.0).astype(jnp.float32) ** 2))(
         q
     )
@@ -52,10 +57,63 @@ def test_softcap_in_a_packed_batch(rng):
         assert relative_l2(out[rows], want) < 1e-6
 
 
-def test_softcap_has_no_kernel_and_says_so(rng):
+def test_reference_backward_with_softcap_is_the_forwards_vjp(rng):
+    """attention_bwd_reference (the backward primitive's CPU lowering) against autodiff of the forward,
+    with lse's cotangent too (delta carries it), a window and GQA."""
+    q, k, v = random_qkv(rng, batch=2, seq_q=24, seq_k=40, heads_q=4, heads_kv=2, dtype=jnp.float32)
+    q = q * 4
+    options = {"causal": True, "window": (9, 0), "softcap": 2.5}
+    (out, lse), pullback = jax.vjp(lambda q, k, v: attention_reference(q, k, v, **options), q, k, v)
+    dout = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    want = pullback((dout, dlse))
+    delta = attention_delta(out, dout, dlse)
+    got = attention_bwd_reference(q, k, v, dout, lse, delta, **options)
+    for g, w in zip(got, want):
+        assert relative_l2(g, w) < 1e-5
+    uncapped = attention_bwd_reference(q, k, v, dout, lse, delta, causal=True, window=(9, 0))
+    assert relative_l2(uncapped[0], want[0]) > 0.05  # the cap's derivative matters
+
+
+@pytest.mark.parametrize("layout", ["dense", "varlen"])
+def test_softcap_gradients_through_the_primitives(rng, layout):
+    """jax.grad of a bf16 softcap call runs the backward primitive; its gradients match autodiff of the
+    float32 reference on the same inputs."""
+    q, k, v = random_qkv(rng, batch=1, seq_q=48, seq_k=48, heads_q=4, heads_kv=2, dtype=jnp.bfloat16)
+    q = (q * 4).astype(jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape[:3] + (v.shape[-1],)), jnp.float32)
+    if layout == "dense":
+        call = lambda q, k, v, impl=None: jzyfa.flash_attention(q, k, v, causal=True, softcap=3.0,
+                                                                implementation=impl)  # fmt: skip
+        reference = lambda q, k, v: attention_reference(q, k, v, causal=True, softcap=3.0)[0]
+    else:
+        cu = jnp.asarray(offsets([20, 28]), jnp.int32)
+        call = lambda q, k, v, impl=None: jzyfa.flash_attention_varlen(
+            q[0], k[0], v[0], cu, cu, 28, 28, causal=True, softcap=3.0, implementation=impl)[None]  # fmt: skip
+        reference = lambda q, k, v: jnp.concatenate(
+            [attention_reference(q[:, r], k[:, r], v[:, r], causal=True, softcap=3.0)[0]
+             for r in (slice(0, 20), slice(20, 48))], axis=1)  # fmt: skip
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * dout)
+    grad_fn = jax.grad(loss(call), argnums=(0, 1, 2))
+    # Dense calls bind the backward primitive on a CPU too (packed ones take the reference there).
+    if layout == "dense":
+        assert "jzyfa_attention_bwd" in str(jax.make_jaxpr(grad_fn)(q, k, v))
+    kernel_grad = jax.grad(loss(functools.partial(call, impl="kernel")), argnums=(0, 1, 2))
+    cuda_text = jax.jit(kernel_grad).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    assert cuda_text.count("softcap = 3.000000e+00 : f32") == 2  # the forward's and the backward's calls
+    got = grad_fn(q, k, v)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        assert relative_l2(g, w) < 2e-2
+
+
+def test_fp8_softcap_has_no_kernel_and_says_so(rng):
     q, k, v = random_qkv(rng, seq_q=8, heads_q=2)
-    with pytest.raises(ValueError, match="the kernels have no softcap"):
-        jzyfa.flash_attention(q, k, v, softcap=30.0, implementation="kernel")
+    (q8, dq), (k8, dk), (v8, dv) = (jzyfa.fp8_quantize(x) for x in (q, k, v))
+    with pytest.raises(ValueError, match="the FP8 kernel has no softcap"):
+        jzyfa.flash_attention(q8, k8, v8, softcap=30.0, implementation="kernel", descale_q=dq, descale_k=dk,
+                              descale_v=dv)  # fmt: skip
 
 
 @pytest.mark.parametrize(
