@@ -27,6 +27,9 @@ std::string DispatchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t s
 
 std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
   if (p.element_type == ElementType::kE4M3) return "FP8 calls have no backward";
+  if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) {
+    return "softcap must be 0 (none) or a positive finite number";
+  }
   if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
     return "heads_q (" + Str(p.heads_q) + ") must be a multiple of heads_kv (" + Str(p.heads_kv) + ")";
   }

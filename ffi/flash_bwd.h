@@ -32,6 +32,7 @@ struct BwdParams {
   int64_t heads_kv = 0;
   int64_t head_dim = 0;
   float softmax_scale = 1.0f;
+  float softcap = 0.0f;  // c > 0: the forward capped scores to c tanh(s / c); 0: none
   bool causal = false;
   int64_t window_left = -1;
   int64_t window_right = -1;

@@ -10,6 +10,7 @@
 
 #include "flash_fwd_common.cuh"
 #include "sm90_mma.cuh"
+#include "softcap.cuh"
 #include "tile_size.h"
 
 namespace jzyfa {
@@ -34,7 +35,8 @@ struct BwdArgs {
   int heads_q;
   int heads_kv;
   float scale;       // softmax_scale
-  float scale_log2;  // softmax_scale * log2(e)
+  float scale_log2;  // softmax_scale * log2(e); with a softcap c, c * log2(e) (softcap.cuh)
+  float softcap_tanh_scale;  // 2 log2(e) softmax_scale / c; 0: no softcap
   // The mask, bottom-right aligned: query i at position i + seqlen_k - seqlen_q sees the keys from
   // position - window_left to position + window_right; kBwdNoBound on an unbounded side (none: both,
   // causal: right 0).

@@ -143,9 +143,10 @@ struct BwdDkdvMainloop {
         const bool needs_mask = key_last >= seq.len_k || m_start + 64 > seq.len_q ||
                                 key_last - (m_start + diagonal) > args.window_right ||
                                 m_start + 63 + diagonal - key_first > args.window_left;
-        // Two copies of the softmax and one branch a block: the per-element tests of the mask only in
-        // the copy for blocks that need them (a test per element costs a branch per element).
-        auto softmax = [&](auto masked) {
+        // One copy of the softmax per (mask, softcap) and one branch a block: the per-element tests of
+        // the mask only in the copies for blocks that need them (a test per element costs a branch
+        // per element). Softcap: dS also takes dt/ds = 1 - t^2.
+        auto softmax = [&](auto masked, auto capped_scores) {
 #pragma unroll
           for (int c = 0; c < 8; ++c)
 #pragma unroll
@@ -155,19 +156,25 @@ struct BwdDkdvMainloop {
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 const int i = 4 * c + 2 * h + e;
-                float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2));
+                // Softcap: the score is c * capped, capped = tanh(s / c), inline (a pass of its own spills).
+                const float capped = decltype(capped_scores)::value
+                                    ? TanhOfHalfLog2Arg(s[i] * args.softcap_tanh_scale) : s[i];
+                float p = ptx::ex2_approx(fmaf(capped, args.scale_log2, -lse_log2));
                 if constexpr (decltype(masked)::value) {
                   if (!(visible_from[h] <= query && query <= visible_to[h])) p = 0.f;
                 }
-                s[i] = p;
                 dp[i] = p * (dp[i] - delta);
+                if constexpr (decltype(capped_scores)::value) dp[i] *= fmaf(-capped, capped, 1.f);
+                s[i] = p;
               }
             }
         };
-        if (needs_mask) {
-          softmax(std::true_type{});
+        if (args.softcap_tanh_scale != 0.f) {
+          needs_mask ? softmax(std::true_type{}, std::true_type{}) : softmax(std::false_type{}, std::true_type{});
+        } else if (needs_mask) {
+          softmax(std::true_type{}, std::false_type{});
         } else {
-          softmax(std::false_type{});
+          softmax(std::false_type{}, std::false_type{});
         }
         uint32_t p_frag[4][4], ds_frag[4][4];
         PackFragments<Element, 64>(s, p_frag);

@@ -89,29 +89,36 @@ struct BwdDqMainloop {
         float s[32], dp[32];  // S and dP: [64 rows x 64 keys]
         IssueBlockScores<Element>(s, dp, smem, bars, slot, t.consumer, t.turns);
         t.Release(bars.v_empty[slot.stage]);  // V is read (dP has landed)
+
         const int key_start = (work.n_first + block) * Tile::kBlockN, key_last = key_start + 63;
         const bool needs_mask = key_last >= seq.len_k ||
                                 key_last - (rows_start + diagonal) > args.window_right ||
                                 rows_start + 63 + diagonal - key_start > args.window_left;
-        // Two copies of the softmax and one branch a block, as in the dK/dV kernel.
-        auto softmax = [&](auto masked) {
+        // One copy of the softmax per (mask, softcap) and one branch a block, as in the dK/dV kernel.
+        auto softmax = [&](auto masked, auto capped_scores) {
 #pragma unroll
           for (int c = 0; c < 8; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int i = 4 * c + e, h = e >> 1;
-              float p = ptx::ex2_approx(fmaf(s[i], args.scale_log2, -lse_log2[h]));
+              // Softcap: the score is c * capped, capped = tanh(s / c), inline as in the dK/dV kernel.
+              const float capped = decltype(capped_scores)::value
+                                  ? TanhOfHalfLog2Arg(s[i] * args.softcap_tanh_scale) : s[i];
+              float p = ptx::ex2_approx(fmaf(capped, args.scale_log2, -lse_log2[h]));
               if constexpr (decltype(masked)::value) {
                 const int key = key_start + 8 * c + 2 * (t.lane % 4) + (e & 1);
                 if (!(key < seq.len_k && KeyVisible(args, key, row + 8 * h + diagonal))) p = 0.f;
               }
               dp[i] = p * (dp[i] - delta[h]);
+              if constexpr (decltype(capped_scores)::value) dp[i] *= fmaf(-capped, capped, 1.f);
             }
         };
-        if (needs_mask) {
-          softmax(std::true_type{});
+        if (args.softcap_tanh_scale != 0.f) {
+          needs_mask ? softmax(std::true_type{}, std::true_type{}) : softmax(std::false_type{}, std::true_type{});
+        } else if (needs_mask) {
+          softmax(std::true_type{}, std::false_type{});
         } else {
-          softmax(std::false_type{});
+          softmax(std::false_type{}, std::false_type{});
         }
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);

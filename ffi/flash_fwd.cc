@@ -143,6 +143,16 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
   if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale)) {
     return "softmax_scale must be a positive finite number";
   }
+  if (!(p.softcap >= 0.f) || !std::isfinite(p.softcap)) {
+    return "softcap must be 0 (none) or a positive finite number";
+  }
+  if (fp8 && p.softcap != 0.f) {
+    return "softcap must be 0 for float8_e4m3fn inputs: the FP8 kernel has no softcap";
+  }
+  if (p.softcap != 0.f && p.head_dim != p.head_dim_v) {
+    return "softcap must be 0 at head dims (" + Str(p.head_dim) + ", " + Str(p.head_dim_v) +
+           "): the MLA kernel has no softcap";
+  }
   // FP8 operands.
   if (fp8) {
     const int64_t groups = p.varlen ? p.num_seqs : p.batch;

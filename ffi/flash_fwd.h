@@ -47,6 +47,7 @@ struct FwdParams {
   int64_t head_dim = 0;    // q's and k's
   int64_t head_dim_v = 0;  // v's and out's
   float softmax_scale = 1.0f;
+  float softcap = 0.0f;  // c > 0: scores c tanh(s / c) (16-bit kernels); 0: none
   bool causal = false;  // bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
   // Sliding window (left, right): query i, at position i + seqlen_k - seqlen_q, sees key j iff
   // pos - left <= j <= pos + right; -1 leaves a side unbounded; with `causal` the right bound is 0

@@ -328,6 +328,7 @@ struct VarlenFwdArgs {
   int heads_kv;
   float scale_log2;
   int causal;
+  float softcap_tanh_scale;  // as in FwdArgs
   const int* cu_seqlens_q;  // [num_seqs + 1]
   const int* cu_seqlens_k;  // [num_seqs + 1]
 };

@@ -27,6 +27,7 @@
 #include "kernel_timeline.cuh"
 #include "measure_variant.h"
 #include "sm90_mma.cuh"
+#include "softcap.cuh"
 #include "tile_size.h"
 
 namespace jzyfa {
@@ -43,8 +44,9 @@ struct FwdArgs {
   int seqlen_k;
   int heads_q;
   int heads_kv;
-  float scale_log2;  // softmax_scale * log2(e)
+  float scale_log2;  // softmax_scale * log2(e); with a softcap c, c * log2(e) (softcap.cuh)
   int causal;
+  float softcap_tanh_scale;  // 2 log2(e) softmax_scale / c; 0: no softcap
 };
 
 // The tile geometry of head dims kHeadDimQK for q and k (Q's and K's tiles, the Q K^T k-loop) and
@@ -369,6 +371,11 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
                               float (&correction)[2], int block) {
+        // Softcap: the capped scores (in units of c) before the masks, which set -inf. Not at MLA's
+        // head dims (its tile has no registers left for the pass: it spills).
+        if constexpr (kHeadDimQK == kHeadDimV) {
+          if (args.softcap_tanh_scale != 0.f) CapScores(s, args.softcap_tanh_scale);
+        }
         if constexpr (kWindow) {
           // Blocks inside every row's window (and the keys) stay unmasked. A block needs the mask
           // if it ends past the seq_k tail or the first row's right edge, or starts before the

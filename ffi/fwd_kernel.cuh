@@ -66,7 +66,7 @@ std::string LaunchFwdKernel(const FwdParams& p, const MaskPlan& mask, float scal
                                   &error)) {
     return error;
   }
-  Args args;
+  Args args{};
   args.out = static_cast<decltype(args.out)>(p.out);
   args.lse = p.lse;
   args.tile_counter = p.tile_counter;

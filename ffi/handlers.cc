@@ -147,7 +147,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, float softmax_scale,
                             bool causal, int64_t window_left, int64_t window_right, bool varlen,
                             int64_t max_seqlen_q, int64_t max_seqlen_k, bool lean_p,
-                            bool v_transposed, int64_t key_block) {
+                            bool v_transposed, int64_t key_block, float softcap) {
   handler_calls.fetch_add(1, std::memory_order_relaxed);
   FwdParams p;
   // Dtypes: q's decides the family; k, v and out follow it.
@@ -171,6 +171,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.lean_p = lean_p;
   p.key_block = key_block;
   p.softmax_scale = softmax_scale;
+  p.softcap = softcap;
   p.causal = causal;
   p.window_left = window_left;
   p.window_right = window_right;
@@ -253,7 +254,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> dv,
                             ffi::Result<ffi::Buffer<ffi::S32>> tile_counters, float softmax_scale,
                             bool causal, int64_t window_left, int64_t window_right, bool varlen,
-                            int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                            int64_t max_seqlen_q, int64_t max_seqlen_k, float softcap) {
   auto invalid = [](const std::string& m) { return ffi::Error::InvalidArgument(kBwdName + m); };
   const ffi::DataType dtype = q.element_type();
   if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
@@ -332,6 +333,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.heads_kv = kd[rank - 2];
   p.head_dim = qd[rank - 1];
   p.softmax_scale = softmax_scale;
+  p.softcap = softcap;
   p.causal = causal;
   p.window_left = window_left;
   p.window_right = window_right;
@@ -407,7 +409,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, AttentionFwdImpl,
                                   .Attr<int64_t>("max_seqlen_k")
                                   .Attr<bool>("lean_p")        // FP8 only
                                   .Attr<bool>("v_transposed")  // FP8 only
-                                  .Attr<int64_t>("key_block"),  // 0: the launch's rule
+                                  .Attr<int64_t>("key_block")  // 0: the launch's rule
+                                  .Attr<float>("softcap"),     // 0: none; 16-bit only
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, AttentionBwdImpl,
@@ -430,7 +433,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBwd, AttentionBwdImpl,
                                   .Attr<int64_t>("window_right")
                                   .Attr<bool>("varlen")
                                   .Attr<int64_t>("max_seqlen_q")
-                                  .Attr<int64_t>("max_seqlen_k"),
+                                  .Attr<int64_t>("max_seqlen_k")
+                                  .Attr<float>("softcap"),  // 0: none
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,

@@ -33,8 +33,12 @@ std::string Launch16Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t 
                           error) &&
            EncodeRowMap16(v, p.v, bf16, batch, seq_k, p.heads_kv, kHeadDimV, Tile::kBlockN, error);
   };
+  // Softcap c: the softmax runs on t = tanh(s / c) with c log2(e) as its scale (softcap.cuh).
+  const bool capped = p.softcap > 0.f;
+  const float scale_log2 = (capped ? p.softcap : p.softmax_scale) * 1.4426950408889634f;
+  const float tanh_scale = capped ? 2.f * 1.4426950408889634f * p.softmax_scale / p.softcap : 0.f;
   return LaunchFwdKernel<Fwd16Mainloop<Element, kHeadDimQK, kHeadDimV, kBlockN>, Tile, Args>(
-      p, mask, p.softmax_scale * 1.4426950408889634f, stream, encode_qkv, [](Args&) {});
+      p, mask, scale_log2, stream, encode_qkv, [&](Args& args) { args.softcap_tanh_scale = tanh_scale; });
 }
 
 // Keys per block of the dense plain (unwindowed) kernels: the table's, or a measuring variant's at

@@ -59,6 +59,8 @@ def _problem(
         return problem
     if softcap is not None and family == "fp8":
         return "the FP8 kernel has no softcap (the tanh cap of the scores); the pure-JAX path serves it"
+    if softcap is not None and q.shape[-1] != v.shape[-1]:
+        return "the MLA kernel (q and v head dims differ) has no softcap; the pure-JAX path serves it"
     config = plan.Config(family, (q.shape[-1], v.shape[-1]), mask, layout)
     return plan.call_problem(config, sizes, softmax_scale)
 

@@ -121,12 +121,12 @@ def visible_f64(seq_q: int, seq_k: int, *, causal: bool, window=None) -> np.ndar
     return ~(too_far_left | too_far_right)
 
 
-def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = None, window=None):
+def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = None, window=None, softcap=None):
     """Attention in float64, one score matrix per batch row and head; returns (out, lse) as NumPy.
 
     q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] (Dv may differ: MLA). Bottom-right
     causal alignment and windows as `visible_f64` spells them out; rows that see no key give
-    out = 0 and lse = -inf.
+    out = 0 and lse = -inf. softcap c: scaled scores s become c tanh(s / c).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, seq_q, heads_q, head_dim = q.shape
@@ -139,7 +139,8 @@ def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = 
     for b in range(batch):
         for h in range(heads_q):
             kv_head = h // (heads_q // heads_kv)
-            scores = np.where(visible, q[b, :, h] @ k[b, :, kv_head].T * scale, -np.inf)[seen]
+            scores = _capped(q[b, :, h] @ k[b, :, kv_head].T * scale, softcap)
+            scores = np.where(visible, scores, -np.inf)[seen]
             row_max = scores.max(axis=1, keepdims=True, initial=-np.inf)
             weights = np.exp(scores - row_max)
             out[b, seen, h] = weights @ v[b, :, kv_head] / weights.sum(axis=1, keepdims=True)
@@ -147,7 +148,13 @@ def naive_attention_f64(q, k, v, *, causal: bool, softmax_scale: float | None = 
     return out, lse
 
 
-def naive_varlen_f64(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool, softmax_scale=None, window=None):
+def _capped(scores, softcap):
+    return scores if softcap is None else softcap * np.tanh(scores / softcap)
+
+
+def naive_varlen_f64(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool, softmax_scale=None, window=None, softcap=None
+):
     """Packed attention, one `naive_attention_f64` per sequence: (out [total_q, Hq, Dv], lse [Hq, total_q]).
 
     Tokens outside every sequence give out = 0 and lse = -inf.
@@ -168,15 +175,18 @@ def naive_varlen_f64(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool, softm
             causal=causal,
             softmax_scale=softmax_scale,
             window=window,
+            softcap=softcap,
         )
         out[rows], lse[:, rows] = o[0], l[0]
     return out, lse
 
 
-def naive_attention_grads_f64(q, k, v, dout, dlse=None, *, causal: bool, softmax_scale=None, window=None):
+def naive_attention_grads_f64(
+    q, k, v, dout, dlse=None, *, causal: bool, softmax_scale=None, window=None, softcap=None
+):
     """Gradients of sum(out * dout) + sum(lse * dlse) in float64 from the definition, one score matrix per
-    batch row and head: (dq, dk, dv) as NumPy. Shapes as `naive_attention_f64`; dout like out, dlse like
-    lse (None: zero). Rows that see no key contribute nothing."""
+    batch row and head: (dq, dk, dv) as NumPy. Shapes and softcap as `naive_attention_f64`; dout like
+    out, dlse like lse (None: zero). Rows that see no key contribute nothing."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     batch, seq_q, heads_q, head_dim = q.shape
     seq_k, heads_kv = k.shape[1], k.shape[2]
@@ -188,12 +198,15 @@ def naive_attention_grads_f64(q, k, v, dout, dlse=None, *, causal: bool, softmax
     for b in range(batch):
         for h in range(heads_q):
             kv = h // (heads_q // heads_kv)
-            scores = np.where(visible, q[b, :, h] @ k[b, :, kv].T * scale, -np.inf)[seen]
+            raw = (q[b, :, h] @ k[b, :, kv].T * scale)[seen]
+            scores = np.where(visible[seen], _capped(raw, softcap), -np.inf)
+            # d capped / d raw = 1 - tanh^2 (1 without a softcap)
+            cap_slope = 1.0 if softcap is None else 1.0 - np.tanh(raw / softcap) ** 2
             probs = np.exp(scores - scores.max(axis=1, keepdims=True))
             probs /= probs.sum(axis=1, keepdims=True)  # d lse / d score = probs; d out / d probs = v
             d_out, keys, values = dout[b, seen, h], k[b, :, kv], v[b, :, kv]
             d_probs = d_out @ values.T
-            d_scores = probs * (
+            d_scores = cap_slope * probs * (
                 d_probs - (d_probs * probs).sum(axis=1, keepdims=True) + dlse[b, h, seen][:, None]
             )
             dq[b, seen, h] = d_scores @ keys * scale

@@ -88,6 +88,7 @@ def ffi_attention(
     lean_p=True,
     v_transposed=False,
     key_block=0,
+    softcap=0.0,
 ):
     """The FFI handler `jzyfa_attention_fwd` itself, no dispatch in between: (out, lse, tile counter).
 
@@ -131,6 +132,7 @@ def ffi_attention(
         "lean_p": bool(lean_p),
         "v_transposed": bool(v_transposed),
         "key_block": np.int64(key_block),
+        "softcap": np.float32(softcap),
     }
     # The same attribute names and types as the primitive's lowering passes.
     spec = primitives.make_spec(softmax_scale=softmax_scale, causal=causal)

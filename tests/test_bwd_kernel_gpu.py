@@ -26,7 +26,9 @@ pytestmark = [pytest.mark.gpu, requires_hopper]
 TOLERANCE = 2e-2
 
 
-def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, window=(-1, -1), varlen=None):
+def bwd_call(
+    q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, window=(-1, -1), varlen=None, softcap=0.0
+):
     """dq, dk, dv from the custom call (the contract's operands only), written into NaN-filled donated
     buffers of the results' shapes (the repository's poisoning pattern: XLA reuses a donated buffer of
     the same shape and dtype for the result)."""
@@ -53,7 +55,7 @@ def bwd_call(q, k, v, dout, lse, delta, *, causal: bool, softmax_scale: float, w
             q, k, v, dout, lse, delta, *cu,
             softmax_scale=np.float32(softmax_scale), causal=causal, window_left=np.int64(window[0]),
             window_right=np.int64(window[1]), varlen=varlen is not None, max_seqlen_q=np.int64(max_q),
-            max_seqlen_k=np.int64(max_k),
+            max_seqlen_k=np.int64(max_k), softcap=np.float32(softcap),
         )  # fmt: skip
         return dq, dk, dv
 
