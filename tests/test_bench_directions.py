@@ -114,3 +114,23 @@ def test_smoke_run_times_every_direction():
     assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
     assert "mem MB" in speed.format_plain(report["results"])
     assert "compile s" in speed.format_plain(report["results"])
+
+
+def test_softcap_run_checks_the_capped_reference():
+    """--softcap: jzyfa's rows against float64 with the cap (c = 0.5 moves every score, so a call or a
+    reference without it would fail the check); peers without a softcap say so."""
+    config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
+                             "--direction", "fwd,bwd", "--softcap", "0.5"])  # fmt: skip
+    report = speed.run(config)
+    rows = {r["impl"]: r for r in report["results"]}
+    for name in ("jzyfa", "jzyfa bwd"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["rel_err"] < 2e-2
+    assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
+    assert rows["xla"]["status"] == "unsupported" and "no softcap" in rows["xla"]["message"]
+    assert "softcap 0.5" in speed.format_markdown(report["results"], report["env"], config)
+
+
+def test_softcap_flag_is_checked():
+    with pytest.raises(ValueError, match="--softcap must be a finite number > 0"):
+        resolve_config(["--smoke", "--softcap", "-1"])

@@ -97,12 +97,12 @@ def compile_stats(fn: Callable, args: tuple) -> tuple[int | None, float]:
 # float64 gradients
 
 
-def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, int]):
+def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, int], softcap=None):
     """(dq, dk, dv) of one query head in float64: q [Sq, D], k [Sk, D], v [Sk, Dv], dout [Sq, Dv], the mask
-    a (left, right) window with causal folded in (-1: unbounded), bottom-right aligned. Blocks of query
-    rows bound the memory, as in `float64.attention_float64`."""
+    a (left, right) window with causal folded in (-1: unbounded), bottom-right aligned; softcap as
+    `float64.attention_float64` takes it. Blocks of query rows bound the memory, as there."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    out, lse = float64.attention_float64(q, k, v, scale, False, window=window, return_lse=True)
+    out, lse = float64.attention_float64(q, k, v, scale, False, window=window, return_lse=True, softcap=softcap)
     left, right = window
     seq_q, seq_k = q.shape[0], k.shape[0]
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
@@ -117,11 +117,14 @@ def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, i
             visible &= keys >= position[rows, None] - left
         if right >= 0:
             visible &= keys <= position[rows, None] + right
-        logits = q[rows] @ k.T * scale - np.where(seen, lse[rows, None], 0.0)
+        raw = q[rows] @ k.T * scale
+        logits = float64.capped(raw, softcap) - np.where(seen, lse[rows, None], 0.0)
         probs = np.where(visible & seen, np.exp(np.minimum(logits, 0.0)), 0.0)
         dv += probs.T @ dout[rows]
         d_probs = dout[rows] @ v.T
         d_scores = probs * (d_probs - (dout[rows] * out[rows]).sum(axis=1, keepdims=True))
+        if softcap is not None:  # the cap's slope, 1 - tanh^2
+            d_scores *= 1.0 - np.tanh(raw / softcap) ** 2
         dq[rows] = d_scores @ k * scale
         dk += d_scores.T @ q[rows] * scale
     return dq, dk, dv
@@ -168,6 +171,7 @@ def gradient_reference(problem: Problem, q, k, v, dout, requested: int) -> Gradi
                 jax.device_get(dout[batch, :, head]),
                 problem.softmax_scale,
                 window=window,
+                softcap=problem.softcap,
             )
             dq_heads.append(grads[0])
             dk, dv = dk + grads[1], dv + grads[2]

@@ -32,8 +32,10 @@ def attention_float64(
     *,
     window: tuple[int, int] | None = None,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
+    softcap c: scaled scores s become c tanh(s / c) before the mask.
 
     window: None (the mask is causal or none), or a (left, right) mask with causal already folded in
     (`jzyfa.bench.problem.mask_window`; `causal` is then not read): query i, at position
@@ -55,7 +57,7 @@ def attention_float64(
         end = min(seq_k, stop + offset + right) if right >= 0 else seq_k  # exclusive
         if end <= first:
             continue
-        scores = (q[start:stop] @ k[first:end].T) * scale
+        scores = capped((q[start:stop] @ k[first:end].T) * scale, softcap)
         if left >= 0 or right >= 0:
             position = np.arange(start, stop)[:, None] + offset
             keys = np.arange(first, end)[None, :]
@@ -72,6 +74,11 @@ def attention_float64(
         out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
         lse[start:stop] = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)[:, 0]
     return (out, lse) if return_lse else out
+
+
+def capped(scores: np.ndarray, softcap: float | None) -> np.ndarray:
+    """Scaled scores capped to c tanh(s / c) (softcap c; None: as they are)."""
+    return scores if softcap is None else softcap * np.tanh(scores / softcap)
 
 
 def take_pairs(x, batches: np.ndarray, heads: np.ndarray) -> np.ndarray:
@@ -100,7 +107,7 @@ class Reference:
 
 
 def reference_on_pairs(
-    q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool, window=None
+    q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool, window=None, softcap=None
 ) -> Reference:
     """The float64 reference (O and LSE) for query heads `pairs` = [(batch, head), ...] of q
     [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (GQA-aware); `window` as `attention_float64` takes it."""
@@ -112,7 +119,7 @@ def reference_on_pairs(
     ks = take_pairs(k, batches, heads // group)
     vs = take_pairs(v, batches, heads // group)
     results = [
-        attention_float64(qs[i], ks[i], vs[i], scale, causal, window=window, return_lse=True)
+        attention_float64(qs[i], ks[i], vs[i], scale, causal, window=window, return_lse=True, softcap=softcap)
         for i in range(len(pairs))
     ]
     out = np.stack([o for o, _ in results]) if results else np.zeros((0, q.shape[1], v.shape[3]))

@@ -143,9 +143,12 @@ class Peer:
     one_head_dim: str | None = None  # v's own head dim (MLA): "v's head dim Dv != q's and k's D: <this>"
     top_left: str | None = None  # bottom-right causal alignment: "<this> aligns the causal mask top-left"
     no_backward: str | None = None  # why --direction bwd / fwd+bwd do not time it (jzyfa.bench.directions)
+    has_softcap = False  # --softcap: the peer takes a softcap c
     needs_gpu = False  # "needs a CUDA GPU (...)" on other backends
 
     def supports(self, problem: Problem) -> str | None:
+        if problem.softcap is not None and not self.has_softcap:
+            return f"no softcap: the {self.name} peer has none"
         if self.no_varlen and problem.varlen:
             return f"no varlen: {self.no_varlen}"
         if self.no_window and (window := problem.sliding_window) is not None:
@@ -215,6 +218,8 @@ class Jzyfa(Peer):
             raise ValueError(f"{name}: lean_p and fp8_only are for FP8 peers")
         self.lean_p = lean_p
         self.fp8_only = fp8_only
+        # The 16-bit kernels and the pure-JAX path cap scores; the FP8 kernel does not.
+        self.has_softcap = not fp8 or forced == "xla"
         self.description = "jzyfa.flash_attention" + (
             " on fp8_quantize'd e4m3 inputs with descales (bf16 out)" if fp8 else ""
         )
@@ -260,6 +265,8 @@ class Jzyfa(Peer):
         }
         if problem.window is not None:
             kwargs["window"] = problem.window
+        if problem.softcap is not None:
+            kwargs["softcap"] = problem.softcap
         if problem.varlen:  # max_seqlen_q/k are the longest sequences; FP8: lean P, the only varlen path
             max_q, max_k = problem.seq_q, problem.seq_k
 

@@ -172,10 +172,12 @@ class Problem:
     # --v_head_dim: v's (and the output's) head dim where it differs from q's and k's (MLA: 128 with
     # head_dim 192); None: head_dim.
     head_dim_v: int | None = None
+    # --softcap: c > 0 caps each scaled score s to c * tanh(s / c) (Gemma 2); None: no cap.
+    softcap: float | None = None
 
     @classmethod
     def packed(
-        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None
+        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None, softcap=None
     ) -> Problem:
         seqlens = tuple((int(q), int(k)) for q, k in seqlens)
         return cls(
@@ -190,6 +192,7 @@ class Problem:
             window,
             seqlens,
             head_dim_v,
+            softcap,
         )
 
     @property

@@ -126,6 +126,12 @@ flags.DEFINE_string(
     "keys pos-L .. pos+R; -1: unbounded on that side. --causal (the default) sets R to 0, as "
     "flash_attention(causal=True, window=...) does; --nocausal for a right bound. Default: no window.",
 )
+flags.DEFINE_float(
+    "softcap",
+    None,
+    "Softcap c > 0 (jzyfa.flash_attention's softcap=c, Gemma 2's c * tanh(s / c) of the scaled scores); "
+    "peers without one say so. Default: none.",
+)
 flags.DEFINE_enum(
     "dtype",
     "bf16",
@@ -366,8 +372,9 @@ def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) ->
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
         for i in range(len(heads)):
             out[i, rows] = float64.attention_float64(
-                qs[i, rows], ks[i, keys], vs[i, keys], problem.softmax_scale, problem.causal, window=window
-            )
+                qs[i, rows], ks[i, keys], vs[i, keys], problem.softmax_scale, problem.causal, window=window,
+                softcap=problem.softcap,
+            )  # fmt: skip
     return Reference(np.zeros_like(heads), heads, out, None, time.perf_counter() - start)
 
 
@@ -376,8 +383,9 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
         return compute_varlen_reference(problem, q, k, v, requested_pairs)
     pairs = reference_pairs(problem, requested_pairs)
     return float64.reference_on_pairs(
-        q, k, v, pairs, scale=problem.softmax_scale, causal=problem.causal, window=_reference_window(problem)
-    )
+        q, k, v, pairs, scale=problem.softmax_scale, causal=problem.causal, window=_reference_window(problem),
+        softcap=problem.softcap,
+    )  # fmt: skip
 
 
 def relative_error(out, ref: Reference) -> dict[str, float]:
@@ -901,6 +909,8 @@ def _config_head_dim_v(config: dict[str, Any]) -> int | None:
 def _mask_text(config: dict[str, Any]) -> str:
     """'causal', 'non-causal', or with --window the mask's window: 'causal, window (1024, 0)'."""
     text = "causal" if config["causal"] else "non-causal"
+    if config.get("softcap") is not None:
+        text += f", softcap {config['softcap']:g}"
     window = _config_window(config)
     if window is None:
         return text
@@ -1032,6 +1042,7 @@ def resolve_config() -> dict[str, Any]:
         "v_head_dim",
         "causal",
         "window",
+        "softcap",
         "direction",
         "dtype",
         "inputs",
@@ -1057,6 +1068,8 @@ def resolve_config() -> dict[str, Any]:
     config = {name: FLAGS[name].value for name in names}
     window = parse_window(config["window"])  # ValueError naming --window, before any work
     config["window"] = None if window is None else list(window)
+    if config["softcap"] is not None and not (math.isfinite(config["softcap"]) and config["softcap"] > 0):
+        raise ValueError(f"--softcap must be a finite number > 0 (the cap c of c * tanh(s / c)), got {config['softcap']}")
     if FLAGS["varlen"].present and FLAGS["shapes"].present:
         raise ValueError(
             "--varlen and --shapes were both given: --varlen replaces --shapes (one packed batch of "
@@ -1129,11 +1142,12 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"--heads ({heads_q}) must be a multiple of --kv_heads ({heads_kv})")
     dims = (heads_q, heads_kv, config["head_dim"], config["causal"], config["dtype"], window)
     head_dim_v = _config_head_dim_v(config)
+    softcap = config.get("softcap")
     if config.get("varlen"):
-        problems = [Problem.packed(config["varlen"], *dims, head_dim_v=head_dim_v)]
+        problems = [Problem.packed(config["varlen"], *dims, head_dim_v=head_dim_v, softcap=softcap)]
     else:
         problems = [
-            Problem(batch, seq_q, seq_k, *dims, head_dim_v=head_dim_v)
+            Problem(batch, seq_q, seq_k, *dims, head_dim_v=head_dim_v, softcap=softcap)
             for batch, seq_q, seq_k in parse_shapes(config["shapes"])
         ]
 
