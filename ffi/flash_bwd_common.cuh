@@ -7,6 +7,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "flash_fwd_common.cuh"
 #include "sm90_mma.cuh"
@@ -248,6 +249,17 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
     ring += consume_tile(smem, bars, tile, ring, thread);
   }
   if (consumer == 0) thread.turns.Begin();  // consumer 1's last hand-over
+}
+
+// softmax(masked, capped), both std::bool_constant: the block's softmax in the copy for its mask and
+// softcap, picked by one branch a block (a per-element test compiles to a branch per element).
+template <typename Softmax>
+__device__ __forceinline__ void SoftmaxCopy(bool masked, bool capped, Softmax& softmax) {
+  if (capped) {
+    masked ? softmax(std::true_type{}, std::true_type{}) : softmax(std::false_type{}, std::true_type{});
+  } else {
+    masked ? softmax(std::true_type{}, std::false_type{}) : softmax(std::false_type{}, std::false_type{});
+  }
 }
 
 // A row's raw lse or delta (`outside` past the sequence): a load whose use can come a block later.

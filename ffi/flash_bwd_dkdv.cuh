@@ -169,13 +169,7 @@ struct BwdDkdvMainloop {
               }
             }
         };
-        if (args.softcap_tanh_scale != 0.f) {
-          needs_mask ? softmax(std::true_type{}, std::true_type{}) : softmax(std::false_type{}, std::true_type{});
-        } else if (needs_mask) {
-          softmax(std::true_type{}, std::false_type{});
-        } else {
-          softmax(std::false_type{}, std::false_type{});
-        }
+        SoftmaxCopy(needs_mask, args.softcap_tanh_scale != 0.f, softmax);
         uint32_t p_frag[4][4], ds_frag[4][4];
         PackFragments<Element, 64>(s, p_frag);
         PackFragments<Element, 64>(dp, ds_frag);

@@ -113,13 +113,7 @@ struct BwdDqMainloop {
               if constexpr (decltype(capped_scores)::value) dp[i] *= fmaf(-capped, capped, 1.f);
             }
         };
-        if (args.softcap_tanh_scale != 0.f) {
-          needs_mask ? softmax(std::true_type{}, std::true_type{}) : softmax(std::false_type{}, std::true_type{});
-        } else if (needs_mask) {
-          softmax(std::true_type{}, std::false_type{});
-        } else {
-          softmax(std::false_type{}, std::false_type{});
-        }
+        SoftmaxCopy(needs_mask, args.softcap_tanh_scale != 0.f, softmax);
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);
         t.turns.Begin();
