@@ -1,6 +1,7 @@
 // The backward call's validation and dispatch into its head dim's instantiation (kBwdKernels).
 #include "flash_bwd.h"
 
+#include <cmath>
 #include <string>
 
 #include "dispatch.h"
