@@ -349,6 +349,7 @@ ATTRIBUTE_NAMES = {
     "lean_p",
     "v_transposed",
     "key_block",
+    "softcap",
 }
 
 
@@ -371,6 +372,7 @@ def test_each_row_lowers_to_one_custom_call_for_cuda(cpu_backend, config):
     assert attrs["max_seqlen_q"] == attrs["max_seqlen_k"] == max_seqlen
     assert attrs["lean_p"] == "true"
     assert attrs["key_block"] == "0 : i64"  # no override: the launch's rule
+    assert attrs["softcap"] == "0.000000e+00 : f32"  # none
     # Operands: q, k, v, [cu_seqlens_q, cu_seqlens_k], [descales flattened to 1-D]; results out, lse,
     # the tile counter.
     operands = call.split("operand_layout_constraints={")[1].split("}, api_version")[0]
