@@ -371,9 +371,8 @@ __device__ __forceinline__ void FlashFwdTiles(const CUtensorMap& tmap_q, const C
     } else {
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 16][4],
                               float (&correction)[2], int block) {
-        // Softcap: the capped scores (in units of c) before the masks, which set -inf. Not at MLA's
-        // head dims (its tile has no registers left for the pass: it spills).
-        if constexpr (kHeadDimQK == kHeadDimV) {
+        // Softcap: the capped scores (in units of c) before the masks, which set -inf.
+        if constexpr (Fwd16HasSoftcap(kHeadDimQK, kHeadDimV, kBlockN)) {
           if (args.softcap_tanh_scale != 0.f) CapScores(s, args.softcap_tanh_scale);
         }
         if constexpr (kWindow) {

@@ -35,6 +35,10 @@ std::string Launch16Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t 
   };
   // Softcap c: the softmax runs on t = tanh(s / c) with c log2(e) as its scale (softcap.cuh).
   const bool capped = p.softcap > 0.f;
+  if (capped && !Fwd16HasSoftcap(kHeadDimQK, kHeadDimV, kBlockN)) {
+    return "softcap must be 0 for this build's " + std::to_string(kBlockN) + "-key tile at head dims (" +
+           std::to_string(kHeadDimQK) + ", " + std::to_string(kHeadDimV) + "): it has no softcap pass";
+  }
   const float scale_log2 = (capped ? p.softcap : p.softmax_scale) * 1.4426950408889634f;
   const float tanh_scale = capped ? 2.f * 1.4426950408889634f * p.softmax_scale / p.softcap : 0.f;
   return LaunchFwdKernel<Fwd16Mainloop<Element, kHeadDimQK, kHeadDimV, kBlockN>, Tile, Args>(

@@ -92,6 +92,11 @@ constexpr int kFwdBlockM = kFwdRowsPerConsumer * kFwdConsumers;
 // than the default: the measuring variants' wide tiles (hd256 with 80 keys: consumers at 240,
 // producer 24, as 232 spills 44 bytes).
 constexpr int Fwd16DefaultBlockN(int head_dim_v) { return head_dim_v > 128 ? 64 : 128; }
+// The 16-bit tiles with a softcap pass (ffi/softcap.cuh): not MLA's head dims nor key blocks past 128
+// (the measuring variants'), whose registers it would spill.
+constexpr bool Fwd16HasSoftcap(int head_dim_qk, int head_dim_v, int block_n) {
+  return head_dim_qk == head_dim_v && block_n <= 128;
+}
 constexpr TileSize Fwd16TileSize(int head_dim_v, Layout layout, int block_n) {
   const bool wide_hd256 = head_dim_v > 128 && block_n > 64;
   return TileSize{block_n,
