@@ -9,8 +9,8 @@ from attention_oracle import naive_attention_grads_f64, random_qkv
 from bench_helpers import ON_GPU
 from test_bench import resolve_config
 
-from jzyfa.bench import directions, peers, speed
-from jzyfa.bench.problem import Problem
+from jzyfa.bench import directions, float64, peers, speed
+from jzyfa.bench.problem import Problem, sink_logits
 
 
 @pytest.mark.parametrize(
@@ -134,3 +134,54 @@ def test_softcap_run_checks_the_capped_reference():
 def test_softcap_flag_is_checked():
     with pytest.raises(ValueError, match="--softcap must be a finite number > 0"):
         resolve_config(["--smoke", "--softcap", "-1"])
+
+
+def test_float64_sink_is_one_more_logit_without_a_value(rng):
+    """attention_float64's sink (and the gradients from it) against a softmax with an extra column: a key
+    whose score is the sink and whose value is 0, seen by every row (`window` masks the real keys only)."""
+    seq_q, seq_k, d, scale, sink = 24, 40, 16, 0.3, 2.5
+    q, k, v = (rng.standard_normal((n, d)) for n in (seq_q, seq_k, seq_k))
+    dout = rng.standard_normal((seq_q, d))
+    out, lse = float64.attention_float64(q, k, v, scale, True, return_lse=True, sink=sink)
+    scores = q @ k.T * scale
+    scores = np.where(np.arange(seq_k)[None] <= np.arange(seq_q)[:, None] + seq_k - seq_q, scores, -np.inf)
+    full = np.concatenate([scores, np.full((seq_q, 1), sink)], axis=1)
+    np.testing.assert_allclose(lse, np.log(np.exp(full).sum(1)), rtol=1e-12)
+    probs = np.exp(full - lse[:, None])
+    np.testing.assert_allclose(out, probs[:, :seq_k] @ v, rtol=1e-10, atol=1e-12)
+    dq, dk, dv = directions.attention_grads_float64(q, k, v, dout, scale, window=(-1, 0), sink=sink)
+    p = probs[:, :seq_k]
+    d_scores = p * (dout @ v.T - (dout * out).sum(1, keepdims=True))
+    np.testing.assert_allclose(dv, p.T @ dout, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dq, d_scores @ k * scale, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dk, d_scores.T @ q * scale, rtol=1e-10, atol=1e-12)
+
+
+def test_sinks_run_checks_the_reference_with_sinks():
+    """--sinks: jzyfa's rows against float64 with a sink per head (mean 5 at 64 keys: the sinks take a
+    large share of each row, so a call or a reference without them would fail the check); peers
+    without sinks say so."""
+    config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
+                             "--direction", "fwd,bwd", "--sinks", "5"])  # fmt: skip
+    report = speed.run(config)
+    rows = {r["impl"]: r for r in report["results"]}
+    for name in ("jzyfa", "jzyfa bwd"):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["rel_err"] < 2e-2
+    assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
+    assert rows["xla"]["status"] == "unsupported" and "no sinks" in rows["xla"]["message"]
+    assert "sinks 5 + N(0, 1) per head" in speed.format_markdown(report["results"], report["env"], config)
+    # The sinks move the output far past the check's tolerance (it could fail without them).
+    sinks = sink_logits(5.0, 4, 0)
+    assert len(set(sinks)) == 4
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((64, 128)) for _ in range(3))
+    plain = float64.attention_float64(q, k, v, 128**-0.5, True)
+    for sink in sinks:
+        with_sink = float64.attention_float64(q, k, v, 128**-0.5, True, sink=sink)
+        assert np.linalg.norm(with_sink - plain) > 0.1 * np.linalg.norm(plain)
+
+
+def test_sinks_flag_is_checked():
+    with pytest.raises(ValueError, match="--sinks must be a finite number"):
+        resolve_config(["--smoke", "--sinks", "nan"])

@@ -97,12 +97,14 @@ def compile_stats(fn: Callable, args: tuple) -> tuple[int | None, float]:
 # float64 gradients
 
 
-def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, int], softcap=None):
+def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, int], softcap=None, sink=None):
     """(dq, dk, dv) of one query head in float64: q [Sq, D], k [Sk, D], v [Sk, Dv], dout [Sq, Dv], the mask
-    a (left, right) window with causal folded in (-1: unbounded), bottom-right aligned; softcap as
-    `float64.attention_float64` takes it. Blocks of query rows bound the memory, as there."""
+    a (left, right) window with causal folded in (-1: unbounded), bottom-right aligned; softcap and sink
+    as `float64.attention_float64` takes them (a sink: P from the lse with it, delta from its out). Blocks of query rows bound the memory, as there."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-    out, lse = float64.attention_float64(q, k, v, scale, False, window=window, return_lse=True, softcap=softcap)
+    out, lse = float64.attention_float64(
+        q, k, v, scale, False, window=window, return_lse=True, softcap=softcap, sink=sink
+    )
     left, right = window
     seq_q, seq_k = q.shape[0], k.shape[0]
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
@@ -172,6 +174,7 @@ def gradient_reference(problem: Problem, q, k, v, dout, requested: int) -> Gradi
                 problem.softmax_scale,
                 window=window,
                 softcap=problem.softcap,
+                sink=None if problem.sinks is None else problem.sinks[head],
             )
             dq_heads.append(grads[0])
             dk, dv = dk + grads[1], dv + grads[2]

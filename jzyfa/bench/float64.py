@@ -33,9 +33,11 @@ def attention_float64(
     window: tuple[int, int] | None = None,
     return_lse: bool = False,
     softcap: float | None = None,
+    sink: float | None = None,
 ):
     """Attention of one head in float64: q [Sq, D], k and v [Sk, D] -> out [Sq, D] (and lse [Sq]).
-    softcap c: scaled scores s become c tanh(s / c) before the mask.
+    softcap c: scaled scores s become c tanh(s / c) before the mask. sink: one more logit in every row's
+    softmax denominator, with no value (gpt-oss): out times e^(lse - lse'), lse' = logaddexp(lse, sink).
 
     window: None (the mask is causal or none), or a (left, right) mask with causal already folded in
     (`jzyfa.bench.problem.mask_window`; `causal` is then not read): query i, at position
@@ -73,6 +75,10 @@ def attention_float64(
         row_sum = probs.sum(axis=1, keepdims=True)
         out[start:stop] = np.where(seen, (probs @ v[first:end]) / np.where(seen, row_sum, 1.0), 0.0)
         lse[start:stop] = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1.0)), -np.inf)[:, 0]
+    if sink is not None:
+        with_sink = np.logaddexp(lse, sink)
+        out *= np.exp(lse - with_sink)[:, None]  # exp(-inf) = 0 for rows that saw no key
+        lse = with_sink
     return (out, lse) if return_lse else out
 
 
@@ -107,10 +113,12 @@ class Reference:
 
 
 def reference_on_pairs(
-    q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool, window=None, softcap=None
-) -> Reference:
+    q, k, v, pairs: Sequence[tuple[int, int]], *, scale: float, causal: bool, window=None, softcap=None,
+    sinks=None,
+) -> Reference:  # fmt: skip
     """The float64 reference (O and LSE) for query heads `pairs` = [(batch, head), ...] of q
-    [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (GQA-aware); `window` as `attention_float64` takes it."""
+    [B, Sq, Hq, D], k and v [B, Sk, Hkv, D] (GQA-aware); `window` as `attention_float64` takes it;
+    sinks: None or one sink logit per query head."""
     start = time.perf_counter()
     batches = np.array([b for b, _ in pairs], dtype=np.int64)
     heads = np.array([h for _, h in pairs], dtype=np.int64)
@@ -118,8 +126,10 @@ def reference_on_pairs(
     qs = take_pairs(q, batches, heads)
     ks = take_pairs(k, batches, heads // group)
     vs = take_pairs(v, batches, heads // group)
+    head_sinks = [None if sinks is None else sinks[h] for h in heads]
+    options = {"window": window, "return_lse": True, "softcap": softcap}
     results = [
-        attention_float64(qs[i], ks[i], vs[i], scale, causal, window=window, return_lse=True, softcap=softcap)
+        attention_float64(qs[i], ks[i], vs[i], scale, causal, sink=head_sinks[i], **options)
         for i in range(len(pairs))
     ]
     out = np.stack([o for o, _ in results]) if results else np.zeros((0, q.shape[1], v.shape[3]))

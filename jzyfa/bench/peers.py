@@ -144,11 +144,14 @@ class Peer:
     top_left: str | None = None  # bottom-right causal alignment: "<this> aligns the causal mask top-left"
     no_backward: str | None = None  # why --direction bwd / fwd+bwd do not time it (jzyfa.bench.directions)
     has_softcap = False  # --softcap: the peer takes a softcap c
+    has_sinks = False  # --sinks: the peer takes a sink logit per query head
     needs_gpu = False  # "needs a CUDA GPU (...)" on other backends
 
     def supports(self, problem: Problem) -> str | None:
         if problem.softcap is not None and not self.has_softcap:
             return f"no softcap: the {self.name} peer has none"
+        if problem.sinks is not None and not self.has_sinks:
+            return f"no sinks: the {self.name} peer has none"
         if self.no_varlen and problem.varlen:
             return f"no varlen: {self.no_varlen}"
         if self.no_window and (window := problem.sliding_window) is not None:
@@ -199,6 +202,8 @@ class Jzyfa(Peer):
     FP8 peers pass `lean_p` (the FP8 kernel's rounding of P; the pure-JAX FP8 path ignores it);
     16-bit peers do not pass it. `fp8_only` peers are unsupported in 16-bit runs.
     """
+
+    has_sinks = True  # every path: the kernel's (out, lse) merged with the sinks (jzyfa.merge)
 
     def __init__(
         self,
@@ -267,6 +272,8 @@ class Jzyfa(Peer):
             kwargs["window"] = problem.window
         if problem.softcap is not None:
             kwargs["softcap"] = problem.softcap
+        if problem.sinks is not None:
+            kwargs["sinks"] = jnp.asarray(problem.sinks, jnp.float32)
         if problem.varlen:  # max_seqlen_q/k are the longest sequences; FP8: lean P, the only varlen path
             max_q, max_k = problem.seq_q, problem.seq_k
 

@@ -144,6 +144,15 @@ def parse_varlen(text: str | None) -> list[tuple[int, int]] | None:
     return seqlens
 
 
+def sink_logits(mean: float | None, heads_q: int, seed: int) -> tuple[float, ...] | None:
+    """--sinks: one sink logit per query head, `mean` plus a standard normal draw of `seed` (None: no
+    sinks), float32-representable as jzyfa.flash_attention's sinks are."""
+    if mean is None:
+        return None
+    draws = np.random.default_rng([seed, 0x5151]).standard_normal(heads_q)
+    return tuple(float(np.float32(mean + d)) for d in draws)
+
+
 def varlen_label(seqlens) -> str:
     """'varlen 8 seqs, 16320 tokens' (or '..., 300/600 tokens' when query and key totals differ)."""
     total_q = sum(int(q) for q, _ in seqlens)
@@ -174,11 +183,15 @@ class Problem:
     head_dim_v: int | None = None
     # --softcap: c > 0 caps each scaled score s to c * tanh(s / c) (Gemma 2); None: no cap.
     softcap: float | None = None
+    # --sinks: one sink logit per query head (gpt-oss; `jzyfa.flash_attention(..., sinks=...)`): each
+    # row's softmax denominator also holds e^sink. None: no sinks.
+    sinks: tuple[float, ...] | None = None
 
     @classmethod
     def packed(
-        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None, softcap=None
-    ) -> Problem:
+        cls, seqlens, heads_q, heads_kv, head_dim, causal, dtype, window=None, head_dim_v=None, softcap=None,
+        sinks=None,
+    ) -> Problem:  # fmt: skip
         seqlens = tuple((int(q), int(k)) for q, k in seqlens)
         return cls(
             len(seqlens),
@@ -193,6 +206,7 @@ class Problem:
             seqlens,
             head_dim_v,
             softcap,
+            sinks,
         )
 
     @property

@@ -82,6 +82,7 @@ from jzyfa.bench.problem import (
     parse_shapes,
     parse_varlen,
     parse_window,
+    sink_logits,
     varlen_label,
     visible_pairs,
     window_text,
@@ -131,6 +132,13 @@ flags.DEFINE_float(
     None,
     "Softcap c > 0 (jzyfa.flash_attention's softcap=c, Gemma 2's c * tanh(s / c) of the scaled scores); "
     "peers without one say so. Default: none.",
+)
+flags.DEFINE_float(
+    "sinks",
+    None,
+    "Attention sinks (gpt-oss; jzyfa.flash_attention's sinks=): one sink logit per query head, this value "
+    "plus a seeded standard normal draw per head, joining each row's softmax denominator (about log Sk "
+    "makes a sink weigh as much as the keys); peers without sinks say so. Default: none.",
 )
 flags.DEFINE_enum(
     "dtype",
@@ -373,7 +381,7 @@ def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) ->
         for i in range(len(heads)):
             out[i, rows] = float64.attention_float64(
                 qs[i, rows], ks[i, keys], vs[i, keys], problem.softmax_scale, problem.causal, window=window,
-                softcap=problem.softcap,
+                softcap=problem.softcap, sink=None if problem.sinks is None else problem.sinks[heads[i]],
             )  # fmt: skip
     return Reference(np.zeros_like(heads), heads, out, None, time.perf_counter() - start)
 
@@ -384,7 +392,7 @@ def compute_reference(problem: Problem, q, k, v, requested_pairs: int) -> Refere
     pairs = reference_pairs(problem, requested_pairs)
     return float64.reference_on_pairs(
         q, k, v, pairs, scale=problem.softmax_scale, causal=problem.causal, window=_reference_window(problem),
-        softcap=problem.softcap,
+        softcap=problem.softcap, sinks=problem.sinks,
     )  # fmt: skip
 
 
@@ -911,6 +919,8 @@ def _mask_text(config: dict[str, Any]) -> str:
     text = "causal" if config["causal"] else "non-causal"
     if config.get("softcap") is not None:
         text += f", softcap {config['softcap']:g}"
+    if config.get("sinks") is not None:
+        text += f", sinks {config['sinks']:g} + N(0, 1) per head"
     window = _config_window(config)
     if window is None:
         return text
@@ -1043,6 +1053,7 @@ def resolve_config() -> dict[str, Any]:
         "causal",
         "window",
         "softcap",
+        "sinks",
         "direction",
         "dtype",
         "inputs",
@@ -1069,7 +1080,11 @@ def resolve_config() -> dict[str, Any]:
     window = parse_window(config["window"])  # ValueError naming --window, before any work
     config["window"] = None if window is None else list(window)
     if config["softcap"] is not None and not (math.isfinite(config["softcap"]) and config["softcap"] > 0):
-        raise ValueError(f"--softcap must be a finite number > 0 (the cap c of c * tanh(s / c)), got {config['softcap']}")
+        raise ValueError(
+            f"--softcap must be a finite number > 0 (the cap c of c * tanh(s / c)), got {config['softcap']}"
+        )
+    if config["sinks"] is not None and not math.isfinite(config["sinks"]):
+        raise ValueError(f"--sinks must be a finite number (the sink logits' mean), got {config['sinks']}")
     if FLAGS["varlen"].present and FLAGS["shapes"].present:
         raise ValueError(
             "--varlen and --shapes were both given: --varlen replaces --shapes (one packed batch of "
@@ -1142,12 +1157,15 @@ def _run(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"--heads ({heads_q}) must be a multiple of --kv_heads ({heads_kv})")
     dims = (heads_q, heads_kv, config["head_dim"], config["causal"], config["dtype"], window)
     head_dim_v = _config_head_dim_v(config)
-    softcap = config.get("softcap")
+    extras = {
+        "softcap": config.get("softcap"),
+        "sinks": sink_logits(config.get("sinks"), heads_q, config["seed"]),
+    }
     if config.get("varlen"):
-        problems = [Problem.packed(config["varlen"], *dims, head_dim_v=head_dim_v, softcap=softcap)]
+        problems = [Problem.packed(config["varlen"], *dims, head_dim_v=head_dim_v, **extras)]
     else:
         problems = [
-            Problem(batch, seq_q, seq_k, *dims, head_dim_v=head_dim_v, softcap=softcap)
+            Problem(batch, seq_q, seq_k, *dims, head_dim_v=head_dim_v, **extras)
             for batch, seq_q, seq_k in parse_shapes(config["shapes"])
         ]
 
