@@ -104,14 +104,22 @@ struct BwdTile {
   static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
   static constexpr int kConsumers = kBwdWarpgroups;
   static constexpr int kRows = kBwdRowsPerWarpgroup;  // per consumer, and per streamed block
-  static constexpr int kBlockM = kRows * kConsumers;  // rows of the tile operands
-  static constexpr int kBlockN = kRows;               // rows of a streamed block
+  // Split columns (head dims above 128, tile_size.h): the consumers share the tile's 64 rows, and
+  // consumer c accumulates gradient columns kOutColumns c .. kOutColumns (c + 1) - 1.
+  static constexpr bool kSplitColumns = BwdSplitColumns(kHeadDim);
+  static constexpr int kTileOperands = kSplitColumns ? 1 : kConsumers;  // 64-row operands per tile operand
+  static constexpr int kBlockM = kRows * kTileOperands;  // rows of the tile operands
+  static constexpr int kBlockN = kRows;                  // rows of a streamed block
+  static constexpr int kOutColumns = kSplitColumns ? kHeadDim / kConsumers : kHeadDim;
+  // Consumer c's first row of the tile, and its first gradient column.
+  static constexpr __device__ int RowOffset(int consumer) { return kSplitColumns ? 0 : kRows * consumer; }
+  static constexpr __device__ int ColumnOffset(int consumer) { return kSplitColumns ? kOutColumns * consumer : 0; }
   static constexpr int kStages = kSize.stages;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kSlices = kHeadDim / 64;
   static constexpr int kSliceBytes = kRows * 128;
   static constexpr int kOperandBytes = kSliceBytes * kSlices;  // 64 rows x head dim
-  static constexpr int kTileBytes = 2 * kOperandBytes * kConsumers;
+  static constexpr int kTileBytes = 2 * kOperandBytes * kTileOperands;
   static constexpr int kStageBytes = 2 * kOperandBytes;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kSmemAlign;
@@ -122,6 +130,7 @@ struct BwdTile {
   static_assert(kBlockM == kSize.dkdv_block_n && kBlockM == kSize.dq_block_m);
   static_assert(kBlockN == kSize.dkdv_block_m && kBlockN == kSize.dq_block_n);
   static_assert(kOperandBytes % kSmemAlign == 0);
+  static_assert(kOutColumns % 64 == 0, "a consumer's columns are whole 64-column slices");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
@@ -130,9 +139,9 @@ template <int kHeadDim>
 struct BwdSmem {
   using Tile = BwdTile<kHeadDim>;
   uint32_t base;
-  // Tile operand `which` (0: K or Q, 1: V or dO) of consumer c.
+  // Tile operand `which` (0: K or Q, 1: V or dO) of consumer c (split columns: the consumers' one).
   __device__ __forceinline__ uint32_t tile(int which, int consumer) const {
-    return base + (2 * which + consumer) * Tile::kOperandBytes;
+    return base + (Tile::kTileOperands * which + (Tile::kSplitColumns ? 0 : consumer)) * Tile::kOperandBytes;
   }
   // Streamed operand `which` (0: Q or K, 1: dO or V) of a stage.
   __device__ __forceinline__ uint32_t stream(int stage, int which) const {
@@ -161,19 +170,25 @@ struct BwdThread {
 template <int kHeadDim>
 __device__ __forceinline__ void LoadOperand(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row,
                                             int head, int batch) {
+  constexpr int kSlice = BwdTile<kHeadDim>::kSliceBytes;
+  if constexpr (kHeadDim > 128) {
+    // A loop, not four unrolled copies: unrolled, the dQ kernel's producer spilled at its 40 registers.
+#pragma unroll 1
+    for (int s = 0; s < kHeadDim / 64; ++s) ptx::tma_load_4d(dst + s * kSlice, map, bar, s * 64, row, head, batch);
+  } else {
 #pragma unroll
-  for (int s = 0; s < kHeadDim / 64; ++s) {
-    ptx::tma_load_4d(dst + s * BwdTile<kHeadDim>::kSliceBytes, map, bar, s * 64, row, head, batch);
+    for (int s = 0; s < kHeadDim / 64; ++s) ptx::tma_load_4d(dst + s * kSlice, map, bar, s * 64, row, head, batch);
   }
 }
 
-// Both tile operands (maps[a] then maps[b]) for both consumers: consumer c's 64 rows from row + 64c.
+// Both tile operands (maps[a] then maps[b]) for both consumers: consumer c's 64 rows from row + 64c
+// (split columns: one 64-row operand each, the consumers').
 template <int kHeadDim>
 __device__ __forceinline__ void LoadTileOperands(const BwdSmem<kHeadDim>& smem, const CUtensorMap* a,
                                                  const CUtensorMap* b, uint32_t bar, int row, int head,
                                                  int batch) {
   for (int which = 0; which < 2; ++which)
-    for (int c = 0; c < BwdTile<kHeadDim>::kConsumers; ++c)
+    for (int c = 0; c < BwdTile<kHeadDim>::kTileOperands; ++c)
       LoadOperand<kHeadDim>(smem.tile(which, c), which ? b : a, bar, row + 64 * c, head, batch);
 }
 
@@ -229,7 +244,7 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
     if (threadIdx.x != 0) return;
     constexpr uint32_t kOp = Tile::kOperandBytes;
     ProduceTiles<Tile::kStages, Tile::kBlockM, Tile::kBlockN>(
-        bars, args, 2 * Tile::kConsumers * kOp, kOp, kOp,
+        bars, args, Tile::kTileBytes, kOp, kOp,
         [&](const auto& work, int, uint32_t bar) { load_tile(smem, work, bar); },
         [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 0, bar); },
         [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 1, bar); });

@@ -100,7 +100,8 @@ struct BwdDkdvMainloop {
       const BwdDkdvWork work = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const BwdSequence& seq = work.seq;
       const int diagonal = seq.diagonal();
-      const int key_row = work.key_start + 64 * t.consumer + t.row();  // this thread's keys: +0, +8
+      const int key_first = work.key_start + Tile::RowOffset(t.consumer);  // the consumer's 64 keys
+      const int key_row = key_first + t.row();  // this thread's keys: +0, +8
       // The queries each of this thread's keys (key_row + 8h) sees: visible_from[h] .. visible_to[h]
       // (empty for a key past the sequence), worked out once a tile in int64, then clamped to int32.
       int visible_from[2], visible_to[2];
@@ -111,9 +112,9 @@ struct BwdDkdvMainloop {
         visible_to[h] = static_cast<int>(min(key - diagonal + args.window_left, int64_t{seq.len_q} - 1));
         if (key >= seq.len_k) visible_to[h] = -1;
       }
-      float dk[kHeadDim / 2], dv[kHeadDim / 2];
+      float dk[Tile::kOutColumns / 2], dv[Tile::kOutColumns / 2];  // the consumer's columns
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+      for (int i = 0; i < Tile::kOutColumns / 2; ++i) dk[i] = dv[i] = 0.f;
       // Step by step: query block m_first + m of head kv_head * group + (block / m_count), and its rows
       // of lse and delta (counters, not divisions: fewer live registers).
       int m = 0;
@@ -139,7 +140,7 @@ struct BwdDkdvMainloop {
         ptx::named_barrier_sync(kBwdRowsBarrier + t.consumer, 128);
         // Masked where some (key, query) pair of the consumer's 64 keys x the block lies past a
         // sequence's end or outside the window.
-        const int key_first = work.key_start + 64 * t.consumer, key_last = key_first + 63;
+        const int key_last = key_first + 63;
         const bool needs_mask = key_last >= seq.len_k || m_start + 64 > seq.len_q ||
                                 key_last - (m_start + diagonal) > args.window_right ||
                                 m_start + 63 + diagonal - key_first > args.window_left;
@@ -182,8 +183,12 @@ struct BwdDkdvMainloop {
           next_row_entry = load_row_entry((work.m_first + m) * kBwdRowsPerWarpgroup, lse_row0);
         }
         t.turns.Begin();
-        IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dv, p_frag, smem.stream(slot.stage, 1));
-        IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dk, ds_frag, smem.stream(slot.stage, 0));
+        // The consumer's columns of dO and Q: whole 64-column slices from its first.
+        const uint32_t columns = Tile::ColumnOffset(t.consumer) / 64 * Tile::kSliceBytes;
+        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(dv, p_frag,
+                                                                             smem.stream(slot.stage, 1) + columns);
+        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(dk, ds_frag,
+                                                                             smem.stream(slot.stage, 0) + columns);
         t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dk);
@@ -196,11 +201,12 @@ struct BwdDkdvMainloop {
       const BwdDkdvWork done = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const int64_t row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
       const int64_t out_row0 = done.seq.k_offset * args.heads_kv + done.kv_head;
-      const int out_row = done.key_start + 64 * t.consumer + t.row();
-      StoreAccumulator<Element, kHeadDim>(dv, static_cast<Element*>(args.dv) + out_row0 * kHeadDim,
-                                          row_stride, out_row, done.seq.len_k, 1.f);
-      StoreAccumulator<Element, kHeadDim>(dk, static_cast<Element*>(args.dk) + out_row0 * kHeadDim,
-                                          row_stride, out_row, done.seq.len_k, args.scale);
+      const int out_row = done.key_start + Tile::RowOffset(t.consumer) + t.row();
+      const int64_t out_column0 = out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer);
+      StoreAccumulator<Element, Tile::kOutColumns>(dv, static_cast<Element*>(args.dv) + out_column0, row_stride,
+                                                   out_row, done.seq.len_k, 1.f);
+      StoreAccumulator<Element, Tile::kOutColumns>(dk, static_cast<Element*>(args.dk) + out_column0, row_stride,
+                                                   out_row, done.seq.len_k, args.scale);
       return done.num_blocks;
     };
     BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);

@@ -72,7 +72,7 @@ struct BwdDqMainloop {
       const BwdDqWork work = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const BwdSequence& seq = work.seq;
       const int diagonal = seq.diagonal();
-      const int rows_start = work.q_start + 64 * t.consumer;
+      const int rows_start = work.q_start + Tile::RowOffset(t.consumer);
       const int row = rows_start + t.row();  // this thread's rows: +0, +8
       const int64_t lse_row0 = seq.lse_offset + work.head * seq.lse_head_stride;
       float lse_log2[2], delta[2];
@@ -81,9 +81,9 @@ struct BwdDqMainloop {
         lse_log2[h] = LseLog2At(args.lse + lse_row0, row + 8 * h, seq.len_q);
         delta[h] = DeltaAt(args.delta + lse_row0, row + 8 * h, seq.len_q);
       }
-      float dq[kHeadDim / 2];
+      float dq[Tile::kOutColumns / 2];  // the consumer's columns
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 2; ++i) dq[i] = 0.f;
+      for (int i = 0; i < Tile::kOutColumns / 2; ++i) dq[i] = 0.f;
       for (int block = 0; block < work.num_blocks; ++block) {
         const RingSlot<Tile::kStages> slot(ring + block);
         float s[32], dp[32];  // S and dP: [64 rows x 64 keys]
@@ -117,7 +117,8 @@ struct BwdDqMainloop {
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);
         t.turns.Begin();
-        IssueRegTimesSmem<Element, kHeadDim, 64, Tile::kSliceBytes>(dq, ds_frag, smem.stream(slot.stage, 0));
+        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(
+            dq, ds_frag, smem.stream(slot.stage, 0) + Tile::ColumnOffset(t.consumer) / 64 * Tile::kSliceBytes);
         t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dq);
@@ -126,8 +127,9 @@ struct BwdDqMainloop {
       t.Release(bars.q_empty[0]);  // Q and dO are read
       const int64_t row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
       const int64_t out_row0 = seq.q_offset * args.heads_q + work.head;
-      StoreAccumulator<Element, kHeadDim>(dq, static_cast<Element*>(args.dq) + out_row0 * kHeadDim,
-                                          row_stride, row, seq.len_q, args.scale);
+      StoreAccumulator<Element, Tile::kOutColumns>(
+          dq, static_cast<Element*>(args.dq) + out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer), row_stride, row,
+          seq.len_q, args.scale);
       return work.num_blocks;
     };
     BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);

@@ -141,6 +141,8 @@ inline constexpr BwdKernelGroup kBwdKernels[] = {
     {64, Layout::kVarlen, kAllMasks},
     {128, Layout::kDense, kAllMasks},
     {128, Layout::kVarlen, kAllMasks},
+    {256, Layout::kDense, kAllMasks},
+    {256, Layout::kVarlen, kAllMasks},
 };
 
 constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
@@ -158,6 +160,11 @@ constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
 //     / 2 floats each), query blocks of dkdv_block_m rows streamed through the ring.
 //   dQ kernel: 128 query rows per tile (64 per warpgroup: dQ in registers), key blocks of
 //     dq_block_n keys streamed through the ring.
+// Head dims above 128 split the gradients' columns instead (kBwdSplitColumns): a tile is 64 rows,
+// both warpgroups compute its S and dP (the same 64 x 64 block each) and each accumulates half of
+// the head dim's columns of dK and dV (or dQ), so a thread holds what it holds at head dim 128. The
+// price is S and dP computed twice: 6 GEMM units per dK/dV block where 4 are needed, 5 for 3 in
+// the dQ kernel.
 struct BwdTileSize {
   int dkdv_block_n;  // keys per dK/dV tile
   int dkdv_block_m;  // query rows per streamed block: the N of S^T = K Q^T
@@ -169,9 +176,11 @@ struct BwdTileSize {
 constexpr int kBwdWarpgroups = 2;
 constexpr int kBwdRowsPerWarpgroup = 64;
 
-constexpr BwdTileSize BwdTile16Size(int /*head_dim*/) {
-  return BwdTileSize{kBwdWarpgroups * kBwdRowsPerWarpgroup, 64, kBwdWarpgroups * kBwdRowsPerWarpgroup,
-                     64, 2};
+constexpr bool BwdSplitColumns(int head_dim) { return head_dim > 128; }
+
+constexpr BwdTileSize BwdTile16Size(int head_dim) {
+  const int tile_rows = BwdSplitColumns(head_dim) ? kBwdRowsPerWarpgroup : kBwdWarpgroups * kBwdRowsPerWarpgroup;
+  return BwdTileSize{tile_rows, 64, tile_rows, 64, 2};
 }
 
 }  // namespace jzyfa

@@ -105,7 +105,7 @@ def check(
         assert err < TOLERANCE, f"{name}: relative L2 {err:.3g}"
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 @pytest.mark.parametrize("length", [1, 127, 129, 1000])
@@ -122,13 +122,13 @@ def test_unequal_lengths(seq_q, seq_k, causal):
     check(seq_q, seq_k, causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [(2, 2), (4, 2), (8, 1), (16, 2), (5, 1)])
 def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
     check(333, 517, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=2)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 @pytest.mark.parametrize(
     ("seq_q", "seq_k", "window"),
@@ -146,7 +146,7 @@ def test_windows(seq_q, seq_k, window, causal, head_dim):
     check(seq_q, seq_k, causal=causal, window=window, head_dim=head_dim, heads_q=4, heads_kv=2)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 256])
 @pytest.mark.parametrize("mask", ["causal", "none", "window"])
 def test_varlen(mask, head_dim):
     """A packed batch (flash_attention_varlen's layout): sequences of unequal lengths (one empty, Lq != Lk),

@@ -672,10 +672,10 @@ BWD_KERNEL_NAME = re.compile(
 
 
 def test_backward_kernels_use_hgmma_without_local_memory(compiled):
-    """Both backward kernels, bf16 and f16, head dims 64 and 128: spill-free (the report check above),
-    no local memory, per key/query block S (S^T) and dP (dP^T) on 64x64x16 HGMMA (D / 16 k-steps each)
-    and the register-A GEMMs on 64xDx16 with an MN-major B (dK/dV: 2 x 4 k-steps of 16 query rows; dQ:
-    4 of 16 keys), ex2 on the MUFU, TMA loads, the producer at 40 registers and the consumers at 232."""
+    """Both backward kernels, bf16 and f16, head dims 64, 128 and 256: spill-free (the report check
+    above), no local memory, per key/query block S (S^T) and dP (dP^T) on 64x64x16 HGMMA (D / 16
+    k-steps each) and the register-A GEMMs on 64xDx16 with an MN-major B (64x128x16 at 256, each
+    consumer's half of the columns; dK/dV: 2 x 4 k-steps of 16 query rows; dQ: 4 of 16 keys), ex2 on the MUFU, TMA loads, the producer at 40 registers and the consumers at 232."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if BWD_KERNEL_NAME.match(name)}
     kinds = sorted(
@@ -685,13 +685,14 @@ def test_backward_kernels_use_hgmma_without_local_memory(compiled):
         (kind, element, d)
         for kind in ("BwdDkdvMainloop", "BwdDqMainloop")
         for element in ("13__nv_bfloat16", "6__half")
-        for d in (64, 128)
+        for d in (64, 128, 256)
     ), kinds
     for name, text in found.items():
         m = BWD_KERNEL_NAME.match(name)
         d = int(m["d"])
         ss = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
-        rs = len(re.findall(rf"\bHGMMA\.64x{d}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
+        columns = d if d <= 128 else d // 2  # above 128 each consumer holds half the columns (split columns)
+        rs = len(re.findall(rf"\bHGMMA\.64x{columns}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
         assert ss >= 2 * d // 16, f"{name}: {ss} shared-memory HGMMA"
         assert rs >= (8 if m["kind"] == "BwdDkdvMainloop" else 4), f"{name}: {rs} register-A HGMMA"
         assert "MUFU.EX2" in text, name

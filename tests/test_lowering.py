@@ -114,14 +114,16 @@ def test_softcap_reaches_both_custom_calls():
 
 
 def test_grad_without_a_backward_kernel_lowers_the_backward_to_xla():
-    """Head dim 256 has a forward kernel and no backward one: the pullback is the pure-JAX backward."""
-    q = jax.ShapeDtypeStruct((2, 40, 8, 256), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 72, 2, 256), jnp.bfloat16)
+    """MLA's head dims (192/128) have a forward kernel and no backward one: the pullback is the
+    pure-JAX backward."""
+    q = jax.ShapeDtypeStruct((2, 40, 8, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 72, 2, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 72, 2, 128), jnp.bfloat16)
 
     def loss(q, k, v):
         return jnp.sum(jzyfa.flash_attention(q, k, v, causal=True).astype(jnp.float32))
 
-    text = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, kv, kv).as_text(dialect="hlo")
+    text = lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v).as_text(dialect="hlo")
     assert len(custom_calls(text)) == 1 and FFI_TARGET in text and FFI_TARGET_BWD not in text
 
 
