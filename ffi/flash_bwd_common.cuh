@@ -113,9 +113,9 @@ struct BwdTile {
   static constexpr int kOperandBytes = kSliceBytes * kSlices;  // 64 rows x head dim
   static constexpr int kTileBytes = 2 * kOperandBytes * kConsumers;
   static constexpr int kStageBytes = 2 * kOperandBytes;
-  // The gradients' staging rows (StoreAccumulator): 16 rows of head_dim 16-bit values per consumer warp.
+  // The gradients' staging rows (StoreAccumulator): 8 rows of head_dim 16-bit values per consumer warp.
   static constexpr int kStagingRowBytes = kHeadDim * 2;
-  static constexpr int kStagingWarpBytes = 16 * kStagingRowBytes;
+  static constexpr int kStagingWarpBytes = 8 * kStagingRowBytes;
   static constexpr int kStagingBytes = kStagingWarpBytes * 4 * kConsumers;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kStagingBytes + kSmemAlign;
@@ -313,13 +313,13 @@ __device__ __forceinline__ void IssueRegTimesSmem(float (&acc)[kN / 2], const ui
 }
 
 // A 64-row accumulator tile (wgmma layout, head_dim columns) times `factor` into rows of a [.., D]
-// 16-bit tensor: row r (< valid_rows) at dst + r * row_stride; this warp's 16 rows from warp_row. Each
-// warp's rows go through its
-// staging rows in shared memory (stmatrix in the accumulator's layout; 16-byte chunk c of row r at
-// chunk c ^ (r % 8) within its group of 8, so that the stmatrix stores and 16-byte loads meet no bank
-// conflict) and out with 16-byte stores, two full rows per warp store: 4-byte stores straight from
-// the accumulators (8 rows x 16 bytes a warp store) held the dK/dV consumers for ~9% of their time
-// (docs/benchmarks.md). The staging rows are the warp's own: __syncwarp orders their reuse.
+// 16-bit tensor: row r (< valid_rows) at dst + r * row_stride; this warp's 16 rows from warp_row.
+// Each warp's rows go out 8 at a time through its staging rows in shared memory (stmatrix in the
+// accumulator's layout; 16-byte chunk c of row r at chunk c ^ r within its group of 8, so that the
+// stmatrix stores and the 16-byte loads meet no bank conflict) and 16-byte global stores, whole rows
+// per quarter warp: 4-byte stores straight from the accumulators (8 rows x 16 bytes a warp store)
+// held the dK/dV consumers for ~9% of their time (docs/benchmarks.md). The staging rows are the
+// warp's own: __syncwarp orders their reuse.
 template <typename Element, int kHeadDim>
 __device__ __forceinline__ void StoreAccumulator(const float (&acc)[kHeadDim / 2], uint32_t staging, Element* dst,
                                                  int64_t row_stride, int warp_row, int valid_rows,
@@ -329,26 +329,26 @@ __device__ __forceinline__ void StoreAccumulator(const float (&acc)[kHeadDim / 2
   auto chunk_address = [&](int row, int chunk) {
     return staging + row * kRowBytes + ((chunk & ~7) | ((chunk ^ row) & 7)) * 16;
   };
-  // stmatrix x4: matrices (rows 0-7, chunk c), (rows 8-15, c), (rows 0-7, c + 1), (rows 8-15, c + 1).
-  const int matrix = lane / 8, matrix_row = lane % 8 + 8 * (matrix % 2);
-  __syncwarp();  // the previous gradient's loads from the staging rows are done
 #pragma unroll
-  for (int c = 0; c < kChunks; c += 2) {
-    StoreMatrixX4(chunk_address(matrix_row, c + matrix / 2),
-                  PackPair<Element>(acc[4 * c] * factor, acc[4 * c + 1] * factor),
-                  PackPair<Element>(acc[4 * c + 2] * factor, acc[4 * c + 3] * factor),
-                  PackPair<Element>(acc[4 * c + 4] * factor, acc[4 * c + 5] * factor),
-                  PackPair<Element>(acc[4 * c + 6] * factor, acc[4 * c + 7] * factor));
-  }
-  __syncwarp();
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of the warp's 16
+    // stmatrix x4: chunks c .. c + 3 of the 8 rows; lane t addresses row t % 8 of chunk c + t / 8.
+    __syncwarp();  // the previous pass's loads from the staging rows are done
 #pragma unroll
-  for (int i = lane; i < 16 * kChunks; i += 32) {
-    const int row = i / kChunks, chunk = i % kChunks;
-    const uint4 v = LoadShared16(chunk_address(row, chunk));
-    if (warp_row + row < valid_rows) {
+    for (int c = 0; c < kChunks; c += 4) {
+      StoreMatrixX4(chunk_address(lane % 8, c + lane / 8),
+                    PackPair<Element>(acc[4 * c + 2 * h] * factor, acc[4 * c + 2 * h + 1] * factor),
+                    PackPair<Element>(acc[4 * c + 4 + 2 * h] * factor, acc[4 * c + 5 + 2 * h] * factor),
+                    PackPair<Element>(acc[4 * c + 8 + 2 * h] * factor, acc[4 * c + 9 + 2 * h] * factor),
+                    PackPair<Element>(acc[4 * c + 12 + 2 * h] * factor, acc[4 * c + 13 + 2 * h] * factor));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < 8 * kChunks; i += 32) {
+      const int row = i / kChunks, chunk = i % kChunks, out_row = warp_row + 8 * h + row;
+      const uint4 v = LoadShared16(chunk_address(row, chunk));
       // 16-byte aligned: row_stride and 8 chunk are multiples of 8 elements, the tensors' bases of 16
       // bytes (a plain uint4 store compiled to four 4-byte ones).
-      StoreGlobal16(dst + static_cast<int64_t>(warp_row + row) * row_stride + 8 * chunk, v);
+      if (out_row < valid_rows) StoreGlobal16(dst + static_cast<int64_t>(out_row) * row_stride + 8 * chunk, v);
     }
   }
 }
