@@ -121,8 +121,12 @@ struct BwdTile {
   static constexpr int kOperandBytes = kSliceBytes * kSlices;  // 64 rows x head dim
   static constexpr int kTileBytes = 2 * kOperandBytes * kTileOperands;
   static constexpr int kStageBytes = 2 * kOperandBytes;
+  // The gradients' staging rows (StoreAccumulator): 8 rows of the consumer's columns per consumer warp.
+  static constexpr int kStagingRowBytes = kOutColumns * 2;
+  static constexpr int kStagingWarpBytes = 8 * kStagingRowBytes;
+  static constexpr int kStagingBytes = kStagingWarpBytes * 4 * kConsumers;
   static constexpr int kSmemAlign = 1024;
-  static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kSmemAlign;
+  static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kStagingBytes + kSmemAlign;
   // The producer works out each step's head and block (the dK/dV tile's): at 40 registers it spilled;
   // the consumers hold dK and dV (or dQ), S^T and dP^T, P^T and dS^T fragments.
   static constexpr int kProducerRegs = 40;
@@ -146,6 +150,10 @@ struct BwdSmem {
   // Streamed operand `which` (0: Q or K, 1: dO or V) of a stage.
   __device__ __forceinline__ uint32_t stream(int stage, int which) const {
     return base + Tile::kTileBytes + stage * Tile::kStageBytes + which * Tile::kOperandBytes;
+  }
+  // Consumer warp w's (0 .. 7) staging rows for the gradients' stores.
+  __device__ __forceinline__ uint32_t staging(int warp) const {
+    return base + Tile::kTileBytes + Tile::kStages * Tile::kStageBytes + warp * Tile::kStagingWarpBytes;
   }
 };
 
@@ -320,20 +328,42 @@ __device__ __forceinline__ void IssueRegTimesSmem(float (&acc)[kN / 2], const ui
 }
 
 // A 64-row accumulator tile (wgmma layout, head_dim columns) times `factor` into rows of a [.., D]
-// 16-bit tensor: row r (< valid_rows) at dst + r * row_stride.
+// 16-bit tensor: row r (< valid_rows) at dst + r * row_stride; this warp's 16 rows from warp_row.
+// Each warp's rows go out 8 at a time through its staging rows in shared memory (stmatrix in the
+// accumulator's layout; 16-byte chunk c of row r at chunk c ^ r within its group of 8, so that the
+// stmatrix stores and the 16-byte loads meet no bank conflict) and 16-byte global stores, whole rows
+// per quarter warp: 4-byte stores straight from the accumulators (8 rows x 16 bytes a warp store)
+// held the dK/dV consumers for ~9% of their time (docs/benchmarks.md). The staging rows are the
+// warp's own: __syncwarp orders their reuse.
 template <typename Element, int kHeadDim>
-__device__ __forceinline__ void StoreAccumulator(const float (&acc)[kHeadDim / 2], Element* dst,
-                                                 int64_t row_stride, int first_row, int valid_rows,
+__device__ __forceinline__ void StoreAccumulator(const float (&acc)[kHeadDim / 2], uint32_t staging, Element* dst,
+                                                 int64_t row_stride, int warp_row, int valid_rows,
                                                  float factor) {
+  constexpr int kChunks = kHeadDim / 8, kRowBytes = kHeadDim * 2;
   const int lane = threadIdx.x % 32;
+  auto chunk_address = [&](int row, int chunk) {
+    return staging + row * kRowBytes + ((chunk & ~7) | ((chunk ^ row) & 7)) * 16;
+  };
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = first_row + 8 * h;
-    if (row >= valid_rows) continue;
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7 of the warp's 16
+    // stmatrix x4: chunks c .. c + 3 of the 8 rows; lane t addresses row t % 8 of chunk c + t / 8.
+    __syncwarp();  // the previous pass's loads from the staging rows are done
 #pragma unroll
-    for (int c = 0; c < kHeadDim / 8; ++c) {
-      *reinterpret_cast<uint32_t*>(dst + row * row_stride + 8 * c + 2 * (lane % 4)) =
-          PackPair<Element>(acc[4 * c + 2 * h] * factor, acc[4 * c + 2 * h + 1] * factor);
+    for (int c = 0; c < kChunks; c += 4) {
+      StoreMatrixX4(chunk_address(lane % 8, c + lane / 8),
+                    PackPair<Element>(acc[4 * c + 2 * h] * factor, acc[4 * c + 2 * h + 1] * factor),
+                    PackPair<Element>(acc[4 * c + 4 + 2 * h] * factor, acc[4 * c + 5 + 2 * h] * factor),
+                    PackPair<Element>(acc[4 * c + 8 + 2 * h] * factor, acc[4 * c + 9 + 2 * h] * factor),
+                    PackPair<Element>(acc[4 * c + 12 + 2 * h] * factor, acc[4 * c + 13 + 2 * h] * factor));
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < 8 * kChunks; i += 32) {
+      const int row = i / kChunks, chunk = i % kChunks, out_row = warp_row + 8 * h + row;
+      const uint4 v = LoadShared16(chunk_address(row, chunk));
+      // 16-byte aligned: row_stride and 8 chunk are multiples of 8 elements, the tensors' bases of 16
+      // bytes (a plain uint4 store compiled to four 4-byte ones).
+      if (out_row < valid_rows) StoreGlobal16(dst + static_cast<int64_t>(out_row) * row_stride + 8 * chunk, v);
     }
   }
 }

@@ -201,12 +201,13 @@ struct BwdDkdvMainloop {
       const BwdDkdvWork done = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const int64_t row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
       const int64_t out_row0 = done.seq.k_offset * args.heads_kv + done.kv_head;
-      const int out_row = done.key_start + Tile::RowOffset(t.consumer) + t.row();
+      const int warp_row = done.key_start + Tile::RowOffset(t.consumer) + 16 * t.warp;
       const int64_t out_column0 = out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer);
-      StoreAccumulator<Element, Tile::kOutColumns>(dv, static_cast<Element*>(args.dv) + out_column0, row_stride,
-                                                   out_row, done.seq.len_k, 1.f);
-      StoreAccumulator<Element, Tile::kOutColumns>(dk, static_cast<Element*>(args.dk) + out_column0, row_stride,
-                                                   out_row, done.seq.len_k, args.scale);
+      const uint32_t staging = smem.staging(4 * t.consumer + t.warp);
+      StoreAccumulator<Element, Tile::kOutColumns>(dv, staging, static_cast<Element*>(args.dv) + out_column0,
+                                                   row_stride, warp_row, done.seq.len_k, 1.f);
+      StoreAccumulator<Element, Tile::kOutColumns>(dk, staging, static_cast<Element*>(args.dk) + out_column0,
+                                                   row_stride, warp_row, done.seq.len_k, args.scale);
       return done.num_blocks;
     };
     BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);

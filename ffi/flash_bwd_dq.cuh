@@ -128,8 +128,9 @@ struct BwdDqMainloop {
       const int64_t row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
       const int64_t out_row0 = seq.q_offset * args.heads_q + work.head;
       StoreAccumulator<Element, Tile::kOutColumns>(
-          dq, static_cast<Element*>(args.dq) + out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer), row_stride, row,
-          seq.len_q, args.scale);
+          dq, smem.staging(4 * t.consumer + t.warp),
+          static_cast<Element*>(args.dq) + out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer), row_stride,
+          rows_start + 16 * t.warp, seq.len_q, args.scale);
       return work.num_blocks;
     };
     BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);

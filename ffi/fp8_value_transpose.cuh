@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "measure_variant.h"
+#include "sm90_mma.cuh"
 
 namespace jzyfa {
 
@@ -163,13 +164,6 @@ __device__ __forceinline__ void LoadMatrixX4Trans(uint32_t addr, uint32_t (&r)[4
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
-               : "memory");
-}
-
-__device__ __forceinline__ void StoreMatrixX4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
-                                              uint32_t d) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-               "r"(a), "r"(b), "r"(c), "r"(d)
                : "memory");
 }
 

@@ -100,7 +100,8 @@ def compile_stats(fn: Callable, args: tuple) -> tuple[int | None, float]:
 def attention_grads_float64(q, k, v, dout, scale: float, *, window: tuple[int, int], softcap=None, sink=None):
     """(dq, dk, dv) of one query head in float64: q [Sq, D], k [Sk, D], v [Sk, Dv], dout [Sq, Dv], the mask
     a (left, right) window with causal folded in (-1: unbounded), bottom-right aligned; softcap and sink
-    as `float64.attention_float64` takes them (a sink: P from the lse with it, delta from its out). Blocks of query rows bound the memory, as there."""
+    as `float64.attention_float64` takes them (a sink: P from the lse with it, delta from its out).
+    Blocks of query rows bound the memory, as there."""
     q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
     out, lse = float64.attention_float64(
         q, k, v, scale, False, window=window, return_lse=True, softcap=softcap, sink=sink
