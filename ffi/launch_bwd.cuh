@@ -52,9 +52,9 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   args.total_q = static_cast<int>(p.total_q);
   args.scale = p.softmax_scale;
   // Softcap c: P from t = tanh(s / c) with c log2(e) as the scale, as in the forward (softcap.cuh).
-  const bool capped = p.softcap > 0.f;
-  args.scale_log2 = (capped ? p.softcap : p.softmax_scale) * 1.4426950408889634f;
-  args.softcap_tanh_scale = capped ? 2.f * 1.4426950408889634f * p.softmax_scale / p.softcap : 0.f;
+  const SoftcapScales scales = SoftcapScalesOf(p.softmax_scale, p.softcap);
+  args.scale_log2 = scales.scale_log2;
+  args.softcap_tanh_scale = scales.tanh_scale;
   // The resolved mask as window sides: none (-1, -1), causal (-1, 0) or a window.
   const bool windowed = mask.windowed;
   args.window_left = windowed && mask.window_left >= 0 ? mask.window_left : kBwdNoBound;

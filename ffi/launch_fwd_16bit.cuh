@@ -34,15 +34,14 @@ std::string Launch16Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t 
            EncodeRowMap16(v, p.v, bf16, batch, seq_k, p.heads_kv, kHeadDimV, Tile::kBlockN, error);
   };
   // Softcap c: the softmax runs on t = tanh(s / c) with c log2(e) as its scale (softcap.cuh).
-  const bool capped = p.softcap > 0.f;
-  if (capped && !Fwd16HasSoftcap(kHeadDimQK, kHeadDimV, kBlockN)) {
+  if (p.softcap > 0.f && !Fwd16HasSoftcap(kHeadDimQK, kHeadDimV, kBlockN)) {
     return "softcap must be 0 for this build's " + std::to_string(kBlockN) + "-key tile at head dims (" +
            std::to_string(kHeadDimQK) + ", " + std::to_string(kHeadDimV) + "): it has no softcap pass";
   }
-  const float scale_log2 = (capped ? p.softcap : p.softmax_scale) * 1.4426950408889634f;
-  const float tanh_scale = capped ? 2.f * 1.4426950408889634f * p.softmax_scale / p.softcap : 0.f;
+  const SoftcapScales scales = SoftcapScalesOf(p.softmax_scale, p.softcap);
   return LaunchFwdKernel<Fwd16Mainloop<Element, kHeadDimQK, kHeadDimV, kBlockN>, Tile, Args>(
-      p, mask, scale_log2, stream, encode_qkv, [&](Args& args) { args.softcap_tanh_scale = tanh_scale; });
+      p, mask, scales.scale_log2, stream, encode_qkv,
+      [&](Args& args) { args.softcap_tanh_scale = scales.tanh_scale; });
 }
 
 // Keys per block of the dense plain (unwindowed) kernels: the table's, or a measuring variant's at

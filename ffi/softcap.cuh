@@ -14,6 +14,19 @@ __device__ __forceinline__ float TanhOfHalfLog2Arg(float y) {
   return 1.f - __fdividef(2.f, ptx::ex2_approx(y) + 1.f);
 }
 
+// The launches' scales (host): the softmax's log2-domain scale, softmax_scale log2(e), or c log2(e)
+// with a softcap c > 0; and CapScores' tanh_scale, 2 log2(e) softmax_scale / c (0: no softcap).
+struct SoftcapScales {
+  float scale_log2;
+  float tanh_scale;
+};
+
+inline SoftcapScales SoftcapScalesOf(float softmax_scale, float softcap) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  if (!(softcap > 0.f)) return SoftcapScales{softmax_scale * kLog2e, 0.f};
+  return SoftcapScales{softcap * kLog2e, 2.f * kLog2e * softmax_scale / softcap};
+}
+
 // s[i] <- tanh(s[i] * tanh_scale / (2 log2 e)); tanh_scale = 2 log2(e) softmax_scale / c.
 template <int kN>
 __device__ __forceinline__ void CapScores(float (&s)[kN], float tanh_scale) {

@@ -116,18 +116,25 @@ def test_smoke_run_times_every_direction():
     assert "compile s" in speed.format_plain(report["results"])
 
 
-def test_softcap_run_checks_the_capped_reference():
-    """--softcap: jzyfa's rows against float64 with the cap (c = 0.5 moves every score, so a call or a
-    reference without it would fail the check); peers without a softcap say so."""
+def smoke_run_with(flags, *, refusal):
+    """A 1x64 forward and backward smoke run of jzyfa and jax.nn's XLA peer with `flags`: jzyfa's rows
+    pass their float64 checks, the XLA peer refuses with `refusal`. Returns (report, config)."""
     config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
-                             "--direction", "fwd,bwd", "--softcap", "0.5"])  # fmt: skip
+                             "--direction", "fwd,bwd", *flags])  # fmt: skip
     report = speed.run(config)
     rows = {r["impl"]: r for r in report["results"]}
     for name in ("jzyfa", "jzyfa bwd"):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["rel_err"] < 2e-2
     assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
-    assert rows["xla"]["status"] == "unsupported" and "no softcap" in rows["xla"]["message"]
+    assert rows["xla"]["status"] == "unsupported" and refusal in rows["xla"]["message"]
+    return report, config
+
+
+def test_softcap_run_checks_the_capped_reference():
+    """--softcap: jzyfa's rows against float64 with the cap (c = 0.5 moves every score, so a call or a
+    reference without it would fail the check); peers without a softcap say so."""
+    report, config = smoke_run_with(["--softcap", "0.5"], refusal="no softcap")
     assert "softcap 0.5" in speed.format_markdown(report["results"], report["env"], config)
 
 
@@ -161,15 +168,7 @@ def test_sinks_run_checks_the_reference_with_sinks():
     """--sinks: jzyfa's rows against float64 with a sink per head (mean 5 at 64 keys: the sinks take a
     large share of each row, so a call or a reference without them would fail the check); peers
     without sinks say so."""
-    config = resolve_config(["--smoke", "--shapes", "1x64", "--inputs", "gaussian", "--impls", "jzyfa,xla",
-                             "--direction", "fwd,bwd", "--sinks", "5"])  # fmt: skip
-    report = speed.run(config)
-    rows = {r["impl"]: r for r in report["results"]}
-    for name in ("jzyfa", "jzyfa bwd"):
-        assert rows[name]["status"] == "ok", rows[name]
-        assert rows[name]["rel_err"] < 2e-2
-    assert rows["jzyfa bwd"]["dq_rel_l2"] < 2e-2 and rows["jzyfa bwd"]["dk_rel_l2"] < 2e-2
-    assert rows["xla"]["status"] == "unsupported" and "no sinks" in rows["xla"]["message"]
+    report, config = smoke_run_with(["--sinks", "5"], refusal="no sinks")
     assert "sinks 5 + N(0, 1) per head" in speed.format_markdown(report["results"], report["env"], config)
     # The sinks move the output far past the check's tolerance (it could fail without them).
     sinks = sink_logits(5.0, 4, 0)

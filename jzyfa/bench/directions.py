@@ -175,7 +175,7 @@ def gradient_reference(problem: Problem, q, k, v, dout, requested: int) -> Gradi
                 problem.softmax_scale,
                 window=window,
                 softcap=problem.softcap,
-                sink=None if problem.sinks is None else problem.sinks[head],
+                sink=problem.sink(head),
             )
             dq_heads.append(grads[0])
             dk, dv = dk + grads[1], dv + grads[2]

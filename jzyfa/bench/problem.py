@@ -209,6 +209,10 @@ class Problem:
             sinks,
         )
 
+    def sink(self, head: int) -> float | None:
+        """Query head `head`'s sink logit (None without --sinks)."""
+        return None if self.sinks is None else self.sinks[head]
+
     @property
     def sizes(self) -> dict[str, int]:
         """batch, seq_q, seq_k, heads_q, heads_kv and head_dim by name (the keys `jzyfa.bench.inputs`

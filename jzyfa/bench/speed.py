@@ -381,7 +381,7 @@ def compute_varlen_reference(problem: Problem, q, k, v, requested_pairs: int) ->
         for i in range(len(heads)):
             out[i, rows] = float64.attention_float64(
                 qs[i, rows], ks[i, keys], vs[i, keys], problem.softmax_scale, problem.causal, window=window,
-                softcap=problem.softcap, sink=None if problem.sinks is None else problem.sinks[heads[i]],
+                softcap=problem.softcap, sink=problem.sink(heads[i]),
             )  # fmt: skip
     return Reference(np.zeros_like(heads), heads, out, None, time.perf_counter() - start)
 
