@@ -26,6 +26,8 @@ FP8_WIDE_QK_N = (192,)
 # Other 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
 # hd128 without a mask, 176 keys (-DJZYFA_NOMASK_BLOCK_N=176); hd256, 80 keys (-DJZYFA_HD256_BLOCK_N=80).
 WIDE_QK_N = (80, 176)
+# The 16-bit backward's register-A products wider than WGMMA_N: MLA's dQ += dS K, N = q/k head dim 192.
+BWD_WIDE_RS_N = (192,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
@@ -173,6 +175,8 @@ def all_wgmma_ops() -> list[Wgmma]:
             for overwrite in (False, True):
                 ops.append(Wgmma(n, dtype, a_from_registers=False, b_transposed=False,
                                  overwrite=overwrite))
+        for n in BWD_WIDE_RS_N:
+            ops.append(Wgmma(n, dtype, a_from_registers=True, b_transposed=True))
     # FP8: K-major A and B only (no transposed B), so V reaches the kernel transposed (V^T,
     # seq-contiguous) and P V takes P from registers with a plain K-major B.
     for n in WGMMA_N:

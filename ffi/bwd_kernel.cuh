@@ -21,10 +21,4 @@ __global__ void __launch_bounds__(Mainloop::kThreads, 1)
   Mainloop::Run(maps, args);
 }
 
-template <typename Element, int kHeadDim>
-constexpr auto BwdDkdvKernel = BwdKernel<BwdDkdvMainloop<Element, kHeadDim>, BwdDkdvArgs>;
-
-template <typename Element, int kHeadDim>
-constexpr auto BwdDqKernel = BwdKernel<BwdDqMainloop<Element, kHeadDim>, BwdDqArgs>;
-
 }  // namespace jzyfa

@@ -15,10 +15,11 @@ template <size_t I = 0>
 std::string DispatchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   constexpr size_t kGroups = sizeof(kBwdKernels) / sizeof(kBwdKernels[0]);
   if constexpr (I == kGroups) {
-    return "no backward kernel for head_dim " + Str(p.head_dim);
+    return "no backward kernel for head dims " + Str(p.head_dim) + "/" + Str(p.head_dim_v);
   } else {
-    if (kBwdKernels[I].head_dim == p.head_dim) {
-      return LaunchBwdInstance<kBwdKernels[I].head_dim>(p, mask, stream);
+    constexpr BwdKernelGroup kGroup = kBwdKernels[I];
+    if (kGroup.head_dim_qk == p.head_dim && kGroup.head_dim_v == p.head_dim_v) {
+      return LaunchBwdInstance<kGroup.head_dim_qk, kGroup.head_dim_v>(p, mask, stream);
     }
     return DispatchBwd<I + 1>(p, mask, stream);
   }
@@ -37,9 +38,10 @@ std::string ValidateBwd(const BwdParams& p, MaskPlan* mask) {
   std::string error =
       ResolveMask(p.causal, p.window_left, p.window_right, p.seqlen_q, p.seqlen_k, mask);
   if (!error.empty()) return error;
-  if (!HasBwdKernel(static_cast<int>(p.head_dim), mask->kind(),
+  if (!HasBwdKernel(static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v), mask->kind(),
                     p.varlen ? Layout::kVarlen : Layout::kDense)) {
-    return "no backward kernel for head_dim " + Str(p.head_dim) + " (served: 64, 128)";
+    return "no backward kernel for head dims (q and k / v) " + Str(p.head_dim) + "/" + Str(p.head_dim_v) +
+           " (served: 64/64, 128/128, 256/256 and 192/128)";
   }
   if (p.varlen && (p.seqlen_q < 0 || p.seqlen_k < 0 || p.total_q >= (int64_t{1} << 31) ||
                    p.total_k >= (int64_t{1} << 31))) {

@@ -30,7 +30,8 @@ struct BwdParams {
   int64_t seqlen_k = 0;
   int64_t heads_q = 0;
   int64_t heads_kv = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // q's and k's
+  int64_t head_dim_v = 0;  // v's and dout's
   float softmax_scale = 1.0f;
   float softcap = 0.0f;  // c > 0: the forward capped scores to c tanh(s / c); 0: none
   bool causal = false;
@@ -51,7 +52,7 @@ std::string ValidateBwd(const BwdParams& p, MaskPlan* mask);
 
 std::string LaunchBwd(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream);
 
-template <int kHeadDim>
+template <int kHeadDimQK, int kHeadDimV>
 std::string LaunchBwdInstance(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream);
 
 }  // namespace jzyfa

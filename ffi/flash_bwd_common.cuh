@@ -98,32 +98,42 @@ __device__ __forceinline__ void BlockRange(int64_t first, int64_t last, int coun
 
 // The tiles' sizes and shared-memory layout: the tile operands (K and V, or Q and dO) for two consumers
 // of 64 rows, then kStages stages of the streamed operands (Q and dO, or K and V) of 64 rows; every
-// operand 64-column slices of 64 rows x 128 bytes in the 128-byte swizzle, 1024-byte aligned.
-template <int kHeadDim>
+// operand 64-column slices of 64 rows x 128 bytes in the 128-byte swizzle, 1024-byte aligned. Operand
+// 0 (K or Q, streamed Q or K) has head dim kHeadDimQK, operand 1 (V or dO) kHeadDimV. Gradient 0 (dK
+// or dQ) has operand 0's columns, gradient 1 (dV) operand 1's.
+template <int kHeadDimQK, int kHeadDimV, BwdKernelKind kKernel>
 struct BwdTile {
-  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDim);
+  static constexpr BwdTileSize kSize = BwdTile16Size(kHeadDimQK, kHeadDimV);
   static constexpr int kConsumers = kBwdWarpgroups;
   static constexpr int kRows = kBwdRowsPerWarpgroup;  // per consumer, and per streamed block
-  // Split columns (head dims above 128, tile_size.h): the consumers share the tile's 64 rows, and
-  // consumer c accumulates gradient columns kOutColumns c .. kOutColumns (c + 1) - 1.
-  static constexpr bool kSplitColumns = BwdSplitColumns(kHeadDim);
+  // Split columns (tile_size.h): the consumers share the tile's 64 rows, and each accumulates its
+  // 64-column slices of the gradients (Columns, FirstColumn).
+  static constexpr bool kSplitColumns = BwdSplitColumns(kKernel, kHeadDimQK, kHeadDimV);
   static constexpr int kTileOperands = kSplitColumns ? 1 : kConsumers;  // 64-row operands per tile operand
   static constexpr int kBlockM = kRows * kTileOperands;  // rows of the tile operands
   static constexpr int kBlockN = kRows;                  // rows of a streamed block
-  static constexpr int kOutColumns = kSplitColumns ? kHeadDim / kConsumers : kHeadDim;
-  // Consumer c's first row of the tile, and its first gradient column.
+  static constexpr __host__ __device__ int HeadDim(int which) { return which == 0 ? kHeadDimQK : kHeadDimV; }
+  // Gradient `which`'s columns that consumer c accumulates: Columns(which, c) from FirstColumn(which, c).
+  static constexpr __host__ __device__ int Columns(int which, int consumer) {
+    return kSplitColumns ? 64 * BwdConsumerSlices(HeadDim(which) / 64, consumer) : HeadDim(which);
+  }
+  static constexpr __host__ __device__ int FirstColumn(int which, int consumer) {
+    return kSplitColumns ? 64 * BwdConsumerFirstSlice(HeadDim(which) / 64, consumer) : 0;
+  }
+  // Whether both consumers hold as many columns (one copy of the consumers' code) or not (MLA's
+  // dK/dV: a copy per consumer, BwdTile's WithConsumerColumns).
+  static constexpr bool kEvenColumns = Columns(0, 0) == Columns(0, 1) && Columns(1, 0) == Columns(1, 1);
+  static constexpr int kMaxColumns = Columns(0, 0) > Columns(1, 0) ? Columns(0, 0) : Columns(1, 0);
+  // Consumer c's first row of the tile.
   static constexpr __device__ int RowOffset(int consumer) { return kSplitColumns ? 0 : kRows * consumer; }
-  static constexpr __device__ int ColumnOffset(int consumer) { return kSplitColumns ? kOutColumns * consumer : 0; }
   static constexpr int kStages = kSize.stages;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kSlices = kHeadDim / 64;
   static constexpr int kSliceBytes = kRows * 128;
-  static constexpr int kOperandBytes = kSliceBytes * kSlices;  // 64 rows x head dim
-  static constexpr int kTileBytes = 2 * kOperandBytes * kTileOperands;
-  static constexpr int kStageBytes = 2 * kOperandBytes;
+  static constexpr __host__ __device__ int OperandBytes(int which) { return kSliceBytes * HeadDim(which) / 64; }
+  static constexpr int kTileBytes = (OperandBytes(0) + OperandBytes(1)) * kTileOperands;
+  static constexpr int kStageBytes = OperandBytes(0) + OperandBytes(1);
   // The gradients' staging rows (StoreAccumulator): 8 rows of the consumer's columns per consumer warp.
-  static constexpr int kStagingRowBytes = kOutColumns * 2;
-  static constexpr int kStagingWarpBytes = 8 * kStagingRowBytes;
+  static constexpr int kStagingWarpBytes = 8 * kMaxColumns * 2;
   static constexpr int kStagingBytes = kStagingWarpBytes * 4 * kConsumers;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kDynamicSmemBytes = kTileBytes + kStages * kStageBytes + kStagingBytes + kSmemAlign;
@@ -131,25 +141,37 @@ struct BwdTile {
   // the consumers hold dK and dV (or dQ), S^T and dP^T, P^T and dS^T fragments.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
-  static_assert(kBlockM == kSize.dkdv_block_n && kBlockM == kSize.dq_block_m);
-  static_assert(kBlockN == kSize.dkdv_block_m && kBlockN == kSize.dq_block_n);
-  static_assert(kOperandBytes % kSmemAlign == 0);
-  static_assert(kOutColumns % 64 == 0, "a consumer's columns are whole 64-column slices");
+  static_assert(kBlockM == (kKernel == BwdKernelKind::kDkdv ? kSize.dkdv_block_n : kSize.dq_block_m));
+  static_assert(kBlockN == (kKernel == BwdKernelKind::kDkdv ? kSize.dkdv_block_m : kSize.dq_block_n));
+  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "operands are whole 64-column slices");
+  static_assert(!kSplitColumns || (kHeadDimQK >= 128 && kHeadDimV >= 128), "each consumer takes a slice");
   static_assert(kDynamicSmemBytes <= 227 * 1024);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 
-template <int kHeadDim>
+// f(std::integral_constant<int, c>) with c the consumer whose column counts the code is compiled for:
+// 0 for both consumers where they hold as many columns (FirstColumn tells them apart at run time),
+// else each consumer's own (two copies).
+template <typename Tile, typename F>
+__device__ __forceinline__ auto WithConsumerColumns(int consumer, F f) {
+  if constexpr (Tile::kEvenColumns) {
+    return f(std::integral_constant<int, 0>{});
+  } else {
+    return consumer == 0 ? f(std::integral_constant<int, 0>{}) : f(std::integral_constant<int, 1>{});
+  }
+}
+
+template <typename Tile>
 struct BwdSmem {
-  using Tile = BwdTile<kHeadDim>;
   uint32_t base;
   // Tile operand `which` (0: K or Q, 1: V or dO) of consumer c (split columns: the consumers' one).
   __device__ __forceinline__ uint32_t tile(int which, int consumer) const {
-    return base + (Tile::kTileOperands * which + (Tile::kSplitColumns ? 0 : consumer)) * Tile::kOperandBytes;
+    return base + which * Tile::kTileOperands * Tile::OperandBytes(0) +
+           (Tile::kSplitColumns ? 0 : consumer) * Tile::OperandBytes(which);
   }
   // Streamed operand `which` (0: Q or K, 1: dO or V) of a stage.
   __device__ __forceinline__ uint32_t stream(int stage, int which) const {
-    return base + Tile::kTileBytes + stage * Tile::kStageBytes + which * Tile::kOperandBytes;
+    return base + Tile::kTileBytes + stage * Tile::kStageBytes + which * Tile::OperandBytes(0);
   }
   // Consumer warp w's (0 .. 7) staging rows for the gradients' stores.
   __device__ __forceinline__ uint32_t staging(int warp) const {
@@ -178,9 +200,10 @@ struct BwdThread {
 template <int kHeadDim>
 __device__ __forceinline__ void LoadOperand(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row,
                                             int head, int batch) {
-  constexpr int kSlice = BwdTile<kHeadDim>::kSliceBytes;
+  constexpr int kSlice = kBwdRowsPerWarpgroup * 128;
   if constexpr (kHeadDim > 128) {
-    // A loop, not four unrolled copies: unrolled, the dQ kernel's producer spilled at its 40 registers.
+    // A loop, not unrolled copies: unrolled at head dim 256, the dQ kernel's producer spilled at its
+    // 40 registers.
 #pragma unroll 1
     for (int s = 0; s < kHeadDim / 64; ++s) ptx::tma_load_4d(dst + s * kSlice, map, bar, s * 64, row, head, batch);
   } else {
@@ -191,28 +214,29 @@ __device__ __forceinline__ void LoadOperand(uint32_t dst, const CUtensorMap* map
 
 // Both tile operands (maps[a] then maps[b]) for both consumers: consumer c's 64 rows from row + 64c
 // (split columns: one 64-row operand each, the consumers').
-template <int kHeadDim>
-__device__ __forceinline__ void LoadTileOperands(const BwdSmem<kHeadDim>& smem, const CUtensorMap* a,
+template <typename Tile>
+__device__ __forceinline__ void LoadTileOperands(const BwdSmem<Tile>& smem, const CUtensorMap* a,
                                                  const CUtensorMap* b, uint32_t bar, int row, int head,
                                                  int batch) {
-  for (int which = 0; which < 2; ++which)
-    for (int c = 0; c < BwdTile<kHeadDim>::kTileOperands; ++c)
-      LoadOperand<kHeadDim>(smem.tile(which, c), which ? b : a, bar, row + 64 * c, head, batch);
+  for (int c = 0; c < Tile::kTileOperands; ++c)
+    LoadOperand<Tile::HeadDim(0)>(smem.tile(0, c), a, bar, row + 64 * c, head, batch);
+  for (int c = 0; c < Tile::kTileOperands; ++c)
+    LoadOperand<Tile::HeadDim(1)>(smem.tile(1, c), b, bar, row + 64 * c, head, batch);
 }
 
 // A block's two smem x smem GEMMs of one consumer, in its turn once both streamed operands landed:
 // x = tile operand 0 times streamed operand 0 (S or S^T), y = operand 1 times operand 1 (dP or dP^T),
 // [64 x 64] each; waits for both.
-template <typename Element, int kHeadDim, int kStages>
-__device__ __forceinline__ void IssueBlockScores(float (&x)[32], float (&y)[32], const BwdSmem<kHeadDim>& smem,
+template <typename Element, typename Tile, int kStages>
+__device__ __forceinline__ void IssueBlockScores(float (&x)[32], float (&y)[32], const BwdSmem<Tile>& smem,
                                                  FwdBarriers<kStages, 1>& bars, const RingSlot<kStages>& slot,
                                                  int consumer, const PingPong& turns) {
-  constexpr int kSlice = BwdTile<kHeadDim>::kSliceBytes;
+  constexpr int kSlice = Tile::kSliceBytes;
   ptx::mbarrier_wait(SmemAddress(&bars.k_full[slot.stage]), slot.parity);
   ptx::mbarrier_wait(SmemAddress(&bars.v_full[slot.stage]), slot.parity);
   turns.Begin();
-  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(x, smem.tile(0, consumer), smem.stream(slot.stage, 0), 0);
-  IssueQK<Element, 64, kHeadDim, kSlice, kSlice, 0>(y, smem.tile(1, consumer), smem.stream(slot.stage, 1), 0);
+  IssueQK<Element, 64, Tile::HeadDim(0), kSlice, kSlice, 0>(x, smem.tile(0, consumer), smem.stream(slot.stage, 0), 0);
+  IssueQK<Element, 64, Tile::HeadDim(1), kSlice, kSlice, 0>(y, smem.tile(1, consumer), smem.stream(slot.stage, 1), 0);
   turns.End();
   ptx::wgmma_wait_group<0>();
   FenceRegisters(x);
@@ -235,13 +259,12 @@ __device__ __forceinline__ BwdMapRows MapRowsOf(const BwdArgs& args, const BwdSe
 // both tile operands of both consumers; load_stream(smem, work, block, stage, which, bar) one streamed
 // operand. consume_tile(smem, bars, tile, ring, thread) runs a tile's blocks (ring: blocks consumed
 // since the launch) and returns how many it consumed, releasing every stage and the tile buffer.
-template <int kHeadDim, typename Args, typename LoadTile, typename LoadStream, typename ConsumeTile>
+template <typename Tile, typename Args, typename LoadTile, typename LoadStream, typename ConsumeTile>
 __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, LoadStream load_stream,
                                          ConsumeTile consume_tile) {
-  using Tile = BwdTile<kHeadDim>;
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) FwdBarriers<Tile::kStages, 1> bars;
-  const BwdSmem<kHeadDim> smem{(SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
+  const BwdSmem<Tile> smem{(SmemAddress(smem_raw) + Tile::kSmemAlign - 1) &
                                ~uint32_t(Tile::kSmemAlign - 1)};
   const int warpgroup = threadIdx.x / 128;
   InitBarriers<Tile::kStages, Tile::kConsumers>(bars);
@@ -250,9 +273,8 @@ __device__ __forceinline__ void BwdTiles(const Args& args, LoadTile load_tile, L
   if (warpgroup == 0) {  // ---------------------------------------------------- producer
     ptx::setmaxnreg_dec<Tile::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    constexpr uint32_t kOp = Tile::kOperandBytes;
     ProduceTiles<Tile::kStages, Tile::kBlockM, Tile::kBlockN>(
-        bars, args, Tile::kTileBytes, kOp, kOp,
+        bars, args, Tile::kTileBytes, Tile::OperandBytes(0), Tile::OperandBytes(1),
         [&](const auto& work, int, uint32_t bar) { load_tile(smem, work, bar); },
         [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 0, bar); },
         [&](const auto& work, int block, int stage, uint32_t bar) { load_stream(smem, work, block, stage, 1, bar); });
@@ -327,7 +349,7 @@ __device__ __forceinline__ void IssueRegTimesSmem(float (&acc)[kN / 2], const ui
   ptx::wgmma_commit_group();
 }
 
-// A 64-row accumulator tile (wgmma layout, head_dim columns) times `factor` into rows of a [.., D]
+// A 64-row accumulator tile (wgmma layout, kColumns columns) times `factor` into rows of a [.., D]
 // 16-bit tensor: row r (< valid_rows) at dst + r * row_stride; this warp's 16 rows from warp_row.
 // Each warp's rows go out 8 at a time through its staging rows in shared memory (stmatrix in the
 // accumulator's layout; 16-byte chunk c of row r at chunk c ^ r within its group of 8, so that the
@@ -335,11 +357,11 @@ __device__ __forceinline__ void IssueRegTimesSmem(float (&acc)[kN / 2], const ui
 // per quarter warp: 4-byte stores straight from the accumulators (8 rows x 16 bytes a warp store)
 // held the dK/dV consumers for ~9% of their time (docs/benchmarks.md). The staging rows are the
 // warp's own: __syncwarp orders their reuse.
-template <typename Element, int kHeadDim>
-__device__ __forceinline__ void StoreAccumulator(const float (&acc)[kHeadDim / 2], uint32_t staging, Element* dst,
+template <typename Element, int kColumns>
+__device__ __forceinline__ void StoreAccumulator(const float (&acc)[kColumns / 2], uint32_t staging, Element* dst,
                                                  int64_t row_stride, int warp_row, int valid_rows,
                                                  float factor) {
-  constexpr int kChunks = kHeadDim / 8, kRowBytes = kHeadDim * 2;
+  constexpr int kChunks = kColumns / 8, kRowBytes = kColumns * 2;
   const int lane = threadIdx.x % 32;
   auto chunk_address = [&](int row, int chunk) {
     return staging + row * kRowBytes + ((chunk & ~7) | ((chunk ^ row) & 7)) * 16;

@@ -63,10 +63,10 @@ __device__ __forceinline__ BwdDkdvWork PlanTile(int tile, const BwdDkdvArgs& arg
   return w;
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDimQK, int kHeadDimV>
 struct BwdDkdvMainloop {
-  using Tile = BwdTile<kHeadDim>;
-  using Smem = BwdSmem<kHeadDim>;
+  using Tile = BwdTile<kHeadDimQK, kHeadDimV, BwdKernelKind::kDkdv>;
+  using Smem = BwdSmem<Tile>;
   static constexpr int kThreads = Tile::kThreads;
 
   // maps: q, k, v, dout. Tile operands K (0) and V (1); streamed Q (0) and dO (1).
@@ -89,14 +89,20 @@ struct BwdDkdvMainloop {
         }
         step_row = w.first_query_row + step_m * kBwdRowsPerWarpgroup;
       }
-      LoadOperand<kHeadDim>(smem.stream(stage, which), maps[which ? 3 : 0], bar, step_row, step_head,
-                            w.rows.batch);
+      if (which == 0) {
+        LoadOperand<kHeadDimQK>(smem.stream(stage, 0), maps[0], bar, step_row, step_head, w.rows.batch);
+      } else {
+        LoadOperand<kHeadDimV>(smem.stream(stage, 1), maps[3], bar, step_row, step_head, w.rows.batch);
+      }
     };
     // Per consumer and stage: the block's 64 queries' lse (log2 domain; +inf past the sequence) then
     // their delta, written by the consumer's own threads: the softmax reads them without guards.
     __shared__ float query_rows[Tile::kConsumers][Tile::kStages][128];
-    auto consume_tile = [&](const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile,
-                            uint32_t ring, const BwdThread& t) {
+    // Consumer columns c's code (WithConsumerColumns): dK's Columns(0, c) and dV's Columns(1, c).
+    auto consume_tile_with = [&](auto columns, const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile,
+                                 uint32_t ring, const BwdThread& t) {
+      constexpr int kDkColumns = Tile::Columns(0, decltype(columns)::value);
+      constexpr int kDvColumns = Tile::Columns(1, decltype(columns)::value);
       const BwdDkdvWork work = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const BwdSequence& seq = work.seq;
       const int diagonal = seq.diagonal();
@@ -112,9 +118,11 @@ struct BwdDkdvMainloop {
         visible_to[h] = static_cast<int>(min(key - diagonal + args.window_left, int64_t{seq.len_q} - 1));
         if (key >= seq.len_k) visible_to[h] = -1;
       }
-      float dk[Tile::kOutColumns / 2], dv[Tile::kOutColumns / 2];  // the consumer's columns
+      float dk[kDkColumns / 2], dv[kDvColumns / 2];  // the consumer's columns
 #pragma unroll
-      for (int i = 0; i < Tile::kOutColumns / 2; ++i) dk[i] = dv[i] = 0.f;
+      for (int i = 0; i < kDkColumns / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kDvColumns / 2; ++i) dv[i] = 0.f;
       // Step by step: query block m_first + m of head kv_head * group + (block / m_count), and its rows
       // of lse and delta (counters, not divisions: fewer live registers).
       int m = 0;
@@ -184,11 +192,10 @@ struct BwdDkdvMainloop {
         }
         t.turns.Begin();
         // The consumer's columns of dO and Q: whole 64-column slices from its first.
-        const uint32_t columns = Tile::ColumnOffset(t.consumer) / 64 * Tile::kSliceBytes;
-        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(dv, p_frag,
-                                                                             smem.stream(slot.stage, 1) + columns);
-        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(dk, ds_frag,
-                                                                             smem.stream(slot.stage, 0) + columns);
+        IssueRegTimesSmem<Element, kDvColumns, 64, Tile::kSliceBytes>(
+            dv, p_frag, smem.stream(slot.stage, 1) + Tile::FirstColumn(1, t.consumer) / 64 * Tile::kSliceBytes);
+        IssueRegTimesSmem<Element, kDkColumns, 64, Tile::kSliceBytes>(
+            dk, ds_frag, smem.stream(slot.stage, 0) + Tile::FirstColumn(0, t.consumer) / 64 * Tile::kSliceBytes);
         t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dk);
@@ -199,18 +206,23 @@ struct BwdDkdvMainloop {
       t.Release(bars.q_empty[0]);  // K and V are read: the producer may load the next tile's
       // The tile's place again (not kept live through the loop: its registers are the loop's).
       const BwdDkdvWork done = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
-      const int64_t row_stride = static_cast<int64_t>(args.heads_kv) * kHeadDim;
-      const int64_t out_row0 = done.seq.k_offset * args.heads_kv + done.kv_head;
+      const int64_t out_row0 = done.seq.k_offset * args.heads_kv + done.kv_head;  // [tokens, heads] row
       const int warp_row = done.key_start + Tile::RowOffset(t.consumer) + 16 * t.warp;
-      const int64_t out_column0 = out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer);
       const uint32_t staging = smem.staging(4 * t.consumer + t.warp);
-      StoreAccumulator<Element, Tile::kOutColumns>(dv, staging, static_cast<Element*>(args.dv) + out_column0,
-                                                   row_stride, warp_row, done.seq.len_k, 1.f);
-      StoreAccumulator<Element, Tile::kOutColumns>(dk, staging, static_cast<Element*>(args.dk) + out_column0,
-                                                   row_stride, warp_row, done.seq.len_k, args.scale);
+      StoreAccumulator<Element, kDvColumns>(
+          dv, staging, static_cast<Element*>(args.dv) + out_row0 * kHeadDimV + Tile::FirstColumn(1, t.consumer),
+          int64_t{args.heads_kv} * kHeadDimV, warp_row, done.seq.len_k, 1.f);
+      StoreAccumulator<Element, kDkColumns>(
+          dk, staging, static_cast<Element*>(args.dk) + out_row0 * kHeadDimQK + Tile::FirstColumn(0, t.consumer),
+          int64_t{args.heads_kv} * kHeadDimQK, warp_row, done.seq.len_k, args.scale);
       return done.num_blocks;
     };
-    BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);
+    auto consume_tile = [&](const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile, uint32_t ring,
+                            const BwdThread& t) {
+      return WithConsumerColumns<Tile>(
+          t.consumer, [&](auto columns) { return consume_tile_with(columns, smem, bars, tile, ring, t); });
+    };
+    BwdTiles<Tile>(args, load_tile, load_stream, consume_tile);
   }
 };
 

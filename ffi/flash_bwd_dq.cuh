@@ -51,10 +51,10 @@ __device__ __forceinline__ BwdDqWork PlanTile(int tile, const BwdDqArgs& args) {
   return w;
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDimQK, int kHeadDimV>
 struct BwdDqMainloop {
-  using Tile = BwdTile<kHeadDim>;
-  using Smem = BwdSmem<kHeadDim>;
+  using Tile = BwdTile<kHeadDimQK, kHeadDimV, BwdKernelKind::kDq>;
+  using Smem = BwdSmem<Tile>;
   static constexpr int kThreads = Tile::kThreads;
 
   // maps: q, k, v, dout. Tile operands Q (0) and dO (1); streamed K (0) and V (1).
@@ -64,11 +64,16 @@ struct BwdDqMainloop {
     };
     auto load_stream = [&](const Smem& smem, const BwdDqWork& w, int block, int stage, int which,
                            uint32_t bar) {
-      LoadOperand<kHeadDim>(smem.stream(stage, which), maps[1 + which], bar,
-                            w.rows.k_row0 + (w.n_first + block) * Tile::kBlockN, w.kv_head, w.rows.batch);
+      const int row = w.rows.k_row0 + (w.n_first + block) * Tile::kBlockN;
+      if (which == 0) {
+        LoadOperand<kHeadDimQK>(smem.stream(stage, 0), maps[1], bar, row, w.kv_head, w.rows.batch);
+      } else {
+        LoadOperand<kHeadDimV>(smem.stream(stage, 1), maps[2], bar, row, w.kv_head, w.rows.batch);
+      }
     };
-    auto consume_tile = [&](const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile,
-                            uint32_t ring, const BwdThread& t) {
+    auto consume_tile_with = [&](auto columns, const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile,
+                                 uint32_t ring, const BwdThread& t) {
+      constexpr int kDqColumns = Tile::Columns(0, decltype(columns)::value);
       const BwdDqWork work = PlanTile<Tile::kBlockM, Tile::kBlockN>(tile, args);
       const BwdSequence& seq = work.seq;
       const int diagonal = seq.diagonal();
@@ -81,9 +86,9 @@ struct BwdDqMainloop {
         lse_log2[h] = LseLog2At(args.lse + lse_row0, row + 8 * h, seq.len_q);
         delta[h] = DeltaAt(args.delta + lse_row0, row + 8 * h, seq.len_q);
       }
-      float dq[Tile::kOutColumns / 2];  // the consumer's columns
+      float dq[kDqColumns / 2];  // the consumer's columns
 #pragma unroll
-      for (int i = 0; i < Tile::kOutColumns / 2; ++i) dq[i] = 0.f;
+      for (int i = 0; i < kDqColumns / 2; ++i) dq[i] = 0.f;
       for (int block = 0; block < work.num_blocks; ++block) {
         const RingSlot<Tile::kStages> slot(ring + block);
         float s[32], dp[32];  // S and dP: [64 rows x 64 keys]
@@ -117,23 +122,27 @@ struct BwdDqMainloop {
         uint32_t ds_frag[4][4];
         PackFragments<Element, 64>(dp, ds_frag);
         t.turns.Begin();
-        IssueRegTimesSmem<Element, Tile::kOutColumns, 64, Tile::kSliceBytes>(
-            dq, ds_frag, smem.stream(slot.stage, 0) + Tile::ColumnOffset(t.consumer) / 64 * Tile::kSliceBytes);
+        IssueRegTimesSmem<Element, kDqColumns, 64, Tile::kSliceBytes>(
+            dq, ds_frag, smem.stream(slot.stage, 0) + Tile::FirstColumn(0, t.consumer) / 64 * Tile::kSliceBytes);
         t.turns.End();
         ptx::wgmma_wait_group<0>();
         FenceRegisters(dq);
         t.Release(bars.k_empty[slot.stage]);
       }
       t.Release(bars.q_empty[0]);  // Q and dO are read
-      const int64_t row_stride = static_cast<int64_t>(args.heads_q) * kHeadDim;
-      const int64_t out_row0 = seq.q_offset * args.heads_q + work.head;
-      StoreAccumulator<Element, Tile::kOutColumns>(
+      const int64_t out_row0 = seq.q_offset * args.heads_q + work.head;  // [tokens, heads] row
+      StoreAccumulator<Element, kDqColumns>(
           dq, smem.staging(4 * t.consumer + t.warp),
-          static_cast<Element*>(args.dq) + out_row0 * kHeadDim + Tile::ColumnOffset(t.consumer), row_stride,
-          rows_start + 16 * t.warp, seq.len_q, args.scale);
+          static_cast<Element*>(args.dq) + out_row0 * kHeadDimQK + Tile::FirstColumn(0, t.consumer),
+          int64_t{args.heads_q} * kHeadDimQK, rows_start + 16 * t.warp, seq.len_q, args.scale);
       return work.num_blocks;
     };
-    BwdTiles<kHeadDim>(args, load_tile, load_stream, consume_tile);
+    auto consume_tile = [&](const Smem& smem, FwdBarriers<Tile::kStages, 1>& bars, int tile, uint32_t ring,
+                            const BwdThread& t) {
+      return WithConsumerColumns<Tile>(
+          t.consumer, [&](auto columns) { return consume_tile_with(columns, smem, bars, tile, ring, t); });
+    };
+    BwdTiles<Tile>(args, load_tile, load_stream, consume_tile);
   }
 };
 

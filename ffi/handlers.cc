@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "flash_bwd.h"
 #include "flash_fwd.h"
@@ -271,16 +272,20 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                           : "q, k and v must be [batch, seq, heads, head_dim]");
   }
   if (kd[rank - 1] != qd[rank - 1] || (!varlen && kd[0] != qd[0]) ||
-      !std::equal(vd.begin(), vd.end(), kd.begin())) {
+      !std::equal(vd.begin(), vd.end() - 1, kd.begin())) {
     return invalid("q " + ShapeString(qd) + ", k " + ShapeString(kd) + " and v " + ShapeString(vd) +
-                   " disagree (v must have k's shape, k q's head_dim" + (varlen ? ")" : " and batch)"));
+                   " disagree (v must have k's shape but for its head_dim, k q's head_dim" +
+                   (varlen ? ")" : " and batch)"));
   }
   auto same = [](ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
     return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
   };
-  if (!same(dout.dimensions(), qd) || !same(dq->dimensions(), qd) || !same(dk->dimensions(), kd) ||
-      !same(dv->dimensions(), vd)) {
-    return invalid("dout and dq must have q's shape, dk k's and dv v's");
+  // dout has the output's shape: q's with v's head_dim.
+  std::vector<int64_t> out_dims(qd.begin(), qd.end());
+  out_dims.back() = vd[rank - 1];
+  if (!same(dout.dimensions(), ffi::Span<const int64_t>(out_dims.data(), out_dims.size())) ||
+      !same(dq->dimensions(), qd) || !same(dk->dimensions(), kd) || !same(dv->dimensions(), vd)) {
+    return invalid("dout must have the output's shape (q's with v's head_dim), dq q's, dk k's and dv v's");
   }
   // lse and delta: [batch, heads_q, seq_q], varlen [heads_q, total_q].
   const int64_t dense_rows[3] = {qd[0], qd[rank - 2], qd[1]};
@@ -332,6 +337,7 @@ ffi::Error AttentionBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.heads_q = qd[rank - 2];
   p.heads_kv = kd[rank - 2];
   p.head_dim = qd[rank - 1];
+  p.head_dim_v = vd[rank - 1];
   p.softmax_scale = softmax_scale;
   p.softcap = softcap;
   p.causal = causal;

@@ -33,9 +33,10 @@ std::string LaunchBwdKernel(const CUtensorMap (&maps)[4], const Args& args, cons
   return err == cudaSuccess ? "" : CudaError(what, err);
 }
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDimQK, int kHeadDimV>
 std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = BwdTile<kHeadDim>;
+  using DkdvMainloop = BwdDkdvMainloop<Element, kHeadDimQK, kHeadDimV>;
+  using DqMainloop = BwdDqMainloop<Element, kHeadDimQK, kHeadDimV>;
   BwdArgs args{};
   args.lse = p.lse;
   args.delta = p.delta;
@@ -68,40 +69,43 @@ std::string LaunchBwdTyped(const BwdParams& p, const MaskPlan& mask, cudaStream_
   const int64_t rows_q = p.varlen ? p.total_q : p.seqlen_q, rows_k = p.varlen ? p.total_k : p.seqlen_k;
   CUtensorMap maps[4];  // q, k, v, dout
   std::string error;
-  if (!EncodeRowMap16(&maps[0], p.q, bf16, map_batch, rows_q, p.heads_q, kHeadDim, 64, &error) ||
-      !EncodeRowMap16(&maps[1], p.k, bf16, map_batch, rows_k, p.heads_kv, kHeadDim, 64, &error) ||
-      !EncodeRowMap16(&maps[2], p.v, bf16, map_batch, rows_k, p.heads_kv, kHeadDim, 64, &error) ||
-      !EncodeRowMap16(&maps[3], p.dout, bf16, map_batch, rows_q, p.heads_q, kHeadDim, 64, &error)) {
+  if (!EncodeRowMap16(&maps[0], p.q, bf16, map_batch, rows_q, p.heads_q, kHeadDimQK, 64, &error) ||
+      !EncodeRowMap16(&maps[1], p.k, bf16, map_batch, rows_k, p.heads_kv, kHeadDimQK, 64, &error) ||
+      !EncodeRowMap16(&maps[2], p.v, bf16, map_batch, rows_k, p.heads_kv, kHeadDimV, 64, &error) ||
+      !EncodeRowMap16(&maps[3], p.dout, bf16, map_batch, rows_q, p.heads_q, kHeadDimV, 64, &error)) {
     return error;
   }
 
   if (p.varlen) {
     // Tokens outside every sequence (after cu_seqlens[num_seqs], before cu_seqlens[0]) belong to no
     // tile: their gradients are 0. The kernels overwrite every token of a sequence.
-    const size_t q_bytes = static_cast<size_t>(p.total_q * p.heads_q * kHeadDim) * sizeof(Element);
-    const size_t kv_bytes = static_cast<size_t>(p.total_k * p.heads_kv * kHeadDim) * sizeof(Element);
-    for (auto [ptr, bytes] : {std::pair{p.dq, q_bytes}, {p.dk, kv_bytes}, {p.dv, kv_bytes}}) {
+    const size_t q_bytes = static_cast<size_t>(p.total_q * p.heads_q * kHeadDimQK) * sizeof(Element);
+    const size_t k_bytes = static_cast<size_t>(p.total_k * p.heads_kv * kHeadDimQK) * sizeof(Element);
+    const size_t v_bytes = static_cast<size_t>(p.total_k * p.heads_kv * kHeadDimV) * sizeof(Element);
+    for (auto [ptr, bytes] : {std::pair{p.dq, q_bytes}, {p.dk, k_bytes}, {p.dv, v_bytes}}) {
       cudaError_t err = cudaMemsetAsync(ptr, 0, bytes, stream);
       if (err != cudaSuccess) return CudaError("zeroing the varlen gradients", err);
     }
   }
   BwdDkdvArgs dkdv{args};
   dkdv.tile_counter = p.tile_counters;
-  dkdv.num_tiles = static_cast<int>((p.seqlen_k + Tile::kBlockM - 1) / Tile::kBlockM * p.batch * p.heads_kv);
-  error = LaunchBwdKernel<BwdDkdvMainloop<Element, kHeadDim>>(maps, dkdv, "launching the dK/dV kernel", stream);
+  constexpr int kKeysPerTile = DkdvMainloop::Tile::kBlockM;
+  dkdv.num_tiles = static_cast<int>((p.seqlen_k + kKeysPerTile - 1) / kKeysPerTile * p.batch * p.heads_kv);
+  error = LaunchBwdKernel<DkdvMainloop>(maps, dkdv, "launching the dK/dV kernel", stream);
   if (!error.empty()) return error;
   BwdDqArgs dq{args};
   dq.tile_counter = p.tile_counters + 1;
-  dq.m_tiles = static_cast<int>((p.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM);
+  constexpr int kRowsPerTile = DqMainloop::Tile::kBlockM;
+  dq.m_tiles = static_cast<int>((p.seqlen_q + kRowsPerTile - 1) / kRowsPerTile);
   dq.num_tiles = static_cast<int>(dq.m_tiles * p.batch * p.heads_q);
-  return LaunchBwdKernel<BwdDqMainloop<Element, kHeadDim>>(maps, dq, "launching the dQ kernel", stream);
+  return LaunchBwdKernel<DqMainloop>(maps, dq, "launching the dQ kernel", stream);
 }
 
-template <int kHeadDim>
+template <int kHeadDimQK, int kHeadDimV>
 std::string LaunchBwdInstance(const BwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   return p.element_type == ElementType::kBF16
-             ? LaunchBwdTyped<__nv_bfloat16, kHeadDim>(p, mask, stream)
-             : LaunchBwdTyped<__half, kHeadDim>(p, mask, stream);
+             ? LaunchBwdTyped<__nv_bfloat16, kHeadDimQK, kHeadDimV>(p, mask, stream)
+             : LaunchBwdTyped<__half, kHeadDimQK, kHeadDimV>(p, mask, stream);
 }
 
 }  // namespace jzyfa

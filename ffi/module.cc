@@ -80,7 +80,7 @@ NB_MODULE(_jzyfa_ffi, m) {
           add(FamilyName(g.family), g.head_dim_qk, g.head_dim_v, g.masks, g.layout, "fwd");
         }
         for (const jzyfa::BwdKernelGroup& g : jzyfa::kBwdKernels) {
-          add("16bit", g.head_dim, g.head_dim, g.masks, g.layout, "bwd");
+          add("16bit", g.head_dim_qk, g.head_dim_v, g.masks, g.layout, "bwd");
         }
         return rows;
       },

@@ -126,28 +126,32 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
                   block_n > 128 ? 0 : head_dim_qk == 128 ? 7 : 6};
 }
 
-// The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dim,
+// The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dims,
 // layout) of 16-bit inputs and the masks it serves; module.cc's kernels() lists them as "bwd" rows.
-// One instantiation per head dim (ffi/instantiations/bwd_16bit_hd*.cu) serves both layouts: varlen
-// is a runtime argument (cu_seqlens), read once per tile.
+// One instantiation per head dim pair (ffi/instantiations/bwd_16bit_hd*.cu) serves both layouts:
+// varlen is a runtime argument (cu_seqlens), read once per tile.
 struct BwdKernelGroup {
-  int head_dim;
+  int head_dim_qk;
+  int head_dim_v;
   Layout layout;
   unsigned masks;
 };
 
 inline constexpr BwdKernelGroup kBwdKernels[] = {
-    {64, Layout::kDense, kAllMasks},
-    {64, Layout::kVarlen, kAllMasks},
-    {128, Layout::kDense, kAllMasks},
-    {128, Layout::kVarlen, kAllMasks},
-    {256, Layout::kDense, kAllMasks},
-    {256, Layout::kVarlen, kAllMasks},
+    {64, 64, Layout::kDense, kAllMasks},
+    {64, 64, Layout::kVarlen, kAllMasks},
+    {128, 128, Layout::kDense, kAllMasks},
+    {128, 128, Layout::kVarlen, kAllMasks},
+    {256, 256, Layout::kDense, kAllMasks},
+    {256, 256, Layout::kVarlen, kAllMasks},
+    {kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kAllMasks},
+    {kMlaHeadDimQK, kMlaHeadDimV, Layout::kVarlen, kAllMasks},
 };
 
-constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
+constexpr bool HasBwdKernel(int head_dim_qk, int head_dim_v, MaskKind mask, Layout layout) {
   for (const BwdKernelGroup& group : kBwdKernels) {
-    if (group.head_dim == head_dim && group.layout == layout && (group.masks & MaskBit(mask)) != 0) {
+    if (group.head_dim_qk == head_dim_qk && group.head_dim_v == head_dim_v && group.layout == layout &&
+        (group.masks & MaskBit(mask)) != 0) {
       return true;
     }
   }
@@ -160,11 +164,11 @@ constexpr bool HasBwdKernel(int head_dim, MaskKind mask, Layout layout) {
 //     / 2 floats each), query blocks of dkdv_block_m rows streamed through the ring.
 //   dQ kernel: 128 query rows per tile (64 per warpgroup: dQ in registers), key blocks of
 //     dq_block_n keys streamed through the ring.
-// Head dims above 128 split the gradients' columns instead (kBwdSplitColumns): a tile is 64 rows,
-// both warpgroups compute its S and dP (the same 64 x 64 block each) and each accumulates half of
-// the head dim's columns of dK and dV (or dQ), so a thread holds what it holds at head dim 128. The
-// price is S and dP computed twice: 6 GEMM units per dK/dV block where 4 are needed, 5 for 3 in
-// the dQ kernel.
+// Where a warpgroup's gradients would not fit its registers, the kernel splits the gradients'
+// columns instead (BwdSplitColumns): a tile is 64 rows, both warpgroups compute its S and dP (the
+// same 64 x 64 block each) and each accumulates some of the gradients' 64-column slices, so a thread
+// holds at most what it holds at head dim 128. The price is S and dP computed twice: at head dim 256,
+// 6 GEMM units per dK/dV block where 4 are needed, 5 for 3 in the dQ kernel.
 struct BwdTileSize {
   int dkdv_block_n;  // keys per dK/dV tile
   int dkdv_block_m;  // query rows per streamed block: the N of S^T = K Q^T
@@ -176,11 +180,32 @@ struct BwdTileSize {
 constexpr int kBwdWarpgroups = 2;
 constexpr int kBwdRowsPerWarpgroup = 64;
 
-constexpr bool BwdSplitColumns(int head_dim) { return head_dim > 128; }
+enum class BwdKernelKind { kDkdv, kDq };
 
-constexpr BwdTileSize BwdTile16Size(int head_dim) {
-  const int tile_rows = BwdSplitColumns(head_dim) ? kBwdRowsPerWarpgroup : kBwdWarpgroups * kBwdRowsPerWarpgroup;
-  return BwdTileSize{tile_rows, 64, tile_rows, 64, 2};
+// Split columns where the whole tile does not fit: the dK/dV kernel where a warpgroup's float32 dK
+// and dV, (qk + v) / 2 per thread, pass head dim 128's 128 (MLA 192/128: 160); the dQ kernel where
+// its 128 rows of Q and dO and two stages of 64 keys of K and V pass 192 KB of shared memory (head
+// dim 256: 256 KB; MLA 160 KB, and its dQ takes 96 floats per thread). So head dim 256 splits both
+// kernels, MLA only the dK/dV kernel.
+constexpr bool BwdSplitColumns(BwdKernelKind kernel, int head_dim_qk, int head_dim_v) {
+  return kernel == BwdKernelKind::kDkdv ? (head_dim_qk + head_dim_v) / 2 > 128
+                                        : (head_dim_qk + head_dim_v) * 2 * (128 + 2 * 64) > 192 * 1024;
+}
+
+// Split columns: of a gradient's `slices` 64-column slices, consumer 0 takes the first half (rounded
+// up), consumer 1 the rest. MLA's dK/dV: consumer 0 dK columns 0-127 and dV 0-63 (96 floats),
+// consumer 1 dK 128-191 and dV 64-127 (64).
+constexpr int BwdConsumerSlices(int slices, int consumer) {
+  return consumer == 0 ? (slices + 1) / 2 : slices / 2;
+}
+constexpr int BwdConsumerFirstSlice(int slices, int consumer) { return consumer == 0 ? 0 : (slices + 1) / 2; }
+
+constexpr BwdTileSize BwdTile16Size(int head_dim_qk, int head_dim_v) {
+  auto tile_rows = [&](BwdKernelKind kernel) {
+    return BwdSplitColumns(kernel, head_dim_qk, head_dim_v) ? kBwdRowsPerWarpgroup
+                                                           : kBwdWarpgroups * kBwdRowsPerWarpgroup;
+  };
+  return BwdTileSize{tile_rows(BwdKernelKind::kDkdv), 64, tile_rows(BwdKernelKind::kDq), 64, 2};
 }
 
 }  // namespace jzyfa

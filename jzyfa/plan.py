@@ -61,7 +61,7 @@ KERNELS: frozenset[Config] = frozenset(
     _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS)
     + _rows("fp8", [(128, 128)], MASKS, LAYOUTS)
     + _rows("fp8", [MLA_HEAD_DIMS], ("none", "causal"), ("dense",))
-    + _rows("16bit", [(64, 64), (128, 128), (256, 256)], MASKS, LAYOUTS, "bwd")
+    + _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS, "bwd")
 )
 
 # Exact probabilities (lean_p=False) exist for dense FP8 calls; varlen FP8 calls always use lean P.

@@ -24,6 +24,10 @@ import jax.numpy as jnp
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
 TOLERANCE = 2e-2
+# (q and k, v) head dims of the plan's backward rows; MLA's 192/128 splits the dK/dV kernel's columns
+# unevenly between its consumers (ffi/tile_size.h).
+HEAD_DIMS = [(128, 128), (64, 64), (256, 256), (192, 128)]
+HEAD_DIM_IDS = ["128", "64", "256", "192x128"]
 
 
 def bwd_call(
@@ -76,7 +80,7 @@ def check(
     *,
     heads_q=2,
     heads_kv=None,
-    head_dim=128,
+    head_dims=(128, 128),
     dtype=jnp.bfloat16,
     causal=True,
     batch=1,
@@ -85,9 +89,9 @@ def check(
 ):
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
-                         head_dim=head_dim, dtype=dtype)  # fmt: skip
-    dout = jnp.asarray(rng.standard_normal(q.shape), dtype)
-    scale = 1 / np.sqrt(head_dim)
+                         head_dim=head_dims[0], head_dim_v=head_dims[1], dtype=dtype)  # fmt: skip
+    dout = jnp.asarray(rng.standard_normal(q.shape[:-1] + v.shape[-1:]), dtype)
+    scale = 1 / np.sqrt(head_dims[0])
     lse, delta = residuals(q, k, v, dout, causal=causal, scale=scale, window=window)
     dq, dk, dv = bwd_call(
         q, k, v, dout, lse, delta, causal=causal, softmax_scale=scale, window=window or (-1, -1)
@@ -105,12 +109,12 @@ def check(
         assert err < TOLERANCE, f"{name}: relative L2 {err:.3g}"
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 @pytest.mark.parametrize("length", [1, 127, 129, 1000])
-def test_square_lengths(head_dim, dtype, causal, length):
-    check(length, length, head_dim=head_dim, dtype=dtype, causal=causal)
+def test_square_lengths(head_dims, dtype, causal, length):
+    check(length, length, head_dims=head_dims, dtype=dtype, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
@@ -122,13 +126,13 @@ def test_unequal_lengths(seq_q, seq_k, causal):
     check(seq_q, seq_k, causal=causal)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [(2, 2), (4, 2), (8, 1), (16, 2), (5, 1)])
-def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
-    check(333, 517, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, batch=2)
+def test_gqa_and_mqa(heads_q, heads_kv, head_dims):
+    check(333, 517, heads_q=heads_q, heads_kv=heads_kv, head_dims=head_dims, batch=2)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "none"])
 @pytest.mark.parametrize(
     ("seq_q", "seq_k", "window"),
@@ -140,15 +144,15 @@ def test_gqa_and_mqa(heads_q, heads_kv, head_dim):
         (513, 2000, (1, 257)),
     ],
 )
-def test_windows(seq_q, seq_k, window, causal, head_dim):
+def test_windows(seq_q, seq_k, window, causal, head_dims):
     """Sliding windows (jzyfa's convention: query i at p = i + Sk - Sq sees keys p - left .. p + right; causal
     sets right to 0), rows that see no key included (their dq is 0)."""
-    check(seq_q, seq_k, causal=causal, window=window, head_dim=head_dim, heads_q=4, heads_kv=2)
+    check(seq_q, seq_k, causal=causal, window=window, head_dims=head_dims, heads_q=4, heads_kv=2)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 256])
+@pytest.mark.parametrize("head_dims", HEAD_DIMS, ids=HEAD_DIM_IDS)
 @pytest.mark.parametrize("mask", ["causal", "none", "window"])
-def test_varlen(mask, head_dim):
+def test_varlen(mask, head_dims):
     """A packed batch (flash_attention_varlen's layout): sequences of unequal lengths (one empty, Lq != Lk),
     tokens outside every sequence before the first and after the last (their gradients are 0), GQA."""
     rng = np.random.default_rng(6)
@@ -157,12 +161,12 @@ def test_varlen(mask, head_dim):
     cu_k = np.concatenate([[0], np.cumsum([b for _, b in lengths])]).astype(np.int32)
     total_q, total_k = int(cu_q[-1]) + 10, int(cu_k[-1]) + 7
     heads_q, heads_kv = 4, 2
-    q = jnp.asarray(rng.standard_normal((total_q, heads_q, head_dim)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)), jnp.bfloat16)
-    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((total_q, heads_q, head_dims[0])), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dims[0])), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dims[1])), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((total_q, heads_q, head_dims[1])), jnp.bfloat16)
     causal, window = mask == "causal", {"window": (90, 20)}.get(mask)
-    scale = head_dim**-0.5
+    scale = head_dims[0] ** -0.5
     out, lse = naive_varlen_f64(q, k, v, cu_q, cu_k, causal=causal, softmax_scale=scale, window=window)
     delta = np.einsum("thd,thd->ht", np.asarray(dout, np.float64), out)
     max_q, max_k = max(a for a, _ in lengths), max(b for _, b in lengths)
@@ -221,13 +225,15 @@ def test_large(causal):
         assert relative_l2(got[:, :, heads], ref) < TOLERANCE, name
 
 
-def test_public_path_grad():
+@pytest.mark.parametrize("head_dims", [(128, 128), (192, 128)], ids=["128", "192x128"])
+def test_public_path_grad(head_dims):
     """jax.grad of jzyfa.flash_attention lowers to this target (the plan's backward rows)."""
     import jzyfa
 
     rng = np.random.default_rng(5)
-    q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=128)
-    dout = rng.standard_normal(q.shape)
+    q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=head_dims[0],
+                         head_dim_v=head_dims[1])  # fmt: skip
+    dout = rng.standard_normal(q.shape[:-1] + v.shape[-1:])
 
     def loss(q, k, v):
         out = jzyfa.flash_attention(q, k, v, causal=True)
@@ -237,7 +243,7 @@ def test_public_path_grad():
     hlo = grad.lower(q, k, v).compile().as_text()
     assert "jzyfa_attention_bwd" in hlo
     got = grad(q, k, v)
-    want = naive_attention_grads_f64(q, k, v, dout, causal=True, softmax_scale=128**-0.5)
+    want = naive_attention_grads_f64(q, k, v, dout, causal=True, softmax_scale=head_dims[0] ** -0.5)
     for name, g, ref in zip(("dq", "dk", "dv"), got, want):
         assert relative_l2(np.asarray(g, np.float64), ref) < TOLERANCE, name
 
@@ -254,7 +260,7 @@ _side = st.one_of(st.just(-1), st.integers(0, 16), st.integers(0, 400))
     seq_k=st.integers(1, 600),
     kv_heads=st.sampled_from([1, 2]),
     ratio=st.sampled_from([1, 2, 3, 8]),
-    head_dim=st.sampled_from([64, 128]),
+    head_dims=st.sampled_from([(64, 64), (128, 128), (192, 128)]),
     dtype=st.sampled_from([jnp.bfloat16, jnp.float16]),
     mask=st.one_of(
         st.just(("none", None)),
@@ -263,8 +269,8 @@ _side = st.one_of(st.just(-1), st.integers(0, 16), st.integers(0, 400))
     ),
     batch=st.integers(1, 2),
 )
-def test_property_shapes_ratios_masks(seq_q, seq_k, kv_heads, ratio, head_dim, dtype, mask, batch):
+def test_property_shapes_ratios_masks(seq_q, seq_k, kv_heads, ratio, head_dims, dtype, mask, batch):
     """Random lengths (Sq != Sk both ways), GQA ratios, head dims, dtypes and masks against float64."""
     kind, window = mask
-    check(seq_q, seq_k, heads_q=kv_heads * ratio, heads_kv=kv_heads, head_dim=head_dim, dtype=dtype,
+    check(seq_q, seq_k, heads_q=kv_heads * ratio, heads_kv=kv_heads, head_dims=head_dims, dtype=dtype,
           causal=kind == "causal", batch=batch, window=window, seed=seq_q * 1000 + seq_k)  # fmt: skip

@@ -64,8 +64,8 @@ BUILT_KERNELS = {
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
     *(
-        ("16bit", d, d, mask, layout, "bwd")
-        for d in (64, 128)
+        ("16bit", qk, v, mask, layout, "bwd")
+        for qk, v in ((64, 64), (128, 128), (256, 256), (192, 128))
         for mask in ("none", "causal", "window")
         for layout in ("dense", "varlen")
     ),

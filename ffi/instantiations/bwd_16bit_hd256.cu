@@ -4,6 +4,6 @@
 
 namespace jzyfa {
 
-template std::string LaunchBwdInstance<256>(const BwdParams&, const MaskPlan&, cudaStream_t);
+template std::string LaunchBwdInstance<256, 256>(const BwdParams&, const MaskPlan&, cudaStream_t);
 
 }  // namespace jzyfa
