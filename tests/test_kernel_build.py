@@ -665,36 +665,53 @@ def test_16bit_wide_no_mask_variant_builds(compiled, tmp_path):
 
 
 # The backward kernels (ffi/instantiations/bwd_16bit_hd*.cu): BwdKernel over BwdDkdvMainloop and
-# BwdDqMainloop <Element, head dim>.
+# BwdDqMainloop <Element, q/k head dim, v head dim>.
 BWD_KERNEL_NAME = re.compile(
-    r"_ZN5jzyfa9BwdKernelINS_\d+(?P<kind>BwdDkdvMainloop|BwdDqMainloop)I(?P<element>13__nv_bfloat16|6__half)Li(?P<d>\d+)E"
+    r"_ZN5jzyfa9BwdKernelINS_\d+(?P<kind>BwdDkdvMainloop|BwdDqMainloop)I(?P<element>13__nv_bfloat16|6__half)"
+    r"Li(?P<qk>\d+)ELi(?P<v>\d+)E"
 )
+# Register-A GEMMs (A = P^T, dS^T or dS from registers, an MN-major B), by N, per block of each kernel:
+# 4 k-steps of 16 rows each. Not split (64, 128; MLA's dQ): N = the head dim. Head dim 256 splits the
+# columns in halves (N = 128), MLA's dK/dV unevenly, a code copy per consumer: consumer 0 dV N = 64
+# and dK N = 128, consumer 1 both N = 64 (ffi/tile_size.h's BwdSplitColumns).
+BWD_REGISTER_A_GEMMS = {
+    ("BwdDkdvMainloop", 64, 64): {64: 8},
+    ("BwdDkdvMainloop", 128, 128): {128: 8},
+    ("BwdDkdvMainloop", 256, 256): {128: 8},
+    ("BwdDkdvMainloop", 192, 128): {64: 12, 128: 4},
+    ("BwdDqMainloop", 64, 64): {64: 4},
+    ("BwdDqMainloop", 128, 128): {128: 4},
+    ("BwdDqMainloop", 256, 256): {128: 4},
+    ("BwdDqMainloop", 192, 128): {192: 4},
+}
 
 
 def test_backward_kernels_use_hgmma_without_local_memory(compiled):
-    """Both backward kernels, bf16 and f16, head dims 64, 128 and 256: spill-free (the report check
-    above), no local memory, per key/query block S (S^T) and dP (dP^T) on 64x64x16 HGMMA (D / 16
-    k-steps each) and the register-A GEMMs on 64xDx16 with an MN-major B (64x128x16 at 256, each
-    consumer's half of the columns; dK/dV: 2 x 4 k-steps of 16 query rows; dQ: 4 of 16 keys), ex2 on the MUFU, TMA loads, the producer at 40 registers and the consumers at 232."""
+    """Both backward kernels, bf16 and f16, head dims 64, 128, 256 and 192/128: spill-free (the report
+    check above), no local memory, per key/query block S (S^T) and dP (dP^T) on 64x64x16 HGMMA (qk / 16
+    and v / 16 k-steps; MLA's dK/dV has them in each consumer's copy) and the register-A GEMMs of
+    BWD_REGISTER_A_GEMMS, ex2 on the MUFU, TMA loads, the producer at 40 registers and the consumers at
+    232."""
     _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if BWD_KERNEL_NAME.match(name)}
     kinds = sorted(
-        (m["kind"], m["element"], int(m["d"])) for m in (BWD_KERNEL_NAME.match(name) for name in found)
+        (m["kind"], m["element"], int(m["qk"]), int(m["v"]))
+        for m in (BWD_KERNEL_NAME.match(name) for name in found)
     )
     assert kinds == sorted(
-        (kind, element, d)
-        for kind in ("BwdDkdvMainloop", "BwdDqMainloop")
+        (kind, element, qk, v)
+        for kind, qk, v in BWD_REGISTER_A_GEMMS
         for element in ("13__nv_bfloat16", "6__half")
-        for d in (64, 128, 256)
     ), kinds
     for name, text in found.items():
         m = BWD_KERNEL_NAME.match(name)
-        d = int(m["d"])
+        qk, v = int(m["qk"]), int(m["v"])
+        copies = 2 if (m["kind"], qk, v) == ("BwdDkdvMainloop", 192, 128) else 1
         ss = len(re.findall(r"\bHGMMA\.64x64x16\.F32(?:\.BF16)? R\d+, gdesc", text))
-        columns = d if d <= 128 else d // 2  # above 128 each consumer holds half the columns (split columns)
-        rs = len(re.findall(rf"\bHGMMA\.64x{columns}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
-        assert ss >= 2 * d // 16, f"{name}: {ss} shared-memory HGMMA"
-        assert rs >= (8 if m["kind"] == "BwdDkdvMainloop" else 4), f"{name}: {rs} register-A HGMMA"
+        assert ss >= copies * (qk + v) // 16, f"{name}: {ss} shared-memory HGMMA"
+        for n, want in BWD_REGISTER_A_GEMMS[m["kind"], qk, v].items():
+            rs = len(re.findall(rf"\bHGMMA\.64x{n}x16\.F32(?:\.BF16)? R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text))
+            assert rs >= want, f"{name}: {rs} register-A HGMMA of N = {n}"
         assert "MUFU.EX2" in text, name
         assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
         # The producer warpgroup loads with TMA at 40 registers, the consumers compute at 232.
