@@ -63,6 +63,7 @@ BUILT_KERNELS = {
     ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
+    *(("int8", 128, 128, mask, "dense", "fwd") for mask in ("none", "causal", "window")),
     *(
         ("16bit", d, d, mask, layout, "bwd")
         for d in (64, 128)
