@@ -29,16 +29,19 @@ WIDE_QK_N = (80, 176)
 # The 16-bit backward's register-A products wider than WGMMA_N: MLA's dQ += dS K, N = q/k head dim 192.
 BWD_WIDE_RS_N = (192,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
-INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}
-INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8}
+INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3", "s8": "s8"}
+INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8, "s8": 8}
+# The INT8 kernel's S = Q K^T (s8 x s8 into exact int32 sums; shared-memory operands): its key block.
+INT8_QK_N = (128,)
 
 
 @dataclasses.dataclass(frozen=True)
 class Wgmma:
-    """One wgmma.mma_async variant: m64nNk16 (bf16, f16) or m64nNk32 (e4m3), f32 accumulators."""
+    """One wgmma.mma_async variant: m64nNk16 (bf16, f16) or m64nNk32 (e4m3, s8); f32 accumulators, s32
+    for s8 (held in uint32_t registers)."""
 
     n: int
-    dtype: str  # "bf16", "f16" or "e4m3"
+    dtype: str  # "bf16", "f16", "e4m3" or "s8"
     a_from_registers: bool  # A in registers (P of P V) or in shared memory (Q of Q K^T)
     b_transposed: bool  # B is MN-major in shared memory (V of P V); 16-bit inputs only
     # D = A B, not D += A B: the accumulators are outputs only. Lets the compiler see that the
@@ -66,21 +69,41 @@ class Wgmma:
         return self.n // 2
 
     @property
+    def integer(self) -> bool:
+        return self.dtype == "s8"
+
+    @property
+    def acc_type(self) -> str:
+        return "s32" if self.integer else "f32"
+
+    @property
+    def acc_cpp(self) -> str:
+        """The C++ type of an accumulator register and its asm constraint letter."""
+        return "uint32_t" if self.integer else "float"
+
+    @property
+    def acc_constraint(self) -> str:
+        return "r" if self.integer else "f"
+
+    @property
     def name(self) -> str:
         a = "rs" if self.a_from_registers else "ss"
         b = "_tb" if self.b_transposed else ""
         z = "_zero" if self.overwrite else ""
-        return f"wgmma_m64n{self.n}k{self.k}_f32_{self.dtype}_{a}{b}{z}"
+        return f"wgmma_m64n{self.n}k{self.k}_{self.acc_type}_{self.dtype}_{a}{b}{z}"
 
     @property
     def mnemonic(self) -> str:
         t = INPUT_TYPES[self.dtype]
-        return f"wgmma.mma_async.sync.aligned.m64n{self.n}k{self.k}.f32.{t}.{t}"
+        return f"wgmma.mma_async.sync.aligned.m64n{self.n}k{self.k}.{self.acc_type}.{t}.{t}"
 
     @property
     def immediates(self) -> str:
         """imm-scale-a, imm-scale-b (1 = no negation), then the transpose flags where the type has
-        them: imm-trans-a (A in shared memory only) and imm-trans-b. 8-bit types have none."""
+        them: imm-trans-a (A in shared memory only) and imm-trans-b. 8-bit types have none, integer
+        types not even the scales (an empty string: no operand follows scale-d)."""
+        if self.integer:
+            return ""
         imms = ["1", "1"]
         if self.transposable:
             if not self.a_from_registers:
@@ -96,7 +119,7 @@ def _acc_list(count: int, first: int) -> str:
 def wgmma_function(op: Wgmma) -> str:
     """A C++ inline function wrapping one wgmma instruction.
 
-    Operand numbering: accumulators first (read-write "+f"), then A (descriptor or four
+    Operand numbering: accumulators first (read-write "+f", or "+r" for s32), then A (descriptor or four
     32-bit registers: two 16-bit or four e4m3 values each), the B descriptor and the scale-d flag.
     """
     acc = _acc_list(op.num_acc, 0)
@@ -116,12 +139,12 @@ def wgmma_function(op: Wgmma) -> str:
     if op.overwrite:
         return _overwrite_function(op, acc, a_operand, a_param, a_inputs, b_operand)
     imms = op.immediates
-    outputs = ", ".join(f'"+f"(d[{i}])' for i in range(op.num_acc))
+    outputs = ", ".join(f'"+{op.acc_constraint}"(d[{i}])' for i in range(op.num_acc))
     lines = [
         f"// {op.mnemonic}: D[64 x {op.n}] (+)= A[64 x {op.k}] * B[{op.k} x {op.n}]"
         + (", B MN-major" if op.b_transposed else "")
         + (", A from registers" if op.a_from_registers else ""),
-        f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
+        f"__device__ __forceinline__ void {op.name}({op.acc_cpp} (&d)[{op.num_acc}], {a_param},",
         "    uint64_t desc_b, int accumulate) {",
         "  asm volatile(",
         '      "{\\n"',
@@ -129,7 +152,7 @@ def wgmma_function(op: Wgmma) -> str:
         f'      "setp.ne.b32 p, {scale_operand}, 0;\\n"',
         f'      "{op.mnemonic} "',
         f'      "{{{acc}}}, "',
-        f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
+        f'      "{a_operand}, {b_operand}, p{", " + imms if imms else ""};\\n"',
         '      "}\\n"',
         f"      : {outputs}",
         f'      : {a_inputs}, "l"(desc_b), "r"(accumulate));',
@@ -142,12 +165,12 @@ def _overwrite_function(
     op: Wgmma, acc: str, a_operand: str, a_param: str, a_inputs: str, b_operand: str
 ) -> str:
     imms = op.immediates
-    outputs = ", ".join(f'"=f"(d[{i}])' for i in range(op.num_acc))
+    outputs = ", ".join(f'"={op.acc_constraint}"(d[{i}])' for i in range(op.num_acc))
     lines = [
         f"// {op.mnemonic} with scale-d = false: D[64 x {op.n}] = A[64 x {op.k}] * B[{op.k} x {op.n}]"
         + (", B MN-major" if op.b_transposed else "")
         + (", A from registers" if op.a_from_registers else ""),
-        f"__device__ __forceinline__ void {op.name}(float (&d)[{op.num_acc}], {a_param},",
+        f"__device__ __forceinline__ void {op.name}({op.acc_cpp} (&d)[{op.num_acc}], {a_param},",
         "    uint64_t desc_b) {",
         "  asm volatile(",
         '      "{\\n"',
@@ -155,7 +178,7 @@ def _overwrite_function(
         '      "setp.ne.b32 p, 0, 0;\\n"',
         f'      "{op.mnemonic} "',
         f'      "{{{acc}}}, "',
-        f'      "{a_operand}, {b_operand}, p, {imms};\\n"',
+        f'      "{a_operand}, {b_operand}, p{", " + imms if imms else ""};\\n"',
         '      "}\\n"',
         f"      : {outputs}",
         f'      : {a_inputs}, "l"(desc_b));',
@@ -190,6 +213,10 @@ def all_wgmma_ops() -> list[Wgmma]:
     # D..D+7 of O accumulate the row sum of exactly the rounded P (docs/fp8.md).
     for overwrite in (False, True):
         ops.append(Wgmma(FP8_PV_WITH_SUM_N, "e4m3", True, b_transposed=False, overwrite=overwrite))
+    # INT8 Q K^T: s8 operands from shared memory, K-major, exact s32 sums.
+    for n in INT8_QK_N:
+        for overwrite in (False, True):
+            ops.append(Wgmma(n, "s8", False, b_transposed=False, overwrite=overwrite))
     return ops
 
 
@@ -324,7 +351,7 @@ __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float 
 """
 
 
-CPP_ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "e4m3": "__nv_fp8_e4m3"}
+CPP_ELEMENT_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half", "e4m3": "__nv_fp8_e4m3", "s8": "int8_t"}
 
 
 def dispatch_structs() -> str:
@@ -344,6 +371,7 @@ def dispatch_structs() -> str:
         "// overwriting D) and ::rs_tb (P V: A from registers, B MN-major).",
         "// Wgmma<__nv_fp8_e4m3, N>, alias WgmmaFp8<N> (k32, K-major operands only): ::ss, ::ss_zero,",
         "// ::rs (P V: A from registers, B = V^T, K-major) and ::rs_zero.",
+        "// Wgmma<int8_t, N> (k32, s32 accumulators in uint32_t registers): ::ss and ::ss_zero.",
         "template <typename Element, int N>",
         "struct Wgmma;",
     ]

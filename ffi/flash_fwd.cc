@@ -30,11 +30,16 @@ bool HasWideFp8Kernel(bool varlen, bool v_transposed, int64_t head_dim, const Ma
   return !varlen && v_transposed && head_dim == 128 && !mask.windowed;
 }
 
-const char* FamilyName(Family family) { return family == Family::kFp8 ? "FP8" : "16-bit"; }
+const char* FamilyName(Family family) {
+  return family == Family::kFp8 ? "FP8" : family == Family::kInt8 ? "INT8" : "16-bit";
+}
 
 std::string HeadDimsMessage(const FwdParams& p) {
   const std::string got =
       "; got " + Str(p.head_dim) + " for q and k, " + Str(p.head_dim_v) + " for v";
+  if (p.family() == Family::kInt8) {
+    return "head_dim must be 128 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
+  }
   if (p.family() == Family::kFp8) {
     return std::string("head_dim must be 128 for q, k and v") +
            (p.varlen ? "" : ", or 192 for q and k with 128 for v (MLA),") +
@@ -86,6 +91,7 @@ int Fp8KeyBlock(bool v_transposed, int64_t head_dim, bool causal, int64_t window
 std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
   FwdParams& p = *params;
   const bool fp8 = p.family() == Family::kFp8;
+  const bool int8 = p.family() == Family::kInt8;
   // Sizes.
   if (p.varlen) {
     if (p.num_seqs < 1) {
@@ -149,6 +155,17 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
   if (fp8 && p.softcap != 0.f) {
     return "softcap must be 0 for float8_e4m3fn inputs: the FP8 kernel has no softcap";
   }
+  if (int8 && p.softcap != 0.f) return "softcap must be 0 for int8 inputs: the INT8 kernel has no softcap";
+  // INT8 operands (their shapes: the handler's).
+  if (int8) {
+    if (p.descale_q == nullptr || p.descale_k == nullptr || p.descale_v == nullptr) {
+      return "q_scale, k_scale and descale_v are required for int8 inputs";
+    }
+    if (!p.lean_p) return "lean_p must be true for int8 inputs (the INT8 kernel computes lean P only)";
+    if (p.v_transposed) {
+      return "v_transposed must be false for int8 inputs: the INT8 kernel takes v as it is (e4m3)";
+    }
+  }
   if (p.softcap != 0.f && p.head_dim != p.head_dim_v) {
     return "softcap must be 0 at head dims (" + Str(p.head_dim) + ", " + Str(p.head_dim_v) +
            "): the MLA kernel has no softcap";
@@ -182,7 +199,7 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
         return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " + Str(p.vt_keys);
       }
     }
-  } else if (p.v_transposed) {
+  } else if (p.v_transposed && !int8) {
     return "v_transposed must be false for 16-bit inputs";
   }
   // The mask: over the longest sequences for varlen calls (a bound that excludes no key of those
@@ -212,6 +229,12 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
              Str(p.key_block) +
              (wide ? "" : " (192-key blocks: dense, unwindowed head dim 128 with v_transposed)");
     }
+  } else if (int8) {
+    if (p.key_block != 0 && p.key_block != 128) {
+      return "key_block must be 0 (the launch's rule) or 128 for int8 inputs (one K scale per key "
+             "block), got " + Str(p.key_block);
+    }
+    p.key_block = 128;
   } else {
     const int64_t block = Fwd16DefaultBlockN(static_cast<int>(p.head_dim_v));
     if (p.key_block != 0 && p.key_block != block) {

@@ -14,7 +14,7 @@
 
 namespace jzyfa {
 
-enum class ElementType { kBF16, kF16, kE4M3 };
+enum class ElementType { kBF16, kF16, kE4M3, kS8 };  // kS8: int8 q and k, e4m3 v
 
 // One forward call. The kernel (kFwdKernels' row) is chosen by (family, head dims, resolved mask,
 // layout); the grouped fields below are read only where their group applies.
@@ -74,14 +74,19 @@ struct FwdParams {
 
   // FP8.
   const float* descale_q = nullptr;  // float32 on the device: one value, or one per (batch or
-  const float* descale_k = nullptr;  // sequence, KV head)
-  const float* descale_v = nullptr;
-  int64_t descale_count = 1;  // 1 or (batch or num_seqs) * heads_kv, the same for all three
+  const float* descale_k = nullptr;  // sequence, KV head). INT8: q_scale [batch, heads_q,
+  const float* descale_v = nullptr;  // ceil(seqlen_q / 128)] and k_scale [batch, heads_kv,
+                                     // ceil(seqlen_k / 128)], descale_v per (batch, KV head)
+  int64_t descale_count = 1;  // 1 or (batch or num_seqs) * heads_kv, the same for all three (INT8: v's)
   bool lean_p = true;         // P's e4m3 codes from one FFMA; false: ex2 rounded to e4m3 (dense only)
   bool v_transposed = false;  // v is V^T (above), not V as it is
   int64_t vt_keys = 0;        // v_transposed: V^T's key columns
 
-  Family family() const { return element_type == ElementType::kE4M3 ? Family::kFp8 : Family::k16Bit; }
+  Family family() const {
+    return element_type == ElementType::kE4M3 ? Family::kFp8
+           : element_type == ElementType::kS8 ? Family::kInt8
+                                              : Family::k16Bit;
+  }
   Layout layout() const { return varlen ? Layout::kVarlen : Layout::kDense; }
 };
 

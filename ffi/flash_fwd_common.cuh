@@ -64,12 +64,13 @@ struct PingPong {
 };
 
 // S = Q K^T on wgmma from shared memory, both operands in 128-byte swizzle rows: k-steps of 32 bytes (16
-// bf16/f16 columns, 32 e4m3 ones), four per 128-byte slice of the head dim. Q's descriptor is buffer 0's
+// bf16/f16 columns, 32 e4m3 or int8 ones), four per 128-byte slice of the head dim. Accumulator: float,
+// or uint32_t for int8 (exact int32 sums). Q's descriptor is buffer 0's
 // plus the buffer's offset (>> 4: the address field's unit), so that the descriptors stay loop-invariant
 // values and the buffer costs one add per k-step.
 template <typename Element, int kBlockN, int kHeadDimQK, int kQSliceBytes, int kKSliceBytes,
-          int kQBytes>
-__device__ __forceinline__ void IssueQK(float (&s)[kBlockN / 2], uint32_t smem_q, uint32_t smem_k,
+          int kQBytes, typename Accumulator>
+__device__ __forceinline__ void IssueQK(Accumulator (&s)[kBlockN / 2], uint32_t smem_q, uint32_t smem_k,
                                         int q_buffer) {
   ptx::wgmma_fence();
 #pragma unroll

@@ -65,6 +65,24 @@ struct Fp8Args {
   int causal;
 };
 
+// INT8 Q K^T (precision="int8", docs/int8.md): q and k int8 with one float32 scale per 128 tokens and
+// head, v e4m3 (staged) with descale_v per (batch, KV head). descale_q then points at q_scale [batch,
+// heads_q, q_blocks] and descale_k at k_scale [batch, heads_kv, k_blocks]. S = Q K^T on s8 wgmma
+// (IGMMA: exact int32 sums, a 128-deep product of int8 values fits in 22 bits), turned into floats
+// exactly (I2F), and each key block's factor to log2 units, (q_scale * k_scale) * scale_log2 (the
+// emulation's order: jzyfa/int8_emulation.py), is the one multiply lean P's FFMA takes. A tile's 128
+// rows are one Q scale block, a key block of 128 keys one K scale block. The rest is the FP8 kernel's.
+struct Int8Args : Fp8Args {
+  int q_blocks;  // ceil(seqlen_q / 128): q_scale's last dim
+  int k_blocks;  // ceil(seqlen_k / 128): k_scale's last dim
+};
+
+template <typename Args>
+constexpr bool kIsInt8 = std::is_base_of_v<Int8Args, Args>;
+
+// Tokens per INT8 scale block (jzyfa.int8_quant.INT8_BLOCK): the tile's rows and the key block.
+constexpr int kInt8ScaleBlock = 128;
+
 // A packed variable-length batch (jzyfa.flash_attention_varlen with e4m3 inputs): the 16-bit
 // kernel's varlen arguments (q [total_q, heads_q, 128], k and v [total_k, heads_kv, 128],
 // cu_seqlens on the device, out bf16 [total_q, heads_q, 128], lse [heads_q, total_q]) plus the
@@ -134,6 +152,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
+  constexpr bool kInt8 = kIsInt8<Args>;
+  static_assert(!kInt8 || (!kVarlen && !kMla && kLeanP && kBlockN == kInt8ScaleBlock &&
+                           Tile::kBlockM == kInt8ScaleBlock),
+                "INT8: dense, head dim 128, lean P; one Q scale per tile, one K scale per key block");
   constexpr int kStages = Tile::kStages;
   // Wider blocks: one P buffer, packed from the codes left in S once the previous block's P V (which
   // reads the buffer) has landed; two buffers of 192 keys spilled (ptxas 13.0). At 128 the codes are
@@ -300,8 +322,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   turns.Open();
   auto release = [&](uint64_t& empty) { turns.Release(empty); };
   auto issue_qk = [&](float (&s)[kBlockN / 2], int stage, int q_buffer) {
-    IssueQK<__nv_fp8_e4m3, kBlockN, Tile::kHeadDimQK, Tile::kQSliceBytes, Tile::kKSliceBytes,
-            Tile::kQBytes>(s, smem_q(consumer, 0), smem_k(stage), q_buffer);
+    if constexpr (kInt8) {
+      // int32 sums into S's registers; softmax_step turns them into floats.
+      IssueQK<int8_t, kBlockN, Tile::kHeadDimQK, Tile::kQSliceBytes, Tile::kKSliceBytes, Tile::kQBytes>(
+          reinterpret_cast<uint32_t(&)[kBlockN / 2]>(s), smem_q(consumer, 0), smem_k(stage), q_buffer);
+    } else {
+      IssueQK<__nv_fp8_e4m3, kBlockN, Tile::kHeadDimQK, Tile::kQSliceBytes, Tile::kKSliceBytes,
+              Tile::kQBytes>(s, smem_q(consumer, 0), smem_k(stage), q_buffer);
+    }
   };
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8 (512 in 64-key slices), keys contiguous; k-step j starts 32 bytes (keys) into its
@@ -329,7 +357,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
 
   // No code unless a measuring build records the timeline (tools/measure/timeline.h); the windowed, varlen, MLA and 192-key
   // kernels never record (their stamps' registers would spill).
-  std::conditional_t<kWindow || kVarlen || kMla || Tile::kBlockN != 128, NoTimeline,
+  std::conditional_t<kWindow || kVarlen || kMla || kInt8 || Tile::kBlockN != 128, NoTimeline,
                      typename MeasureVariant<>::Timeline>
       timeline(consumer);
   uint32_t ring = 0;
@@ -426,9 +454,29 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       for (int i = 0; i < Tile::kPvN / 2; ++i) o[i] = 0.f;
       release(bars.q_empty[q_buffer]);
     } else {
-      float row_scale;  // set once block 0's Q K^T is issued
+      float row_scale;  // set once block 0's Q K^T is issued (INT8: per key block, below)
+      // INT8: the tile's Q scale, and the K scale of the block whose Q K^T was issued last (loaded
+      // then, its latency behind the wgmma's).
+      float q_scale = 0.f, key_scale = 0.f;
+      auto load_key_scale = [&](int block) {
+        if constexpr (kInt8) {
+          int key_block = block;
+          if constexpr (kWindow) key_block += work.first_block;
+          return args.descale_k[(static_cast<int64_t>(work.batch) * args.heads_kv + work.kv_head) *
+                                    args.k_blocks + key_block];
+        } else {
+          return 0.f;  // FP8: one descale per tile (row_scale below)
+        }
+      };
       auto softmax_step = [&](float (&s)[kBlockN / 2], uint32_t (&p)[kBlockN / 32][4], float (&alpha)[2],
                               int block) {
+        if constexpr (kInt8) {
+          // The exact int32 sums as floats (below 2^24: exact), and the block's factor.
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) s[i] = static_cast<float>(static_cast<int>(__float_as_uint(s[i])));
+          row_scale = (q_scale * key_scale) * args.scale_log2;
+          softmax.SetRowScale(row_scale);
+        }
         if constexpr (kWindow) {
           // Block `block` of the tile holds keys from (first_block + block) * kBlockN. Blocks inside
           // every row's window (and the keys) stay unmasked: a block needs the mask if it ends past
@@ -474,8 +522,14 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       timeline.MarkTile(round, kFirstIssued);
       // (descale_q * descale_k) * scale_log2, in the emulation's order: loaded and multiplied
       // while block 0's Q K^T runs (before it, the loads' latency held up the tile's start).
-      row_scale = (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
-      softmax.SetRowScale(row_scale);
+      if constexpr (kInt8) {
+        q_scale = args.descale_q[(static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.q_blocks +
+                                 work.q_start / kInt8ScaleBlock];
+        key_scale = load_key_scale(0);
+      } else {
+        row_scale = (args.descale_q[descale_index] * args.descale_k[descale_index]) * args.scale_log2;
+        softmax.SetRowScale(row_scale);
+      }
       ptx::wgmma_wait_group<0>();
       FenceRegisters(s_acc);
       timeline.MarkTile(round, kFirstScores);
@@ -493,6 +547,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         begin_turn();
         timeline.Mark(kTurnHeld);
         issue_qk(s_acc, cur.stage, q_buffer);
+        if constexpr (kInt8) key_scale = load_key_scale(block);
         promote_if_due();  // while the tensor cores run this Q K^T
         // V of the previous block, waited for while this Q K^T runs (outside the turn the wait's
         // latency adds to the K wait's: measured 78 -> 130 cycles per block, docs/benchmarks.md).

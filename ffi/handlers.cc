@@ -141,7 +141,8 @@ ffi::Error DecodeShapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 }
 
 // The one forward handler: q, k, v, then (varlen) cu_seqlens_q, cu_seqlens_k, then (float8_e4m3fn
-// q) descale_q, descale_k, descale_v -> out, lse, tile counter.
+// q) descale_q, descale_k, descale_v, or (int8 q and k, float8_e4m3fn v) q_scale, k_scale, descale_v
+// -> out, lse, tile counter.
 ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::RemainingArgs extra,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
@@ -153,20 +154,27 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   FwdParams p;
   // Dtypes: q's decides the family; k, v and out follow it.
   const ffi::DataType dtype = q.element_type();
+  const bool int8 = dtype == ffi::DataType::S8;
   const bool fp8 = dtype == ffi::DataType::F8E4M3FN;
-  if (!fp8 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
-    return Invalid("q must be bf16, f16 or float8_e4m3fn");
+  if (!fp8 && !int8 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
+    return Invalid("q must be bf16, f16, float8_e4m3fn or int8");
   }
   const char* const v_name = fp8 && v_transposed ? "vt" : "v";
-  if (k.element_type() != dtype || v.element_type() != dtype) {
+  if (int8) {
+    if (k.element_type() != ffi::DataType::S8 || v.element_type() != ffi::DataType::F8E4M3FN) {
+      return Invalid("int8 q takes int8 k and float8_e4m3fn v (precision=\"int8\"'s operands)");
+    }
+  } else if (k.element_type() != dtype || v.element_type() != dtype) {
     return Invalid(std::string("k and ") + v_name + " must have the dtype of q");
   }
-  const ffi::DataType out_dtype = fp8 ? ffi::DataType::BF16 : dtype;
+  const ffi::DataType out_dtype = fp8 || int8 ? ffi::DataType::BF16 : dtype;
   if (out->element_type() != out_dtype) {
-    return Invalid(fp8 ? "out must be bf16 for float8_e4m3fn inputs" : "out must have the dtype of q");
+    return Invalid(fp8 || int8 ? "out must be bf16 for float8_e4m3fn and int8 inputs"
+                               : "out must have the dtype of q");
   }
-  p.element_type = fp8 ? ElementType::kE4M3
-                       : dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
+  p.element_type = int8  ? ElementType::kS8
+                   : fp8 ? ElementType::kE4M3
+                         : dtype == ffi::DataType::BF16 ? ElementType::kBF16 : ElementType::kF16;
   p.varlen = varlen;
   p.v_transposed = v_transposed;
   p.lean_p = lean_p;
@@ -178,15 +186,18 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.window_right = window_right;
   p.max_seqlen_q = max_seqlen_q;
   p.max_seqlen_k = max_seqlen_k;
-  if (!fp8 && v_transposed) return Invalid("v_transposed must be false for 16-bit inputs");
+  if (!fp8 && v_transposed) {
+    return Invalid(int8 ? "v_transposed must be false for int8 inputs (v as it is, e4m3)"
+                        : "v_transposed must be false for 16-bit inputs");
+  }
 
   // The operands after q, k and v.
-  const size_t want = (varlen ? 2 : 0) + (fp8 ? 3 : 0);
+  const size_t want = (varlen ? 2 : 0) + (fp8 || int8 ? 3 : 0);
   if (extra.size() != want) {
     return Invalid("expected " + std::to_string(3 + want) + " operands (q, k, v" +
                    (varlen ? ", cu_seqlens_q, cu_seqlens_k" : "") +
-                   (fp8 ? ", descale_q, descale_k, descale_v" : "") + "), got " +
-                   std::to_string(3 + extra.size()));
+                   (fp8 ? ", descale_q, descale_k, descale_v" : "") +
+                   (int8 ? ", q_scale, k_scale, descale_v" : "") + "), got " + std::to_string(3 + extra.size()));
   }
   ffi::Error shapes = DecodeShapes(q, k, v, out->dimensions(), lse->dimensions(), p);
   if (shapes.failure()) return shapes;
@@ -223,6 +234,33 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
     p.descale_k = descales[1];
     p.descale_v = descales[2];
     p.descale_count = counts[0];
+  }
+  if (int8) {
+    if (varlen) return Invalid("int8 inputs take dense batches only (no varlen INT8 kernel)");
+    // q_scale [batch, heads_q, ceil(seq_q / 128)], k_scale [batch, heads_kv, ceil(seq_k / 128)],
+    // descale_v [batch, heads_kv]: float32 (jzyfa.int8_quant's blocks of 128 tokens).
+    const int64_t want_dims[3][3] = {{p.batch, p.heads_q, (p.seqlen_q + 127) / 128},
+                                     {p.batch, p.heads_kv, (p.seqlen_k + 127) / 128},
+                                     {p.batch, p.heads_kv, 0}};
+    const char* const names[3] = {"q_scale", "k_scale", "descale_v"};
+    const float* scales[3];
+    for (int i = 0; i < 3; ++i) {
+      auto d = extra.get<ffi::AnyBuffer>(next++);
+      if (d.has_error()) return d.error();
+      const auto dims = d->dimensions();
+      const size_t rank = i < 2 ? 3 : 2;
+      const ffi::Span<const int64_t> want_span(want_dims[i], rank);
+      if (d->element_type() != ffi::DataType::F32 || dims.size() != rank ||
+          !std::equal(dims.begin(), dims.end(), want_span.begin())) {
+        return Invalid(std::string(names[i]) + " must be float32 " + ShapeString(want_span) + ", got " +
+                       ShapeString(dims) + " (blocks of 128 tokens: jzyfa.int8_quant)");
+      }
+      scales[i] = static_cast<const float*>(d->untyped_data());
+    }
+    p.descale_q = scales[0];
+    p.descale_k = scales[1];
+    p.descale_v = scales[2];
+    p.descale_count = p.batch * p.heads_kv;  // descale_v's: one per (batch, KV head)
   }
   if (tile_counter->element_count() != 1) {
     return Invalid("the tile counter scratch result must hold one int32");

@@ -13,6 +13,10 @@ std::string LaunchFwdInstance(const FwdParams& p, const MaskPlan& mask, cudaStre
   if constexpr (kFamily == Family::kFp8) {
     static_assert(kHeadDimV == 128, "the FP8 tiles have v's head dim 128");
     return LaunchFp8<kHeadDimQK, kLayout>(p, mask, stream);
+  } else if constexpr (kFamily == Family::kInt8) {
+    static_assert(kHeadDimQK == 128 && kHeadDimV == 128 && kLayout == Layout::kDense,
+                  "the INT8 tile: dense, head dim 128");
+    return LaunchInt8<kLayout>(p, mask, stream);
   } else {
     return Launch16<kHeadDimQK, kHeadDimV, kLayout>(p, mask, stream);
   }

@@ -1,5 +1,6 @@
-// The FP8 (e4m3) forward launches, dense and varlen: the tile, its tensor maps (Q, K and V, or V^T,
-// as bytes) and the descales (LaunchFwdKernel does the rest). One group (head dims, layout) per instantiation file; P (lean or
+// The FP8 (e4m3) forward launches, dense and varlen, and the INT8 one (int8 Q and K, e4m3 V): the
+// tile, its tensor maps (Q, K and V, or V^T, as bytes) and the descales or scales (LaunchFwdKernel
+// does the rest). One group (head dims, layout) per instantiation file; P (lean or
 // exact), V's layout (as it is, transposed in the kernel, or V^T from fp8_value_operand.cu), the mask
 // (plain or windowed) and the key block (FwdParams::key_block, ValidateFwd's) are switched here.
 #pragma once
@@ -18,41 +19,69 @@
 
 namespace jzyfa {
 
+// Q and K as bytes (e4m3 or int8), boxes of 128 head-dim columns (128 bytes: the whole head dim, or one
+// of MLA's two slices) x the rows. V (head dim 128) likewise but unswizzled, or 128-byte swizzled for
+// the matrix transpose: the kernel's staging buffer, transposed into V^T in shared memory
+// (fp8_value_transpose.cuh). Or V^T [batch, heads_kv, 128, keys] (varlen: [1, heads_kv, 128,
+// vt_keys], a tile's boxes starting at its sequence's column, Fp8VarlenValueColumn): boxes of 128
+// keys (contiguous; one 128-byte swizzle row) x the 128 head-dim rows, one per 128 keys of a block
+// (Fp8TileT::kVtSlices); or of 64 keys, 64-byte swizzled (the 192-key tile). Varlen: a tile's K and
+// V boxes start at its sequence's first key; keys past the sequence's end are the next one's
+// (finite) tokens or TMA's zeros, and masked.
+template <typename Tile>
+bool EncodeByteOperands(const FwdParams& p, int64_t batch, int64_t seq_q, int64_t seq_k, CUtensorMap* q,
+                        CUtensorMap* k, CUtensorMap* v, std::string* error) {
+  constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  constexpr int kD = Tile::kHeadDimQK, kBox = Tile::kQkSliceCols;
+  if (!EncodeRowMap(q, p.q, kBytes, 1, batch, seq_q, p.heads_q, kD, kBox, Tile::kRowsPerConsumer, error) ||
+      !EncodeRowMap(k, p.k, kBytes, 1, batch, seq_k, p.heads_kv, kD, kBox, Tile::kBlockN, error)) {
+    return false;
+  }
+  if constexpr (Tile::kStagedV) {
+    return EncodeRowMap(v, p.v, kBytes, 1, batch, seq_k, p.heads_kv, Tile::kHeadDimV, Tile::kHeadDimV,
+                        Tile::kBlockN, error, Tile::kVStagingSwizzle);
+  } else {
+    return EncodeValueOperandMap(v, p.v, batch, p.heads_kv, Tile::kHeadDimV, p.vt_keys, Tile::kVtSliceKeys,
+                                 error);
+  }
+}
+
+// softmax_scale * log2(e), rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
+inline float ScaleLog2Of(const FwdParams& p) {
+  return static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
+}
+
 template <typename Tile, bool kLeanP, bool kWindow>
 std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Base = std::conditional_t<Tile::kLayout == Layout::kVarlen, Fp8VarlenArgs, Fp8Args>;
   using Args = std::conditional_t<kWindow, WindowedArgs<Base>, Base>;
-  // Q and K as bytes, boxes of 128 head-dim columns (128 bytes: the whole head dim, or one of MLA's
-  // two slices) x the rows. V (head dim 128) likewise but unswizzled, or 128-byte swizzled for the
-  // matrix transpose: the kernel's staging buffer, transposed into V^T in shared memory
-  // (fp8_value_transpose.cuh). Or V^T [batch, heads_kv, 128, keys] (varlen: [1, heads_kv, 128,
-  // vt_keys], a tile's boxes starting at its sequence's column, Fp8VarlenValueColumn): boxes of 128
-  // keys (contiguous; one 128-byte swizzle row) x the 128 head-dim rows, one per 128 keys of a block
-  // (Fp8TileT::kVtSlices); or of 64 keys, 64-byte swizzled (the 192-key tile). Varlen: a tile's K and
-  // V boxes start at its sequence's first key; keys past the sequence's end are the next one's
-  // (finite) tokens or TMA's zeros, and masked.
-  const auto encode_qkv = [&](int64_t batch, int64_t seq_q, int64_t seq_k, CUtensorMap* q,
-                              CUtensorMap* k, CUtensorMap* v, std::string* error) {
-    constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
-    constexpr int kD = Tile::kHeadDimQK, kBox = Tile::kQkSliceCols;
-    if (!EncodeRowMap(q, p.q, kBytes, 1, batch, seq_q, p.heads_q, kD, kBox, Tile::kRowsPerConsumer,
-                      error) ||
-        !EncodeRowMap(k, p.k, kBytes, 1, batch, seq_k, p.heads_kv, kD, kBox, Tile::kBlockN, error)) {
-      return false;
-    }
-    if constexpr (Tile::kStagedV) {
-      return EncodeRowMap(v, p.v, kBytes, 1, batch, seq_k, p.heads_kv, Tile::kHeadDimV,
-                          Tile::kHeadDimV, Tile::kBlockN, error, Tile::kVStagingSwizzle);
-    } else {
-      return EncodeValueOperandMap(v, p.v, batch, p.heads_kv, Tile::kHeadDimV, p.vt_keys,
-                                   Tile::kVtSliceKeys, error);
-    }
-  };
-  // Rounded to float32 once, here, as jzyfa.fp8_emulation.scale_log2 does.
-  const float scale_log2 =
-      static_cast<float>(static_cast<double>(p.softmax_scale) * 1.4426950408889634);
   return LaunchFwdKernel<Fp8Mainloop<kLeanP, Tile>, Tile, Args>(
-      p, mask, scale_log2, stream, encode_qkv, [&](Args& args) { SetDescaleArgs(args, p); });
+      p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
+      [&](Args& args) { SetDescaleArgs(args, p); });
+}
+
+// The INT8 launch (Int8Args): dense, head dim 128, lean P, V staged and transposed in the kernel; the
+// scales' blocks (128 tokens) from the lengths.
+template <bool kWindow>
+std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  using Tile = Fp8TileT<128, true, Layout::kDense>;
+  using Args = std::conditional_t<kWindow, WindowedArgs<Int8Args>, Int8Args>;
+  return LaunchFwdKernel<Fp8Mainloop<true, Tile>, Tile, Args>(
+      p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
+      [&](Args& args) {
+        SetDescaleArgs(args, p);
+        args.q_blocks = static_cast<int>((p.seqlen_q + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
+        args.k_blocks = static_cast<int>((p.seqlen_k + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
+      });
+}
+
+// A template, so that only the INT8 instantiation file compiles its kernels.
+template <Layout kLayout>
+std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
+  static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
+  return BoolSwitch(mask.windowed, [&](auto windowed) {
+    return LaunchInt8Tile<decltype(windowed)::value>(p, mask, stream);
+  });
 }
 
 // The tile a call runs on: head dims, V source, layout, keys per block (p.key_block, which

@@ -35,7 +35,7 @@ const Target kTargets[] = {
 };
 
 const char* FamilyName(jzyfa::Family family) {
-  return family == jzyfa::Family::kFp8 ? "fp8" : "16bit";
+  return family == jzyfa::Family::kFp8 ? "fp8" : family == jzyfa::Family::kInt8 ? "int8" : "16bit";
 }
 
 const char* MaskName(jzyfa::MaskKind mask) {

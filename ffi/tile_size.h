@@ -11,7 +11,7 @@
 
 namespace jzyfa {
 
-enum class Family { k16Bit, kFp8 };
+enum class Family { k16Bit, kFp8, kInt8 };
 enum class MaskKind { kNone, kCausal, kWindow };
 enum class Layout { kDense, kVarlen };
 
@@ -51,6 +51,8 @@ inline constexpr FwdKernelGroup kFwdKernels[] = {
     {Family::kFp8, 128, 128, Layout::kDense, kAllMasks},
     {Family::kFp8, 128, 128, Layout::kVarlen, kAllMasks},
     {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
+    // INT8 Q K^T with e4m3 V (precision="int8"): head dim 128, dense, every mask.
+    {Family::kInt8, 128, 128, Layout::kDense, kAllMasks},
 };
 inline constexpr size_t kNumFwdKernelGroups = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
-from jzyfa import _validation, cudnn, padded, plan, primitives
+from jzyfa import _validation, cudnn, int8_quant, padded, plan, primitives
 from jzyfa.int8_emulation import int8_attention
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
@@ -181,10 +181,12 @@ def _quantize_in_call(q, k, v, *, rotate: bool):
 
 
 def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, softmax_scale, implementation,
-                  lean_p, rotate, softcap) -> dict:  # fmt: skip
-    """precision="int8"'s arguments checked as any call's, before any work, as `int8_attention`'s options.
-    No INT8 kernel exists yet: the emulation serves every backend, and implementation="kernel" raises the
-    plan's sentence saying so. seq_q, seq_k: the lengths the mask is read at (varlen: the maxima)."""
+                  lean_p, rotate, softcap) -> tuple[dict, Path]:  # fmt: skip
+    """precision="int8"'s arguments checked as any call's, before any work: (`int8_attention`'s options,
+    the path). The INT8 kernel serves dense calls at head dim 128 with lean P on a Hopper GPU (the plan's
+    "int8" rows); the emulation serves the rest and every other backend, and implementation="kernel"
+    raises what the kernel cannot serve. seq_q, seq_k: the lengths the mask is read at (varlen: the
+    maxima)."""
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
@@ -196,15 +198,38 @@ def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, 
         raise ValueError(f"precision='int8' needs softmax_scale > 0, got {softmax_scale}")
     mask, _, _ = kernel_mask(causal, window, seq_q, seq_k)
     config = plan.Config("int8", (q.shape[-1], v.shape[-1]), mask, layout)
-    plan.choose_path(plan.config_problem(config), implementation, cpu_primitive=False)
+    problem = plan.config_problem(config)
+    if problem is None and not lean_p:
+        problem = "the INT8 kernel computes lean P only (lean_p=True); lean_p=False runs the emulation"
+    if problem is None:
+        sizes = plan.CallSizes(layout, q.shape[0], seq_q, seq_k, q.shape[2], v.shape[2])
+        problem = plan.call_problem(config, sizes, softmax_scale)
+    path = plan.choose_path(problem, implementation, cpu_primitive=False)
     window = _validation.mask_window(causal, window)
-    return {"window": window, "softmax_scale": softmax_scale, "lean_p": lean_p, "rotate": rotate}
+    return {"window": window, "softmax_scale": softmax_scale, "lean_p": lean_p, "rotate": rotate}, path
 
 
 def _int8_attention(q, k, v, seqlens_q=None, seqlens_k=None, **options):
     """`int8_attention` of [B, S, H, D] q, k, v, refusing to be differentiated."""
     q, k, v = map(_int8_gradient_refused, (q, k, v))
     return int8_attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **options)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "rotate", "lean_p", "kernel_required"))
+def _int8_kernel_attention(q, k, v, *, window, softmax_scale, rotate, lean_p, kernel_required):
+    """precision="int8" on the INT8 kernel, dense [B, S, H, D] q, k, v: the quantization
+    (`jzyfa.int8_quant.int8_quantize_qkv`), the kernel (bf16 out, the smoothed keys' LSE), then out in
+    q's dtype and the unsmoothed keys' LSE; not differentiable. One program, as `int8_attention`."""
+    q, k, v = map(_int8_gradient_refused, (q, k, v))
+    x = int8_quant.int8_quantize_qkv(q, k, v, rotate=rotate)
+    _, kernel_causal, kernel_window = kernel_mask(False, window, q.shape[1], k.shape[1])
+    spec = primitives.make_spec(
+        softmax_scale=softmax_scale, causal=kernel_causal, window=kernel_window, kernel_required=kernel_required,
+        int8=True, lean_p=lean_p,
+    )  # fmt: skip
+    out, lse = primitives.attention_fwd(x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v, spec=spec)
+    shift = int8_quant.lse_shift(q, x.key_mean, softmax_scale)
+    return out.astype(q.dtype), jnp.where(jnp.isfinite(lse), lse + shift, lse)
 
 
 def _check_lean_p(lean_p) -> bool:
@@ -265,9 +290,9 @@ def flash_attention(
         device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable. "int8"
         subtracts each (batch, KV head)'s mean key (softmax is unchanged; the LSE returned is the
         unsmoothed keys'), quantizes q and k to INT8 with one scale per 128 tokens and head and v to
-        e4m3 (`jzyfa.int8_quant`), and computes as the INT8 kernel will (`jzyfa.int8_emulation`).
-        No INT8 kernel exists yet: it runs the pure-JAX emulation on every backend, and
-        implementation="kernel" raises. Not differentiable. See docs/int8.md.
+        e4m3 (`jzyfa.int8_quant`), and runs the INT8 kernel (dense calls at head dim 128 on a Hopper
+        GPU) or elsewhere its bit-faithful emulation (`jzyfa.int8_emulation`). Not differentiable.
+        See docs/int8.md.
       rotate: with precision="fp8" or "int8", rotate q and k by one Hadamard matrix with random signs
         (`hadamard_rotate`, seed 0) before quantizing: q k^T is unchanged, outliers are spread.
       sinks: None, or one sink logit per query head, [heads_q] (gpt-oss): every row's softmax also
@@ -312,10 +337,13 @@ def flash_attention(
         return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     if precision == "int8":
         lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
-        options = _int8_options(q, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1], seq_k=k.shape[1],
-                                causal=causal, window=window, softmax_scale=softmax_scale,
-                                implementation=implementation, lean_p=lean_p, rotate=rotate, softcap=softcap)  # fmt: skip
-        out, lse = _int8_attention(q, k, v, *lengths, **options)
+        options, path = _int8_options(q, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1],
+                                      seq_k=k.shape[1], causal=causal, window=window, softmax_scale=softmax_scale,
+                                      implementation=implementation, lean_p=lean_p, rotate=rotate, softcap=softcap)  # fmt: skip
+        if path is Path.REFERENCE:
+            out, lse = _int8_attention(q, k, v, *lengths, **options)
+        else:
+            out, lse = _int8_kernel_attention(q, k, v, **options, kernel_required=path is Path.KERNEL_REQUIRED)
         return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
@@ -463,9 +491,9 @@ def flash_attention_varlen(
     max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
     if precision == "int8":  # each sequence in a right-padded slot of max_seqlen tokens
-        options = _int8_options(q, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k, causal=causal,
-                                window=window, softmax_scale=softmax_scale, implementation=implementation,
-                                lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
+        options, _ = _int8_options(q, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k, causal=causal,
+                                   window=window, softmax_scale=softmax_scale, implementation=implementation,
+                                   lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
         cu = [jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k)]
         attend = functools.partial(_int8_attention, **options)
         out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)

@@ -20,14 +20,7 @@ import os
 
 from jzyfa import _extension
 
-FAMILIES = ("16bit", "fp8")
-# Families a call can ask for (precision=...) that no kernel serves yet, and what serves them instead.
-NO_KERNEL_YET = {
-    "int8": (
-        "no INT8 kernel is built yet: precision='int8' runs its pure-JAX emulation (implementation=None or "
-        "'xla'); precision='fp8' has a kernel"
-    )
-}
+FAMILIES = ("16bit", "fp8", "int8")  # int8: precision="int8"'s int8 q and k with e4m3 v
 MASKS = ("none", "causal", "window")
 LAYOUTS = ("dense", "varlen")
 DIRECTIONS = ("fwd", "bwd")
@@ -62,6 +55,7 @@ KERNELS: frozenset[Config] = frozenset(
     + _rows("fp8", [(128, 128)], MASKS, LAYOUTS)
     + _rows("fp8", [MLA_HEAD_DIMS], ("none", "causal"), ("dense",))
     + _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS, "bwd")
+    + _rows("int8", [(128, 128)], MASKS, ("dense",))
 )
 
 # Exact probabilities (lean_p=False) exist for dense FP8 calls; varlen FP8 calls always use lean P.
@@ -77,8 +71,6 @@ def config_problem(config: Config) -> str | None:
     """None when the table has `config`, else a sentence saying what the kernels do take."""
     if config in KERNELS:
         return None
-    if config.family in NO_KERNEL_YET:
-        return NO_KERNEL_YET[config.family]
     family_rows = [
         row for row in KERNELS if row.family == config.family and row.direction == config.direction
     ]
@@ -108,7 +100,7 @@ _DIRECTION_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
 def _family_name(family: str) -> str:
-    return {"16bit": "16-bit (bf16, f16)", "fp8": "FP8 (e4m3)"}[family]
+    return {"16bit": "16-bit (bf16, f16)", "fp8": "FP8 (e4m3)", "int8": "INT8 (int8 q and k, e4m3 v)"}[family]
 
 
 # ---- launch limits that depend on a call's sizes (ffi/ checks the same before launching)
@@ -400,7 +392,11 @@ def support_matrix_markdown() -> str:
         key = (family, dims, tuple(sorted(masks, key=MASKS.index)), direction)
         merged.setdefault(key, []).append(layout)
     for (family, dims, masks, direction), layouts in merged.items():
-        inputs = {"16bit": "bf16, f16", "fp8": "float8_e4m3fn (bf16 out)"}[family]
+        inputs = {
+            "16bit": "bf16, f16",
+            "fp8": "float8_e4m3fn (bf16 out)",
+            "int8": 'bf16, f16 with precision="int8" (int8 q and k, e4m3 v)',
+        }[family]
         lines.append(
             f"| {inputs} | {dims[0]} / {dims[1]} | {', '.join(layouts)} | {', '.join(masks)} | "
             f"{_DIRECTION_NAMES[direction]} |"

@@ -3,7 +3,8 @@ and backward.
 
 Operands are q, k, v (the backward adds dout, lse, delta) and extras: cu_seqlens_q, cu_seqlens_k for
 packed (varlen) batches, or seqlens_q, seqlens_k for padded dense ones (`jzyfa.padded`: per shard they
-run as a packed call), then descale_q, descale_k, descale_v for FP8 inputs. One frozen
+run as a packed call), then descale_q, descale_k, descale_v for FP8 inputs, or q_scale, k_scale,
+descale_v for INT8 ones (int8 q and k, e4m3 v: `jzyfa.int8_quant`). One frozen
 `AttentionSpec` carries the static parameters. Two primitives per direction, as JAX's own cuDNN
 attention does it:
 - `attention_fwd_p`, what programs bind: one abstract eval, one vmap rule, an eager impl. It lowers
@@ -12,7 +13,7 @@ attention does it:
 - `attention_fwd_shard_p`, the call on one device's blocks. CUDA lowers it to the FFI target
   `jzyfa_attention_fwd` (docs/architecture.md has the contract). Other platforms lower it to the best
   pure-JAX model of the kernel: the FP8 kernel's emulation for dense FP8 calls (`jzyfa.fp8_emulation`),
-  the exact reference otherwise. A call that demanded the kernel (`kernel_required`) refuses to lower
+  the INT8 kernel's for INT8 ones (`jzyfa.int8_emulation`), the exact reference otherwise. A call that demanded the kernel (`kernel_required`) refuses to lower
   anywhere but CUDA.
 The backward's pair, `attention_bwd_p` and `attention_bwd_shard_p`, mirrors them: (q, k, v, dout, lse,
 delta, *extras) -> (dq, dk, dv). CUDA lowers the per-shard call to the FFI target `jzyfa_attention_bwd`
@@ -37,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jzyfa import fp8_layout, padded, plan, sharding
 from jzyfa._validation import NO_WINDOW, Window, mask_window
 from jzyfa.fp8_emulation import attention_fp8_emulated
+from jzyfa.int8_emulation import attention_int8_emulated
 from jzyfa.reference import attention_bwd_reference, attention_reference
 from jzyfa.varlen import (
     fp8_varlen_attention_reference,
@@ -61,6 +63,9 @@ class AttentionSpec:
     primitive's CUDA lowering then calls. `seqlens`: a dense call with per-sequence lengths (extras
     seqlens_q, seqlens_k), computed per shard as a packed call of 2 * batch sequences (`jzyfa.padded`).
     `softcap`: c > 0 caps each scaled score s to c * tanh(s / c) (16-bit calls); 0 for none.
+    `int8`: int8 q and k with one float32 scale per 128 tokens and head, e4m3 v (precision="int8"'s
+    operands, `jzyfa.int8_quant.Int8Inputs`); extras end with q_scale [B, Hq, ceil(Sq / 128)], k_scale
+    [B, Hkv, ceil(Sk / 128)] and descale_v [B, Hkv]. Dense calls only; out is bf16.
     """
 
     softmax_scale: float
@@ -75,10 +80,16 @@ class AttentionSpec:
     backward_kernel: bool = False
     seqlens: bool = False
     softcap: float = 0.0
+    int8: bool = False
+
+    @property
+    def eight_bit(self) -> bool:
+        """FP8 or INT8: out is bf16, three scale operands end the extras, no backward."""
+        return self.fp8 or self.int8
 
     @property
     def num_extras(self) -> int:
-        return 2 * bool(self.varlen) + 2 * self.seqlens + 3 * self.fp8
+        return 2 * bool(self.varlen) + 2 * self.seqlens + 3 * self.eight_bit
 
     def as_packed(self, seq_q: int, seq_k: int) -> AttentionSpec:
         """The packed call a padded dense one runs per shard (`jzyfa.padded`)."""
@@ -97,6 +108,7 @@ def make_spec(
     backward_kernel: bool = False,
     seqlens: bool = False,
     softcap: float | None = None,
+    int8: bool = False,
 ) -> AttentionSpec:
     """An AttentionSpec of plain hashable Python values."""
     return AttentionSpec(
@@ -110,6 +122,7 @@ def make_spec(
         backward_kernel=bool(backward_kernel),
         seqlens=bool(seqlens),
         softcap=0.0 if softcap is None else float(softcap),
+        int8=bool(int8),
     )
 
 
@@ -131,6 +144,8 @@ def attention_fwd(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax
     if spec.fp8:
         per_head = (extras[0].shape[0] - 1, k.shape[1]) if spec.varlen else (k.shape[0], k.shape[2])
         extras[-3:] = [_per_head_descale(d, per_head) for d in extras[-3:]]
+    if spec.int8:
+        extras[-3:] = [jnp.asarray(d, jnp.float32) for d in extras[-3:]]
     out, lse = attention_fwd_p.bind(*_vary_alike(q, k, v, *extras), spec=spec)
     return out, lse
 
@@ -178,7 +193,7 @@ def _padded_spec(x, rank: int) -> tuple:
 
 def _abstract_eval(q, k, v, *extras, spec: AttentionSpec):
     del k, extras
-    dtype = jnp.bfloat16 if spec.fp8 else q.dtype
+    dtype = jnp.bfloat16 if spec.eight_bit else q.dtype
     dv = _head_dim_v(v, spec)
     q_spec, v_spec = _padded_spec(q, q.ndim), _padded_spec(v, v.ndim)
     dv_spec = None if spec.v_transposed else v_spec[-1]
@@ -236,6 +251,8 @@ def _not_differentiable(primals, tangents, *, spec: AttentionSpec):
     del primals, tangents
     if spec.fp8:
         raise TypeError(FP8_NOT_DIFFERENTIABLE)
+    if spec.int8:
+        raise TypeError(INT8_NOT_DIFFERENTIABLE)
     raise TypeError("the jzyfa_attention_fwd primitive is differentiated through jzyfa.flash_attention only")
 
 
@@ -318,6 +335,11 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
         return fp8_varlen_attention_reference(
             q, k, v, cu_q, cu_k, descales, max_q, max_k, window=window, softmax_scale=spec.softmax_scale,
             trust_maxima=True,
+        )  # fmt: skip
+    if spec.int8:
+        return attention_int8_emulated(
+            q, k, v, *extras, causal=spec.causal, window=spec.window, softmax_scale=spec.softmax_scale,
+            out_dtype=jnp.bfloat16, lean_p=spec.lean_p,
         )  # fmt: skip
     if not spec.fp8:
         return attention_reference(
@@ -425,8 +447,8 @@ def attention_bwd(
     """Binds the backward primitive: gradients of a 16-bit call's (out, lse) from its residuals. dout is
     out's cotangent; delta float32, lse's shape: rowsum(dout * out) minus lse's cotangent
     (`jzyfa.reference.attention_delta`). Results have the shapes and dtypes of q, k, v."""
-    if spec.fp8:
-        raise TypeError("attention_bwd: FP8 calls have no backward")
+    if spec.eight_bit:
+        raise TypeError("attention_bwd: FP8 and INT8 calls have no backward")
     if len(extras) != spec.num_extras:
         raise TypeError(f"attention_bwd takes {spec.num_extras} extra operands for {spec}, got {len(extras)}")
     extras = [jnp.asarray(cu, jnp.int32) for cu in extras]

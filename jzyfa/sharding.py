@@ -1,15 +1,15 @@
 """How the attention primitive is split over a device mesh under a sharded `jax.jit`.
 
 One partitioner for every configuration; its Shardy rule is built from the operand list (`rule_for`):
-q, k, v, then cu_seqlens_q/k for packed batches, then the FP8 descales. Batch and heads are passthrough
+q, k, v, then cu_seqlens_q/k for packed batches, then the FP8 descales or INT8 scales. Batch and heads are passthrough
 factors of every operand and result, so sharding them needs no collective; head dims, the key sequence,
 packed token axes and the offsets need replication. For GQA, KV heads shard with their query groups:
 `partition` splits K/V heads over q's head axes when heads_kv allows, else each device keeps all KV heads
 and uses its own. The query sequence of a dense 16-bit call is a passthrough factor too: a
 sequence-sharded q stays where it is, K/V are gathered (the rule's replication of the key sequence), and
 each shard attends with its own causal offset or window (context parallelism without load balancing;
-`jzyfa.context_parallel` has the balanced and ring forms). FP8 and packed calls gather a sharded q
-sequence instead.
+`jzyfa.context_parallel` has the balanced and ring forms). FP8, INT8 and packed calls gather a sharded
+q sequence instead.
 
 After propagation the partitioner calls `partition` with the chosen shardings, which returns the
 per-shard computation: the kernel on the local blocks. `infer_sharding_from_operands` serves the older
@@ -74,6 +74,9 @@ def rule_for(spec, direction: str = "fwd") -> SdyShardingRule:
         operands += [descale] * 3
         if spec.varlen:
             replicated += ("n",)
+    if spec.int8:  # q_scale [b, hq, q blocks], k_scale [b, h, key blocks], descale_v [b, h] (dense only)
+        operands += [ArrayMapping("b", "hq", "qb"), ArrayMapping("b", "h", "kb"), descale]
+        replicated += ("qb", "kb")
     # Special factors are listed in order of first appearance.
     order = [f for mapping in operands for f in mapping if f in replicated]
     replicated = tuple(dict.fromkeys(order))
@@ -142,7 +145,7 @@ def plan_for(mesh: jax.sharding.Mesh, q_spec: P, q_shape: tuple[int, ...], heads
         # Uneven splits are padded: harmless for batch rows, wrong for causal offsets and head groups.
         # FP8 calls gather a sharded q sequence (their chunks' no-key rows are not wired for e4m3), and so
         # do padded ones (each sequence's length holds for its whole row).
-        if spec.fp8 or spec.seqlens or q_shape[1] % size(seq_q):
+        if spec.eight_bit or spec.seqlens or q_shape[1] % size(seq_q):
             seq_q = ()
     head_shards = size(heads_q)
     if heads % head_shards or (heads_kv % head_shards and head_shards % heads_kv):
@@ -166,8 +169,8 @@ def per_shard_attention(shard_kernel: ShardKernel, plan: ShardPlan, mesh, *, seq
             kv_head = local_kv_head(plan, mesh, heads_kv)
             axis = plan.kv_head_axis()
             k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis) for x in (k, v))
-            if spec.fp8:
-                n = len(extras) - 3
+            if spec.eight_bit:  # the KV-head scales (INT8's q_scale follows q's heads)
+                n = len(extras) - (2 if spec.int8 else 3)
                 extras = (*extras[:n], *(lax.dynamic_slice_in_dim(d, kv_head, 1, axis=1) for d in extras[n:]))
 
         def attend(q, k, v, causal, window=NO_WINDOW):
@@ -288,6 +291,12 @@ def _shardings(mesh, plan: ShardPlan, spec, direction: str):
         operands += [named(P(_entry(plan.batch)))] * 2
     if spec.fp8:
         operands += [named(plan.descale_spec())] * 3
+    if spec.int8:
+        operands += [
+            named(P(_entry(plan.batch), _entry(plan.heads_q), None)),
+            named(P(_entry(plan.batch), plan.kv_heads, None)),
+            named(plan.descale_spec()),
+        ]
     return results, tuple(operands)
 
 
@@ -329,7 +338,7 @@ def partitioned(shard_kernel: ShardKernel, direction: str = "fwd"):
     custom_partitioning per operand list, since the rule depends on it."""
 
     @functools.cache
-    def wrapped(num_operands: int, varlen: bool, fp8: bool):
+    def wrapped(num_operands: int, varlen: bool, eight_bit: bool):
         def call(*operands):
             *arrays, spec = operands
             return shard_kernel(*arrays, spec=spec)
@@ -349,6 +358,6 @@ def partitioned(shard_kernel: ShardKernel, direction: str = "fwd"):
 
     def call(*operands):
         *arrays, spec = operands
-        return wrapped(len(arrays), spec.varlen is not None, spec.fp8)(*arrays, spec)
+        return wrapped(len(arrays), spec.varlen is not None, spec.eight_bit)(*arrays, spec)
 
     return call

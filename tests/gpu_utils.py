@@ -81,6 +81,7 @@ def ffi_attention(
     cu_seqlens=None,
     max_seqlens=(0, 0),
     descales=None,
+    int8_scales=None,
     out_head_dim=None,
     softmax_scale=0.1,
     causal=False,
@@ -94,7 +95,8 @@ def ffi_attention(
 
     Its contract (docs/architecture.md, jzyfa.primitives): operands q, k, v, then cu_seqlens_q and
     cu_seqlens_k (varlen: `cu_seqlens` a pair of int32 [num_seqs + 1]), then descale_q, descale_k,
-    descale_v (FP8 q: passed flattened to 1-D); results out (q's dtype, bf16 for e4m3; v's head dim, or
+    descale_v (FP8 q: passed flattened to 1-D), or for int8 q `int8_scales`, (q_scale, k_scale, descale_v)
+    passed as they are; results out (q's dtype, bf16 for e4m3 and int8; v's head dim, or
     out_head_dim), lse float32 ([B, Hq, Sq] dense, [Hq, Tq] varlen) and one int32 tile counter; every
     attribute present with its type. With v_transposed, v is V^T (dense [B, Hkv, Dv, keys], varlen
     [Hkv, Dv, keys]), so its head dim is v.shape[-2]."""
@@ -105,7 +107,7 @@ def ffi_attention(
     from jzyfa import primitives
 
     varlen = cu_seqlens is not None
-    fp8 = jnp.dtype(q.dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    eight_bit = jnp.dtype(q.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
     dv = out_head_dim or (v.shape[-2] if v_transposed else v.shape[-1])
     if varlen:
         total_q, heads_q = q.shape[:2]
@@ -114,13 +116,15 @@ def ffi_attention(
         batch, seq_q, heads_q = q.shape[:3]
         out_shape, lse_shape = (batch, seq_q, heads_q, dv), (batch, heads_q, seq_q)
     results = (
-        jax.ShapeDtypeStruct(out_shape, jnp.bfloat16 if fp8 else q.dtype),
+        jax.ShapeDtypeStruct(out_shape, jnp.bfloat16 if eight_bit else q.dtype),
         jax.ShapeDtypeStruct(lse_shape, jnp.float32),
         jax.ShapeDtypeStruct(primitives.TILE_COUNTER.shape, primitives.TILE_COUNTER.dtype),
     )
     extras = [jnp.asarray(cu, jnp.int32) for cu in cu_seqlens] if varlen else []
     if descales is not None:
         extras += [jnp.asarray(d, jnp.float32).reshape(-1) for d in descales]
+    if int8_scales is not None:
+        extras += [jnp.asarray(d, jnp.float32) for d in int8_scales]
     attributes = {
         "softmax_scale": np.float32(softmax_scale),
         "causal": bool(causal),

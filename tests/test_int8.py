@@ -1,5 +1,7 @@
-"""precision="int8": smoothed keys, INT8 Q and K with per-block scales, e4m3 V (jzyfa.int8_quant), and
-the INT8 kernel's emulation (jzyfa.int8_emulation), which serves the call on every backend."""
+"""precision="int8": smoothed keys, INT8 Q and K with per-block scales, e4m3 V (jzyfa.int8_quant), the
+INT8 kernel's emulation (jzyfa.int8_emulation), which serves the call off Hopper, and the kernel path's
+program (the primitive with int8 operands; its CPU lowering is the emulation, its CUDA lowering the
+FFI call: tests/test_int8_kernel_gpu.py runs it)."""
 
 import functools
 
@@ -10,7 +12,7 @@ import pytest
 from attention_oracle import naive_attention_f64, offsets, random_qkv, relative_l2
 
 import jzyfa
-from jzyfa import fp8_emulation, int8_emulation, int8_quant
+from jzyfa import fp8_emulation, int8_emulation, int8_quant, plan, primitives
 from jzyfa.bench import inputs
 
 # Relative L2 of O against float64 attention on the unquantized inputs, Gaussian inputs at head dim
@@ -206,8 +208,8 @@ def test_jit_and_vmap(rng):
             {"implementation": "kernel"},
             ValueError,
             (
-                r"^implementation='kernel' cannot serve this call: no INT8 kernel is built yet: precision='int8' "
-                r"runs its pure-JAX emulation \(implementation=None or 'xla'\)"
+                r"^implementation='kernel' cannot serve this call: the INT8 \(int8 q and k, e4m3 v\) kernels take "
+                r"head dims \(q and k / v\) 128/128, got 64/64"
             ),
         ),
         ({"softcap": 30.0}, ValueError, "softcap is not available with precision='int8'"),
@@ -238,8 +240,8 @@ def test_int8_refuses_fp8_inputs_and_gradients(rng):
 
 def test_varlen_int8_errors():
     cu = jnp.asarray(offsets([8]), jnp.int32)
-    x = jnp.zeros((8, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="no INT8 kernel is built yet"):
+    x = jnp.zeros((8, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"the INT8 .* kernels have no varlen layout at head dims 128/128"):
         jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", implementation="kernel")
     with pytest.raises(ValueError, match="softcap is not available with precision='int8'"):
         jzyfa.flash_attention_varlen(x, x, x, cu, cu, 8, 8, precision="int8", softcap=5.0)
@@ -259,3 +261,74 @@ def test_emulation_checks_its_operands(rng):
         int8_emulation.attention_int8_emulated(
             q8, q8, v8, scale, scale, jnp.ones((1, 2)), causal=True, block=64
         )
+
+
+# --- the kernel path: dense calls at head dim 128 ------------------------------------------------------
+
+
+@pytest.fixture
+def primitive_path(monkeypatch):
+    """INT8 calls the plan's kernel serves bind the primitive on this CPU too (its CPU lowering is the
+    emulation), as they do on a Hopper GPU."""
+    original = plan.choose_path
+    monkeypatch.setattr(
+        plan, "choose_path", lambda problem, implementation, *, cpu_primitive: original(
+            problem, implementation, cpu_primitive=True
+        ),
+    )  # fmt: skip
+
+
+def test_kernel_rows_are_dense_head_dim_128():
+    rows = {row for row in plan.KERNELS if row.family == "int8"}
+    assert rows == {plan.Config("int8", (128, 128), mask, "dense") for mask in plan.MASKS}
+
+
+@pytest.mark.parametrize("window", [None, (-1, 0), (200, 30)], ids=["none", "causal", "window"])
+def test_kernel_path_is_the_emulation_bit_for_bit(rng, primitive_path, window):
+    """The primitive's program (quantize, int8 operands, LSE shift) on the CPU gives exactly what the
+    emulation path gives: the same quantization and, as its CPU lowering, the same emulation."""
+    del primitive_path
+    q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=128)
+    kernel = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, window=window, precision="int8", return_lse=True))
+    assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v))  # the primitive was bound
+    got = kernel(q, k, v)
+    want = jzyfa.flash_attention(q, k, v, window=window, precision="int8", return_lse=True, implementation="xla")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_cuda_lowering_passes_int8_operands_and_scales(primitive_path):
+    """Lowered for CUDA: one forward custom call on int8 q and k, e4m3 v, the q and k scales per 128
+    tokens and head and v's per (batch, KV head), bf16 out."""
+    del primitive_path
+    q = jax.ShapeDtypeStruct((2, 300, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 260, 2, 128), jnp.bfloat16)
+    fn = lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=True)
+    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
+    for operand in ("s8[2,300,8,128]", "s8[2,260,2,128]", "f8e4m3fn[2,260,2,128]", "f32[2,8,3]", "f32[2,2,3]",
+                    "f32[2,2]", "bf16[2,300,8,128]"):  # fmt: skip
+        assert operand in call, (operand, call)
+    assert "window_right = 0" in call or "causal = true" in call
+
+
+def test_kernel_path_refusals(rng):
+    """implementation="kernel" with lean_p=False or off CUDA says why; padded calls run the emulation."""
+    q, k, v = random_qkv(rng, seq_q=64, heads_q=2, head_dim=128)
+    with pytest.raises(ValueError, match="the INT8 kernel computes lean P only"):
+        jzyfa.flash_attention(q, k, v, precision="int8", lean_p=False, implementation="kernel")
+    with pytest.raises(ValueError, match="implementation='kernel' needs a Hopper GPU"):
+        jzyfa.flash_attention(q, k, v, precision="int8", implementation="kernel")
+    with pytest.raises(ValueError, match="kernels have no varlen layout"):
+        lengths = jnp.asarray([50], jnp.int32)
+        jzyfa.flash_attention(q, k, v, precision="int8", seqlens_q=lengths, seqlens_k=lengths, implementation="kernel")
+
+
+def test_primitive_refuses_to_be_differentiated(rng, primitive_path):
+    del primitive_path
+    q, k, v = random_qkv(rng, seq_q=64, heads_q=2, head_dim=128)
+    loss = lambda q: jnp.sum(jzyfa.flash_attention(q, k, v, precision="int8").astype(jnp.float32))
+    with pytest.raises(TypeError, match="precision='int8' is not differentiable"):
+        jax.grad(loss)(q)
+    spec = primitives.make_spec(softmax_scale=0.1, causal=True, int8=True)
+    assert spec.eight_bit and spec.num_extras == 3

@@ -45,8 +45,9 @@ KERNEL_NAME = re.compile(
 
 
 def info(name: str) -> dict | None:
-    """What a forward kernel's symbol says: family ("16bit", "fp8"), element (16-bit: "bf16", "f16"), the
-    head dims, keys per block, varlen, windowed, mla, and for FP8 lean (P) and staged (V)."""
+    """What a forward kernel's symbol says: family ("16bit", "fp8", "int8": the FP8 mainloop over
+    Int8Args), element (16-bit: "bf16", "f16"), the head dims, keys per block, varlen, windowed, mla, and
+    for FP8 and INT8 lean (P) and staged (V)."""
     m = KERNEL_NAME.match(name)
     if not m:
         return None
@@ -54,7 +55,7 @@ def info(name: str) -> dict | None:
     qk = int(m["fqk"] if fp8 else m["qk"])
     v = 128 if fp8 else int(m["v"])
     return {
-        "family": "fp8" if fp8 else "16bit",
+        "family": ("int8" if "Int8Args" in name else "fp8") if fp8 else "16bit",
         "element": None if fp8 else ("bf16" if "bfloat16" in m["element"] else "f16"),
         "qk": qk,
         "v": v,
@@ -291,6 +292,26 @@ def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
             assert "F2FP.SATFINITE.E4M3" in text, name
 
 
+def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
+    """The INT8 instantiations (dense, head dim 128, lean P, V staged; plain and windowed): S = Q K^T on
+    s8 wgmma (IGMMA 64x128x32, int32 sums), each score turned into a float by I2FP (exact below 2^24:
+    64 per block and thread, in each of the loop's three softmax sites), P V as the FP8 kernel's (QGMMA
+    64x136x32), lean P without MUFU.EX2, no local memory."""
+    _, sass = compiled
+    found = select(sass, family="int8")
+    assert sorted(info(name)["windowed"] for name in found) == [False, True], list(found)
+    for name, text in found.items():
+        k = info(name)
+        assert k["lean"] and k["staged"] and (k["qk"], k["n"], k["varlen"]) == (128, 128, False), name
+        assert len(re.findall(r"\bIGMMA\.64x128x32\.S8\.S8\b", text)) >= 12, name  # 4 k-steps, 3 sites
+        assert not re.search(r"\bQGMMA\.64x128x32", text), name
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 64, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
+        assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == 2, name  # O through the TMA store, as FP8's
+
+
 def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
     """The FP8 kernel's sliding-window instantiations (dense), kernels of their own: the
     same QGMMA batches, no local memory (the consumers at 232 registers leave none to spare: the window
@@ -425,13 +446,14 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     transpose, the default): the code the producer's warps can reach (the TMA thread's loop and the
     transposing warps') uses R0..R39 only; per 16-key piece and lane 4 LDSM.16.MT88.4 (ldmatrix .trans), 16
     PRMT and 4 STSM.16.M88.4, then the proxy fence (FENCE.VIEW.ASYNC.S) before v_full's arrival. The V^T-loading
-    kernels' producer stays within R0..R39 too, with no transposing code."""
+    kernels' producer stays within R0..R39 too, with no transposing code. The INT8 kernels' producer is
+    the staged FP8 kernels'."""
     _, sass = compiled
-    found = select(sass, family="fp8")
-    # plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the 192-key
-    # plain kernel (lean, exact; V^T)
-    assert len(found) == 18, list(found)
-    assert sum(staged_v(name) for name in found) == 8, list(found)
+    found = select(sass, family=lambda f: f in ("fp8", "int8"))
+    # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
+    # 192-key plain kernel (lean, exact; V^T); INT8: plain, window (V staged)
+    assert len(found) == 20, list(found)
+    assert sum(staged_v(name) for name in found) == 10, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
         if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)

@@ -28,12 +28,13 @@ EXPECTED_ROWS = (
     | {Config("fp8", (128, 128), m, layout) for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("fp8", (192, 128), m, "dense") for m in ("none", "causal")}
     | {Config("16bit", d, m, layout, "bwd") for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
+    | {Config("int8", (128, 128), m, "dense") for m in plan.MASKS}
 )
 
 
 def test_kernels_are_the_rows_that_passed_their_gpu_tests():
     assert plan.KERNELS == EXPECTED_ROWS
-    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 2 + 2 + 4 * 3 * 2
+    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 2 + 2 + 4 * 3 * 2 + 3
     assert plan.MLA_HEAD_DIMS == (192, 128)
 
 
@@ -122,7 +123,7 @@ def test_config_problem_sentences(config, sentence):
 def test_every_configuration_outside_the_table_has_a_problem(config):
     problem = plan.config_problem(config)
     assert problem and problem.startswith("the ")
-    assert {"16bit": "16-bit", "fp8": "FP8"}[config.family] in problem
+    assert {"16bit": "16-bit", "fp8": "FP8", "int8": "INT8"}[config.family] in problem
 
 
 def test_backward_rows_name_what_the_backward_kernels_take():
@@ -297,12 +298,14 @@ MASK_ATTRIBUTES = {"none": ("false", -1, -1), "causal": ("true", -1, -1), "windo
 def kernel_call(config: Config, implementation="kernel"):
     """(fn, args) of a call of this configuration (implementation="kernel" unless told), as abstract
     arrays."""
-    dtype = jnp.float8_e4m3fn if config.family == "fp8" else jnp.bfloat16
+    dtype = jnp.float8_e4m3fn if config.family == "fp8" else jnp.bfloat16  # int8: precision="int8" on bf16
     dqk, dv = config.head_dims
     array = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype)
     options = dict(
         MASK_OPTIONS[config.mask], softmax_scale=0.125, implementation=implementation, return_lse=True
     )
+    if config.family == "int8":
+        options["precision"] = "int8"
     descales = [array(dtype=jnp.float32)] * 3 if config.family == "fp8" else []
     names = ("descale_q", "descale_k", "descale_v")
     if config.layout == "dense":
@@ -377,8 +380,8 @@ def test_each_row_lowers_to_one_custom_call_for_cuda(cpu_backend, config):
     # the tile counter.
     operands = call.split("operand_layout_constraints={")[1].split("}, api_version")[0]
     dqk, dv = config.head_dims
-    fp8 = config.family == "fp8"
-    element = "f8e4m3fn" if fp8 else "bf16"
+    fp8, int8 = config.family == "fp8", config.family == "int8"
+    element = "f8e4m3fn" if fp8 else "s8" if int8 else "bf16"
     if varlen:
         total, num_seqs = sum(LENGTHS), len(LENGTHS)
         q_shape, k_shape = f"[{total},{HEADS_Q},{dqk}]", f"[{total},{HEADS_KV},{dqk}]"
@@ -388,11 +391,16 @@ def test_each_row_lowers_to_one_custom_call_for_cuda(cpu_backend, config):
         q_shape, k_shape = f"[{BATCH},{SEQ},{HEADS_Q},{dqk}]", f"[{BATCH},{SEQ},{HEADS_KV},{dqk}]"
         out = f"(bf16[{BATCH},{SEQ},{HEADS_Q},{dv}]{{3,2,1,0}}, f32[{BATCH},{HEADS_Q},{SEQ}]{{2,1,0}}, s32[1]{{0}})"
         extras = [f"f32[{BATCH * HEADS_KV}]"] * 3 * fp8
+        if int8:  # q_scale, k_scale per 128 tokens and head, descale_v per (batch, KV head)
+            blocks = -(-SEQ // 128)
+            extras = [f"f32[{BATCH},{HEADS_Q},{blocks}]", f"f32[{BATCH},{HEADS_KV},{blocks}]", f"f32[{BATCH},{HEADS_KV}]"]
     assert call.split(" = ", 1)[1].startswith(out + " custom-call(")
     listed = [shape.split("{")[0] for shape in re.findall(r"\w+\[[\d,]*\]\{[\d,]*\}", operands)]
     assert listed[:2] == [element + q_shape, element + k_shape]
+    if int8:
+        assert listed[2] == "f8e4m3fn" + f"[{BATCH},{SEQ},{HEADS_KV},{dv}]"
     assert listed[3:] == extras
-    assert len(listed) == 3 + 2 * varlen + 3 * fp8
+    assert len(listed) == 3 + 2 * varlen + 3 * (fp8 or int8)
     if attrs["v_transposed"] == "true":
         assert fp8  # V^T from the layout pass (or its pure-JAX form)
     # On a CPU, implementation="kernel" has no kernel to run: lowering for the CPU refuses.

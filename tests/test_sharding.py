@@ -5,10 +5,10 @@ compiled HLO.
 Batch and head sharding must need no collective at all; a sequence-sharded q stays local while K and V
 are all-gathered (16-bit dense). Dense inputs are f16, so the primitive (not the pure-JAX path) is what
 gets partitioned; its CPU lowering is the reference on each shard's blocks, which rounds like the
-unsharded reference up to an ulp of the output (XLA vectorizes other shapes differently). FP8 and varlen
-calls take the pure-JAX path on a CPU, so their sections bind the primitive itself (its CPU lowering:
-the FP8 kernel's emulation for dense FP8, the exact reference for varlen): heads shard with no
-collective, and a sharded q sequence (or packed token axis) is gathered.
+unsharded reference up to an ulp of the output (XLA vectorizes other shapes differently). FP8, INT8 and
+varlen calls take the pure-JAX path on a CPU, so their sections bind the primitive itself (its CPU
+lowering: the FP8 or INT8 kernel's emulation for dense 8-bit calls, the exact reference for varlen):
+heads shard with no collective, and a sharded q sequence (or packed token axis) is gathered.
 """
 
 import functools
@@ -293,6 +293,64 @@ def test_fp8_batch_and_head_sharding_match_unsharded(
     want = jax.jit(fp8_call)(q8, k8, v8, dq, dk, dv)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+# --- INT8 (dense): the primitive, whose CPU lowering is the INT8 kernel's emulation ------------------
+
+
+def int8_call(q8, k8, v8, q_scale, k_scale, descale_v):
+    spec = primitives.make_spec(softmax_scale=128**-0.5, causal=True, int8=True)
+    return primitives.attention_fwd(q8, k8, v8, q_scale, k_scale, descale_v, spec=spec)
+
+
+def int8_operands(rng, *, batch, seq_q, heads_q, heads_kv):
+    from jzyfa import int8_quant
+
+    q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=128)
+    x = int8_quant.int8_quantize_qkv(q, k, v)
+    return x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v
+
+
+# (mesh shape, axes, q spec, k/v spec, q_scale spec, k_scale spec, descale_v spec, heads_q, heads_kv)
+INT8_LAYOUTS = [
+    ((8,), ("data",), P("data"), P("data"), P("data"), P("data"), P("data"), 2, 1),
+    ((2, 4), ("data", "model"), P("data", None, "model"), P("data", None, "model"), P("data", "model"),
+     P("data", "model"), P("data", "model"), 8, 4),  # fmt: skip
+    # More query-head shards than KV heads: each shard keeps all KV heads (and their scales), slices one.
+    ((4,), ("model",), P(None, None, "model"), P(), P(None, "model"), P(), P(), 4, 2),
+]
+
+
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
+@pytest.mark.parametrize("shape, axes, q_spec, kv_spec, qs_spec, ks_spec, dv_spec, heads_q, heads_kv", INT8_LAYOUTS)
+def test_int8_batch_and_head_sharding_match_unsharded(
+    rng, shape, axes, q_spec, kv_spec, qs_spec, ks_spec, dv_spec, heads_q, heads_kv, mesh_kind
+):
+    batch = 8 if "data" in axes else 1
+    operands = int8_operands(rng, batch=batch, seq_q=200, heads_q=heads_q, heads_kv=heads_kv)
+    with mesh_of_kind(mesh_kind, shape, axes) as mesh:
+        specs = (q_spec, kv_spec, kv_spec, qs_spec, ks_spec, dv_spec)
+        sharded = jax.jit(int8_call, in_shardings=[NamedSharding(mesh, s) for s in specs])
+        hlo = compiled_hlo(sharded, *operands)
+        if heads_kv % np.prod([mesh.shape[a] for a in axes if a == "model"] or [1]) == 0:
+            assert collective_counts(hlo) == NO_COLLECTIVES
+        got = sharded(*operands)
+    want = jax.jit(int8_call)(*operands)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_int8_sequence_sharded_q_is_gathered_and_correct(rng):
+    mesh = cpu_mesh((4,), ("seq",))
+    operands = int8_operands(rng, batch=1, seq_q=256, heads_q=2, heads_kv=1)
+    shardings = [NamedSharding(mesh, P(None, "seq"))] + [NamedSharding(mesh, P())] * 5
+    sharded = jax.jit(int8_call, in_shardings=shardings)
+    hlo = compiled_hlo(sharded, *operands)
+    assert [shape.split("[")[1] for shape in collective_result_shapes(hlo, "all-gather")] == ["1,256,2,128]"]
+    got = sharded(*operands)
+    want = jax.jit(int8_call)(*operands)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-6)
 
 
 def test_fp8_sequence_sharded_q_is_gathered_and_correct(rng):

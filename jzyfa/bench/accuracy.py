@@ -6,8 +6,9 @@ Two reports:
    kernel will compute it, lean P on and off, with and without the Hadamard rotation, through
    `jzyfa.fp8_emulation`; jzyfa's pure-JAX FP8 path; cuDNN BF16 and FP8 on a GPU; the FP8 kernel
    once it exists) runs on the same 16-bit inputs (FP8 variants quantize them with
-   `jzyfa.fp8_quantize`; INT8 variants run precision="int8", through `jzyfa.int8_emulation` until an
-   INT8 kernel exists), and is compared with float64 attention on the *unquantized* inputs, for
+   `jzyfa.fp8_quantize`; INT8 variants run precision="int8": the INT8 kernel on a Hopper GPU, and
+   its emulation `jzyfa.int8_emulation` as variants of their own), and is compared with float64
+   attention on the *unquantized* inputs, for
    a slice of (batch, head) pairs: relative L2 error and max abs error of O, and the same for the
    LSE (natural log). The float64 reference runs over blocks of query rows, so 32K tokens fit.
    `--inputs captured:PATH` (examples/capture.py's q/k/v of a trained model) gives one set of rows
@@ -241,17 +242,18 @@ def _emulated(hadamard: bool, **switches):
     return run
 
 
-def _int8(rotate: bool):
-    """precision="int8" (INT8 Q and K per 128-token block after smoothing the keys, e4m3 V): its
-    emulation, which serves the call on every backend until an INT8 kernel exists. The rotation is
-    precision="int8"'s own (seed 0); the FP8 descale granularity does not apply."""
+def _int8(rotate: bool, implementation: str | None = None):
+    """precision="int8" (INT8 Q and K per 128-token block after smoothing the keys, e4m3 V) by its
+    default path (the INT8 kernel on a Hopper GPU where it serves the call, the emulation elsewhere)
+    or, with implementation="xla", always its emulation. The rotation is precision="int8"'s own (seed
+    0); the FP8 descale granularity does not apply."""
 
     def run(q, k, v, setting: Setting):
         import jzyfa
 
         return jzyfa.flash_attention(
             q, k, v, causal=setting.causal, softmax_scale=setting.softmax_scale, return_lse=True,
-            precision="int8", rotate=rotate,
+            precision="int8", rotate=rotate, implementation=implementation,
         )  # fmt: skip
 
     return run
@@ -325,9 +327,11 @@ VARIANTS: dict[str, Variant] = {
         Variant(
             "int8_emul",
             "INT8 kernel emulation: smoothed keys, INT8 Q/K per 128-token block, e4m3 V",
-            _int8(False),
+            _int8(False, "xla"),
         ),
-        Variant("int8_emul_hadamard", "INT8 kernel emulation, q and k Hadamard-rotated", _int8(True)),
+        Variant("int8_emul_hadamard", "INT8 kernel emulation, q and k Hadamard-rotated", _int8(True, "xla")),
+        Variant("int8", 'precision="int8": the INT8 kernel on Hopper, its emulation elsewhere', _int8(False)),
+        Variant("int8_hadamard", 'precision="int8", rotate=True (kernel or emulation, as int8)', _int8(True)),
         Variant("cudnn_fp8", "cuDNN FP8 (e4m3 output, per-tensor descales)", _cudnn_fp8(False)),
         Variant("cudnn_fp8_hadamard", "cuDNN FP8, q and k Hadamard-rotated", _cudnn_fp8(True)),
     ]
