@@ -391,7 +391,11 @@ def support_matrix_markdown() -> str:
     for (family, dims, layout, direction), masks in sorted(groups.items()):
         key = (family, dims, tuple(sorted(masks, key=MASKS.index)), direction)
         merged.setdefault(key, []).append(layout)
+    # One line per (family, head dims, masks, layouts), its directions together.
+    lines_by_call: dict[tuple, list[str]] = {}
     for (family, dims, masks, direction), layouts in merged.items():
+        lines_by_call.setdefault((family, dims, masks, tuple(layouts)), []).append(direction)
+    for (family, dims, masks, layouts), directions in lines_by_call.items():
         inputs = {
             "16bit": "bf16, f16",
             "fp8": "float8_e4m3fn (bf16 out)",
@@ -399,6 +403,6 @@ def support_matrix_markdown() -> str:
         }[family]
         lines.append(
             f"| {inputs} | {dims[0]} / {dims[1]} | {', '.join(layouts)} | {', '.join(masks)} | "
-            f"{_DIRECTION_NAMES[direction]} |"
+            f"{', '.join(_DIRECTION_NAMES[d] for d in sorted(directions, key=DIRECTIONS.index))} |"
         )
     return "\n".join(lines)
