@@ -188,8 +188,8 @@ class Peer:
         return raw.astype(jnp.float32)
 
     def compute_dtype(self, problem: Problem) -> str:
-        if self.precision in ("fp8", "int8"):
-            return "fp8"  # 8-bit inputs: FP8's error bound
+        if self.precision == "fp8" or getattr(self, "in_call", None):
+            return "fp8"  # 8-bit computation: FP8's error bound
         return "f16" if problem.dtype == "f16" else "bf16"
 
 
@@ -200,10 +200,10 @@ class Jzyfa(Peer):
     """jzyfa.flash_attention: the kernel on a GPU (or the reason it cannot run), the default path elsewhere.
 
     FP8 peers pass `lean_p` (the FP8 kernel's rounding of P; the pure-JAX FP8 path ignores it);
-    16-bit peers do not pass it. `fp8_only` peers are unsupported in 16-bit runs. The INT8 peer
-    (precision "int8") takes the run's 16-bit inputs and quantizes them in the call
-    (`precision="int8", rotate=True`: the setting docs/int8.md recommends), so its time includes the
-    quantization; it runs in FP8 runs (8-bit accuracy) on dense problems.
+    16-bit peers do not pass it. `fp8_only` peers are unsupported in 16-bit runs. `in_call` peers take
+    the run's 16-bit inputs and quantize them in the call (`precision=in_call`; "int8" with
+    rotate=True, the setting docs/int8.md recommends), so their time includes the quantization; they
+    run in FP8 runs (8-bit accuracy) on dense problems.
     """
 
     has_sinks = True  # every path: the kernel's (out, lse) merged with the sinks (jzyfa.merge)
@@ -215,12 +215,13 @@ class Jzyfa(Peer):
         forced: str | None = None,
         lean_p: bool | None = None,
         fp8_only: bool = False,
+        in_call: str | None = None,
     ):
         self.name = name
         self.precision = precision
         self.forced = forced  # "xla": always the pure-JAX path
         fp8 = precision == "fp8"
-        self.int8 = precision == "int8"
+        self.in_call = in_call  # "fp8" or "int8": flash_attention(precision=...) on the 16-bit inputs
         if fp8 and lean_p is None:
             lean_p = True  # flash_attention's default, passed explicitly
         if not fp8 and (lean_p is not None or fp8_only):
@@ -228,15 +229,18 @@ class Jzyfa(Peer):
         self.lean_p = lean_p
         self.fp8_only = fp8_only
         # The 16-bit kernels and the pure-JAX path cap scores; the FP8 kernel does not.
-        self.has_softcap = (not fp8 or forced == "xla") and not self.int8
+        self.has_softcap = (not fp8 or forced == "xla") and not in_call
         self.description = "jzyfa.flash_attention" + (
             " on fp8_quantize'd e4m3 inputs with descales (bf16 out)" if fp8 else ""
         )
-        if self.int8:
+        if in_call == "int8":
             self.description += (
                 '(precision="int8", rotate=True) on the 16-bit inputs: smoothed k, INT8 q and k per 128 tokens, '
                 "e4m3 v, quantized in the call"
             )
+        elif in_call == "fp8":
+            self.description += '(precision="fp8") on the 16-bit inputs: e4m3 per (batch, KV head), quantized in the call'
+        if in_call:
             self.notes = "quantization included in the time; lean P"
         if forced:
             self.description += f' (implementation="{forced}")'
@@ -252,9 +256,9 @@ class Jzyfa(Peer):
                 self.notes += "; lean P" if lean_p else "; exact P (lean_p=False)"
 
     def _supports(self, problem: Problem) -> str | None:
-        if self.int8 and problem.varlen:
-            return "no varlen: the INT8 kernel serves dense calls (packed ones run its emulation)"
-        if self.int8 and problem.dtype != "fp8":
+        if self.in_call and problem.varlen:
+            return "no varlen: this peer times dense calls that quantize in the call"
+        if self.in_call and problem.dtype != "fp8":
             return "an 8-bit peer: it runs with --dtype fp8 (quantizing the run's bf16 inputs in the call)"
         if self.fp8_only and problem.dtype != "fp8":
             return (
@@ -296,10 +300,11 @@ class Jzyfa(Peer):
                 return jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **named, **kwargs)
 
             return varlen_fn
-        if self.int8:
+        if self.in_call:
+            precision, rotate = self.in_call, self.in_call == "int8"
 
             def fn(q, k, v):
-                return jzyfa.flash_attention(q, k, v, precision="int8", rotate=True, **kwargs)
+                return jzyfa.flash_attention(q, k, v, precision=precision, rotate=rotate, **kwargs)
 
         elif self.precision == "fp8":
             lean_p = self.lean_p
@@ -333,8 +338,8 @@ class Jzyfa(Peer):
         except ValueError as e:
             if options.allow_xla_fallback and self.lean_p is not False:
                 return Built(self._call(problem, "xla"), "xla-fallback")
-            if self.int8:
-                raise Unsupported(f"{e}; --allow_xla_fallback times the INT8 emulation instead") from e
+            if self.in_call:
+                raise Unsupported(f"{e}; --allow_xla_fallback times the pure-JAX path instead") from e
             if fp8:
                 message = str(e)
                 if options.allow_xla_fallback:  # lean_p=False differs from jzyfa_fp8 in the kernel only
@@ -694,7 +699,8 @@ PEERS: dict[str, Peer] = {
         Jzyfa("jzyfa_fp8", "fp8", lean_p=True),
         Jzyfa("jzyfa_fp8_exact_p", "fp8", lean_p=False, fp8_only=True),
         Jzyfa("jzyfa_fp8_xla", "fp8", forced="xla"),
-        Jzyfa("jzyfa_int8", "int8"),
+        Jzyfa("jzyfa_fp8_in_call", "16-bit", in_call="fp8"),
+        Jzyfa("jzyfa_int8", "16-bit", in_call="int8"),
         JaxNn("cudnn", "cudnn"),
         JaxNn("xla", "xla"),
         CudnnFp8(),
@@ -719,7 +725,16 @@ AUTO_16BIT = [
     "flash_attn",
     "flash_attn3",
 ]
-AUTO_FP8 = ["jzyfa_fp8", "jzyfa_fp8_exact_p", "jzyfa_int8", "cudnn_fp8", "flash_attn3_fp8", "jzyfa", "cudnn"]
+AUTO_FP8 = [
+    "jzyfa_fp8",
+    "jzyfa_fp8_exact_p",
+    "jzyfa_fp8_in_call",
+    "jzyfa_int8",
+    "cudnn_fp8",
+    "flash_attn3_fp8",
+    "jzyfa",
+    "cudnn",
+]
 
 
 def auto_peers(dtype: str) -> list[str]:
