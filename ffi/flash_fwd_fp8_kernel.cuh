@@ -27,6 +27,8 @@
 //     varlen kernels and MLA's staged one store from registers) and writes the LSE from registers.
 //   - Key blocks of 128 keys, or 192 in FlashFwdFp8WideKernel (the dense V^T kernel for long rows:
 //     its fixed per-block costs spread over more keys; docs/fp8.md 10.26, 10.28), codes packed late.
+//   - INT8 (Int8Args, precision="int8"): the same kernel with Q K^T on s8 wgmma and per-key-block
+//     scales (see Int8Args).
 #pragma once
 
 #include <cuda.h>
