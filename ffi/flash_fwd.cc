@@ -162,8 +162,9 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
       return "q_scale, k_scale and descale_v are required for int8 inputs";
     }
     if (!p.lean_p) return "lean_p must be true for int8 inputs (the INT8 kernel computes lean P only)";
-    if (p.v_transposed) {
-      return "v_transposed must be false for int8 inputs: the INT8 kernel takes v as it is (e4m3)";
+    if (p.v_transposed && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
+      return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" + Str((p.seqlen_k + 31) / 32 * 32) +
+             "), got " + Str(p.vt_keys);
     }
   }
   if (p.softcap != 0.f && p.head_dim != p.head_dim_v) {
@@ -199,7 +200,7 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
         return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " + Str(p.vt_keys);
       }
     }
-  } else if (p.v_transposed && !int8) {
+  } else if (p.v_transposed && !int8) {  // INT8: checked above
     return "v_transposed must be false for 16-bit inputs";
   }
   // The mask: over the longest sequences for varlen calls (a bound that excludes no key of those

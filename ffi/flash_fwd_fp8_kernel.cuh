@@ -68,7 +68,7 @@ struct Fp8Args {
 };
 
 // INT8 Q K^T (precision="int8", docs/int8.md): q and k int8 with one float32 scale per 128 tokens and
-// head, v e4m3 (staged) with descale_v per (batch, KV head). descale_q then points at q_scale [batch,
+// head, v e4m3 (as it is, or V^T) with descale_v per (batch, KV head). descale_q then points at q_scale [batch,
 // heads_q, q_blocks] and descale_k at k_scale [batch, heads_kv, k_blocks]. S = Q K^T on s8 wgmma
 // (IGMMA: exact int32 sums, a 128-deep product of int8 values fits in 22 bits), turned into floats
 // exactly (I2F), and each key block's factor to log2 units, (q_scale * k_scale) * scale_log2 (the

@@ -159,7 +159,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (!fp8 && !int8 && dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) {
     return Invalid("q must be bf16, f16, float8_e4m3fn or int8");
   }
-  const char* const v_name = fp8 && v_transposed ? "vt" : "v";
+  const char* const v_name = (fp8 || int8) && v_transposed ? "vt" : "v";
   if (int8) {
     if (k.element_type() != ffi::DataType::S8 || v.element_type() != ffi::DataType::F8E4M3FN) {
       return Invalid("int8 q takes int8 k and float8_e4m3fn v (precision=\"int8\"'s operands)");
@@ -186,10 +186,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   p.window_right = window_right;
   p.max_seqlen_q = max_seqlen_q;
   p.max_seqlen_k = max_seqlen_k;
-  if (!fp8 && v_transposed) {
-    return Invalid(int8 ? "v_transposed must be false for int8 inputs (v as it is, e4m3)"
-                        : "v_transposed must be false for 16-bit inputs");
-  }
+  if (!fp8 && !int8 && v_transposed) return Invalid("v_transposed must be false for 16-bit inputs");
 
   // The operands after q, k and v.
   const size_t want = (varlen ? 2 : 0) + (fp8 || int8 ? 3 : 0);
@@ -437,7 +434,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, AttentionFwdImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v, or vt (FP8 v_transposed)
+                                  .Arg<ffi::AnyBuffer>()  // v, or vt (FP8 and INT8 v_transposed)
                                   // [cu_seqlens_q, cu_seqlens_k] (varlen), [descale_q, descale_k,
                                   // descale_v] (float8_e4m3fn q)
                                   .RemainingArgs()
@@ -452,7 +449,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionFwd, AttentionFwdImpl,
                                   .Attr<int64_t>("max_seqlen_q")  // 0 for dense calls
                                   .Attr<int64_t>("max_seqlen_k")
                                   .Attr<bool>("lean_p")        // FP8 only
-                                  .Attr<bool>("v_transposed")  // FP8 only
+                                  .Attr<bool>("v_transposed")  // FP8 and INT8 only
                                   .Attr<int64_t>("key_block")  // 0: the launch's rule
                                   .Attr<float>("softcap"),     // 0: none; 16-bit only
                               {ffi::Traits::kCmdBufferCompatible});

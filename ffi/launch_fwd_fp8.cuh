@@ -60,11 +60,12 @@ std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t
       [&](Args& args) { SetDescaleArgs(args, p); });
 }
 
-// The INT8 launch (Int8Args): dense, head dim 128, lean P, V staged and transposed in the kernel; the
-// scales' blocks (128 tokens) from the lengths.
-template <bool kWindow>
+// The INT8 launch (Int8Args): dense, head dim 128, lean P, 128-key blocks (one K scale each); V staged
+// and transposed in the kernel, or V^T from fp8_value_operand.cu (p.v_transposed); the scales' blocks
+// (128 tokens) from the lengths.
+template <bool kWindow, bool kStagedV>
 std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8TileT<128, true, Layout::kDense>;
+  using Tile = Fp8TileT<128, kStagedV, Layout::kDense>;
   using Args = std::conditional_t<kWindow, WindowedArgs<Int8Args>, Int8Args>;
   return LaunchFwdKernel<Fp8Mainloop<true, Tile>, Tile, Args>(
       p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
@@ -80,7 +81,9 @@ template <Layout kLayout>
 std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
   return BoolSwitch(mask.windowed, [&](auto windowed) {
-    return LaunchInt8Tile<decltype(windowed)::value>(p, mask, stream);
+    return BoolSwitch(p.v_transposed, [&](auto transposed) {
+      return LaunchInt8Tile<decltype(windowed)::value, !decltype(transposed)::value>(p, mask, stream);
+    });
   });
 }
 

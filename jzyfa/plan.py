@@ -356,6 +356,12 @@ def fp8_value_layout(
     return layout
 
 
+def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
+    """ "staged" or "transposed" for one shard of a dense INT8 call: the FP8 rule by rows (the INT8 kernel
+    has 128-key blocks only, so no wide-block exception)."""
+    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
+
+
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
     """The same for a packed varlen FP8 call, on the longest sequence's rows."""
     return _layout_by_rows(max_seqlen_q * (heads_q // heads_kv), FP8_VARLEN_STAGED_V_MAX_ROWS)

@@ -263,7 +263,7 @@ ad.primitive_jvps[attention_fwd_p] = _not_differentiable
 
 
 def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, jax.Array]:
-    """The call on one device's blocks. FP8: V as it is or as V^T from the layout kernel, by
+    """The call on one device's blocks. FP8 and INT8: V as it is or as V^T from the layout kernel, by
     `jzyfa.plan`'s rule on the shard's shapes; descales flattened to [B * Hkv] (or [num_seqs * Hkv]).
     Padded dense calls run as packed ones."""
     if spec.seqlens:
@@ -302,6 +302,10 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         )
         extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
         spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
+    if spec.int8:  # V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows
+        if plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2]) == "transposed":
+            v = fp8_value_operand_p.bind(v)
+            spec = dataclasses.replace(spec, v_transposed=True)
     out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)
     return out, lse
 
@@ -337,6 +341,8 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
             trust_maxima=True,
         )  # fmt: skip
     if spec.int8:
+        if spec.v_transposed:
+            v = fp8_layout.value_from_operand(v, k.shape[1])
         return attention_int8_emulated(
             q, k, v, *extras, causal=spec.causal, window=spec.window, softmax_scale=spec.softmax_scale,
             out_dtype=jnp.bfloat16, lean_p=spec.lean_p,

@@ -13,6 +13,7 @@ from attention_oracle import naive_attention_f64, offsets, random_qkv, relative_
 
 import jzyfa
 from jzyfa import fp8_emulation, int8_emulation, int8_quant, plan, primitives
+from jzyfa.plan import FP8_V_LAYOUT_ENV
 from jzyfa.bench import inputs
 
 # Relative L2 of O against float64 attention on the unquantized inputs, Gaussian inputs at head dim
@@ -283,11 +284,15 @@ def test_kernel_rows_are_dense_head_dim_128():
     assert rows == {plan.Config("int8", (128, 128), mask, "dense") for mask in plan.MASKS}
 
 
+@pytest.mark.parametrize("v_layout", ["staged", "transposed"])
 @pytest.mark.parametrize("window", [None, (-1, 0), (200, 30)], ids=["none", "causal", "window"])
-def test_kernel_path_is_the_emulation_bit_for_bit(rng, primitive_path, window):
-    """The primitive's program (quantize, int8 operands, LSE shift) on the CPU gives exactly what the
-    emulation path gives: the same quantization and, as its CPU lowering, the same emulation."""
+def test_kernel_path_is_the_emulation_bit_for_bit(rng, primitive_path, monkeypatch, window, v_layout):
+    """The primitive's program (quantize, int8 operands, V as it is or V^T, LSE shift) on the CPU gives
+    exactly what the emulation path gives: the same quantization and, as its CPU lowering, the same
+    emulation."""
     del primitive_path
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, v_layout)
+    jax.clear_caches()
     q, k, v = random_qkv(rng, seq_q=300, seq_k=400, heads_q=4, heads_kv=2, head_dim=128)
     kernel = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, window=window, precision="int8", return_lse=True))
     assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v))  # the primitive was bound
@@ -310,6 +315,20 @@ def test_cuda_lowering_passes_int8_operands_and_scales(primitive_path):
                     "f32[2,2]", "bf16[2,300,8,128]"):  # fmt: skip
         assert operand in call, (operand, call)
     assert "window_right = 0" in call or "causal = true" in call
+    assert "v_transposed = false" in call  # 300 x 4 rows per KV head: V as it is (the FP8 rule)
+
+
+def test_cuda_lowering_of_long_rows_takes_v_transposed(primitive_path):
+    """Past FP8_STAGED_V_MAX_ROWS query rows per KV head, V^T from the layout target (as FP8 calls)."""
+    del primitive_path
+    jax.clear_caches()
+    q = jax.ShapeDtypeStruct((1, 2100, 2, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 2100, 2, 128), jnp.bfloat16)
+    fn = lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8")
+    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
+    assert "v_transposed = true" in call and "f8e4m3fn[1,2,128,2112]" in call, call
+    assert 'custom_call_target="jzyfa_fp8_value_operand"' in text
 
 
 def test_kernel_path_refusals(rng):

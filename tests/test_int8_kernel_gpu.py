@@ -17,7 +17,7 @@ from attention_oracle import naive_attention_f64, random_qkv, relative_l2
 from gpu_utils import assert_bitwise_reruns, ffi_attention, kernel_call, requires_hopper
 
 import jzyfa
-from jzyfa import int8_quant
+from jzyfa import fp8_layout, int8_quant
 from jzyfa._validation import mask_window
 from jzyfa.int8_emulation import attention_int8_emulated
 
@@ -34,22 +34,24 @@ def quantized(q, k, v):
     return int8_quant.int8_quantize_qkv(q, k, v)
 
 
-def kernel_poisoned(x: int8_quant.Int8Inputs, *, causal: bool, window, softmax_scale: float):
+def kernel_poisoned(x: int8_quant.Int8Inputs, *, causal: bool, window, softmax_scale: float, v_transposed=False):
     """(out bf16, lse) from the handler, written into NaN-filled donated buffers (every element must be
-    written), with the compiled program checked to alias them."""
+    written), with the compiled program checked to alias them. v_transposed: V^T in the FP8 kernel's
+    layout (`jzyfa.fp8_layout.fp8_value_operand`) instead of V as it is."""
     batch, seq_q, heads_q, _ = x.q8.shape
 
     def call(q8, k8, v8, q_scale, k_scale, descale_v, out_poison, lse_poison):
         del out_poison, lse_poison  # donated: their buffers become the results
         out, lse, _ = ffi_attention(
             q8, k8, v8, int8_scales=(q_scale, k_scale, descale_v), softmax_scale=softmax_scale, causal=causal,
-            window=window,
+            window=window, v_transposed=v_transposed,
         )  # fmt: skip
         return out, lse
 
     out_poison = jnp.full((batch, seq_q, heads_q, x.v8.shape[-1]), jnp.nan, jnp.bfloat16)
     lse_poison = jnp.full((batch, heads_q, seq_q), jnp.nan, jnp.float32)
-    args = (x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v, out_poison, lse_poison)
+    v = fp8_layout.fp8_value_operand(x.v8) if v_transposed else x.v8
+    args = (x.q8, x.k8, v, x.q_scale, x.k_scale, x.descale_v, out_poison, lse_poison)
     fn = jax.jit(call, donate_argnums=(6, 7), keep_unused=True)
     hlo = fn.lower(*args).compile().as_text()
     assert "input_output_alias" in hlo and " copy(" not in hlo, hlo
@@ -68,14 +70,15 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_staged", "v_transposed"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_int8_kernel_against_emulation_and_float64(rng, case):
+def test_int8_kernel_against_emulation_and_float64(rng, case, v_transposed):
     batch, seq_q, seq_k, heads_q, heads_kv, causal, window = case
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
                          head_dim=128)  # fmt: skip
     scale = 128**-0.5
     x = quantized(q, k, v)
-    out, lse = kernel_poisoned(x, causal=causal, window=window, softmax_scale=scale)
+    out, lse = kernel_poisoned(x, causal=causal, window=window, softmax_scale=scale, v_transposed=v_transposed)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     folded = mask_window(causal, window)
     want_out, want_lse = attention_int8_emulated(
