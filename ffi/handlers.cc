@@ -14,6 +14,7 @@
 #include "flash_bwd.h"
 #include "flash_fwd.h"
 #include "fp8_value_operand.h"
+#include "int8_quantize.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -425,6 +426,72 @@ ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
   return ValidateAndLaunch(name, p, ValidateFp8ValueOperand, LaunchFp8ValueOperand, stream);
 }
 
+// precision="int8"'s quantization (int8_quantize.h): q, k, v (bf16 or f16, [B, S, H, 128]) and the
+// rotation's signs float32 [128] -> q8, q_scale, k8, k_scale, v8, descale_v, key_mean, workspace.
+ffi::Error Int8QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::F32> signs, ffi::Result<ffi::Buffer<ffi::S8>> q8,
+                            ffi::Result<ffi::Buffer<ffi::F32>> q_scale, ffi::Result<ffi::Buffer<ffi::S8>> k8,
+                            ffi::Result<ffi::Buffer<ffi::F32>> k_scale, ffi::Result<ffi::AnyBuffer> v8,
+                            ffi::Result<ffi::Buffer<ffi::F32>> descale_v,
+                            ffi::Result<ffi::Buffer<ffi::F32>> key_mean,
+                            ffi::Result<ffi::Buffer<ffi::F32>> workspace, bool rotate) {
+  const std::string name = "jzyfa_int8_quantize: ";
+  auto invalid = [&](const std::string& m) { return ffi::Error::InvalidArgument(name + m); };
+  const ffi::DataType dtype = q.element_type();
+  if ((dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16) || k.element_type() != dtype ||
+      v.element_type() != dtype) {
+    return invalid("q, k and v must be bf16 or f16, all three alike");
+  }
+  if (v8->element_type() != ffi::DataType::F8E4M3FN) return invalid("v8 must be float8_e4m3fn");
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] || kd[3] != qd[3] ||
+      !std::equal(vd.begin(), vd.end(), kd.begin())) {
+    return invalid("q " + ShapeString(qd) + ", k " + ShapeString(kd) + " and v " + ShapeString(vd) +
+                   " must be [batch, seq, heads, head_dim], v of k's shape, k of q's batch and head_dim");
+  }
+  const int64_t batch = qd[0], heads_kv = kd[2], blocks = kInt8QuantizeBlock;
+  const int64_t q_blocks = (qd[1] + blocks - 1) / blocks, k_blocks = (kd[1] + blocks - 1) / blocks;
+  const int64_t chunks = (kd[1] + kInt8KeyMeanChunk - 1) / kInt8KeyMeanChunk;
+  auto same = [](ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
+    return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin());
+  };
+  if (!same(signs.dimensions(), {qd[3]}) || !same(q8->dimensions(), {qd[0], qd[1], qd[2], qd[3]}) ||
+      !same(k8->dimensions(), {kd[0], kd[1], kd[2], kd[3]}) ||
+      !same(v8->dimensions(), {vd[0], vd[1], vd[2], vd[3]}) ||
+      !same(q_scale->dimensions(), {batch, qd[2], q_blocks}) ||
+      !same(k_scale->dimensions(), {batch, heads_kv, k_blocks}) ||
+      !same(descale_v->dimensions(), {batch, heads_kv}) ||
+      !same(key_mean->dimensions(), {batch, heads_kv, kd[3]}) ||
+      !same(workspace->dimensions(), {batch, heads_kv, chunks, kd[3] + 1})) {
+    return invalid("signs must be [head_dim]; results q8, k8, v8 of q's, k's, v's shapes, q_scale [batch, "
+                   "heads_q, ceil(seq_q / 128)], k_scale [batch, heads_kv, ceil(seq_k / 128)], descale_v "
+                   "[batch, heads_kv], key_mean [batch, heads_kv, head_dim], workspace [batch, heads_kv, "
+                   "ceil(seq_k / 512), head_dim + 1]");
+  }
+  Int8QuantizeParams p;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.signs = signs.typed_data();
+  p.q8 = q8->typed_data();
+  p.k8 = k8->typed_data();
+  p.v8 = v8->untyped_data();
+  p.q_scale = q_scale->typed_data();
+  p.k_scale = k_scale->typed_data();
+  p.descale_v = descale_v->typed_data();
+  p.key_mean = key_mean->typed_data();
+  p.workspace = workspace->typed_data();
+  p.bf16 = dtype == ffi::DataType::BF16;
+  p.rotate = rotate;
+  p.batch = batch;
+  p.seqlen_q = qd[1];
+  p.seqlen_k = kd[1];
+  p.heads_q = qd[2];
+  p.heads_kv = heads_kv;
+  p.head_dim = qd[3];
+  return ValidateAndLaunch(name, p, ValidateInt8Quantize, LaunchInt8Quantize, stream);
+}
+
 }  // namespace
 
 uint64_t HandlerCalls() { return handler_calls.load(std::memory_order_relaxed); }
@@ -483,6 +550,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8ValueOperand, Fp8ValueOperandImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // v, e4m3 [B, Sk, Hkv, 128]
                                   .Ret<ffi::AnyBuffer>(),  // vt, e4m3 [B, Hkv, 128, Sk']
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8Quantize, Int8QuantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()         // q
+                                  .Arg<ffi::AnyBuffer>()         // k
+                                  .Arg<ffi::AnyBuffer>()         // v
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // signs
+                                  .Ret<ffi::Buffer<ffi::S8>>()   // q8
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // q_scale
+                                  .Ret<ffi::Buffer<ffi::S8>>()   // k8
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // k_scale
+                                  .Ret<ffi::AnyBuffer>()         // v8
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // descale_v
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // key_mean
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // workspace (scratch)
+                                  .Attr<bool>("rotate"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jzyfa

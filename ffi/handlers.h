@@ -30,6 +30,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBwd);
 // [batch, heads_kv, 128, seq_k rounded up to 32], the FP8 kernel's V operand (jzyfa/fp8_layout.py).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8ValueOperand);
 
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Int8Quantize);
+
 // How many times the jzyfa_attention_fwd handler has executed in this process (every device,
 // every call site, failed calls included). Under XLA command buffers the handler runs only
 // when a graph is recorded or updated, not when it is replayed: tests count its runs to see

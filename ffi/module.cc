@@ -32,6 +32,7 @@ const Target kTargets[] = {
     {"jzyfa_attention_fwd", reinterpret_cast<void*>(jzyfa::AttentionFwd)},
     {"jzyfa_attention_bwd", reinterpret_cast<void*>(jzyfa::AttentionBwd)},
     {"jzyfa_fp8_value_operand", reinterpret_cast<void*>(jzyfa::Fp8ValueOperand)},
+    {"jzyfa_int8_quantize", reinterpret_cast<void*>(jzyfa::Int8Quantize)},
 };
 
 const char* FamilyName(jzyfa::Family family) {

@@ -11,7 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import checkify
 
-from jzyfa import _validation, cudnn, int8_quant, padded, plan, primitives
+from jzyfa import _validation, cudnn, padded, plan, primitives
 from jzyfa.int8_emulation import int8_attention
 from jzyfa.merge import add_attention_sinks
 from jzyfa.plan import Path
@@ -217,19 +217,17 @@ def _int8_attention(q, k, v, seqlens_q=None, seqlens_k=None, **options):
 
 @functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "rotate", "lean_p", "kernel_required"))
 def _int8_kernel_attention(q, k, v, *, window, softmax_scale, rotate, lean_p, kernel_required):
-    """precision="int8" on the INT8 kernel, dense [B, S, H, D] q, k, v: the quantization
-    (`jzyfa.int8_quant.int8_quantize_qkv`), the kernel (bf16 out, the smoothed keys' LSE), then out in
-    q's dtype and the unsmoothed keys' LSE; not differentiable. One program, as `int8_attention`."""
+    """precision="int8" on the INT8 kernel, dense [B, S, H, D] q, k, v: the primitive quantizes each
+    shard's q, k, v (`jzyfa.primitives.int8_quantize_p`), runs the kernel and gives the unsmoothed keys'
+    LSE; out in q's dtype. Not differentiable."""
     q, k, v = map(_int8_gradient_refused, (q, k, v))
-    x = int8_quant.int8_quantize_qkv(q, k, v, rotate=rotate)
     _, kernel_causal, kernel_window = kernel_mask(False, window, q.shape[1], k.shape[1])
     spec = primitives.make_spec(
         softmax_scale=softmax_scale, causal=kernel_causal, window=kernel_window, kernel_required=kernel_required,
-        int8=True, lean_p=lean_p,
+        int8_in_call=True, rotate=rotate, lean_p=lean_p,
     )  # fmt: skip
-    out, lse = primitives.attention_fwd(x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v, spec=spec)
-    shift = int8_quant.lse_shift(q, x.key_mean, softmax_scale)
-    return out.astype(q.dtype), jnp.where(jnp.isfinite(lse), lse + shift, lse)
+    out, lse = primitives.attention_fwd(q, k, v, spec=spec)
+    return out.astype(q.dtype), lse
 
 
 def _check_lean_p(lean_p) -> bool:

@@ -25,6 +25,9 @@ INT8_MAX = 127
 # Tokens per Q and per K scale, per head: tools/int8_block_sim.py compares 64, 128, 256 and per
 # token (docs/int8.md). K's block is the kernel's key block, so one K scale covers a key block.
 INT8_BLOCK = 128
+# Keys per partial sum of the key mean in the device quantization (ffi/int8_quantize.h: its workspace
+# holds one row of sums per chunk).
+KEY_MEAN_CHUNK = 512
 
 
 class Int8Inputs(NamedTuple):

@@ -13,8 +13,10 @@ attention does it:
 - `attention_fwd_shard_p`, the call on one device's blocks. CUDA lowers it to the FFI target
   `jzyfa_attention_fwd` (docs/architecture.md has the contract). Other platforms lower it to the best
   pure-JAX model of the kernel: the FP8 kernel's emulation for dense FP8 calls (`jzyfa.fp8_emulation`),
-  the INT8 kernel's for INT8 ones (`jzyfa.int8_emulation`), the exact reference otherwise. A call that demanded the kernel (`kernel_required`) refuses to lower
-  anywhere but CUDA.
+  the INT8 kernel's for INT8 ones (`jzyfa.int8_emulation`), the exact reference otherwise. A call that
+  demanded the kernel (`kernel_required`) refuses to lower anywhere but CUDA. precision="int8" binds
+  16-bit q, k, v (`int8_in_call`): the per-shard call quantizes them first (`int8_quantize_p`: the
+  target `jzyfa_int8_quantize` on CUDA, `jzyfa.int8_quant`'s XLA ops elsewhere).
 The backward's pair, `attention_bwd_p` and `attention_bwd_shard_p`, mirrors them: (q, k, v, dout, lse,
 delta, *extras) -> (dq, dk, dv). CUDA lowers the per-shard call to the FFI target `jzyfa_attention_bwd`
 where the plan has a backward kernel for the call (`AttentionSpec.backward_kernel`), and every other
@@ -35,10 +37,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
-from jzyfa import fp8_layout, padded, plan, sharding
+from jzyfa import fp8_layout, int8_quant, padded, plan, sharding
 from jzyfa._validation import NO_WINDOW, Window, mask_window
 from jzyfa.fp8_emulation import attention_fp8_emulated
 from jzyfa.int8_emulation import attention_int8_emulated
+from jzyfa.quantize import rotation_signs
 from jzyfa.reference import attention_bwd_reference, attention_reference
 from jzyfa.varlen import (
     fp8_varlen_attention_reference,
@@ -49,6 +52,7 @@ from jzyfa.varlen import (
 FFI_TARGET = "jzyfa_attention_fwd"
 FFI_TARGET_BWD = "jzyfa_attention_bwd"
 FFI_TARGET_VALUE_OPERAND = "jzyfa_fp8_value_operand"
+FFI_TARGET_INT8_QUANTIZE = "jzyfa_int8_quantize"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,8 @@ class AttentionSpec:
     `int8`: int8 q and k with one float32 scale per 128 tokens and head, e4m3 v (precision="int8"'s
     operands, `jzyfa.int8_quant.Int8Inputs`); extras end with q_scale [B, Hq, ceil(Sq / 128)], k_scale
     [B, Hkv, ceil(Sk / 128)] and descale_v [B, Hkv]. Dense calls only; out is bf16.
+    `int8_in_call`: precision="int8" on 16-bit q, k, v (no extras): each shard quantizes its q, k, v
+    (`rotate`: Hadamard-rotated q and k), runs the `int8` call and returns the unsmoothed keys' LSE.
     """
 
     softmax_scale: float
@@ -81,15 +87,18 @@ class AttentionSpec:
     seqlens: bool = False
     softcap: float = 0.0
     int8: bool = False
+    int8_in_call: bool = False
+    rotate: bool = False
 
     @property
     def eight_bit(self) -> bool:
-        """FP8 or INT8: out is bf16, three scale operands end the extras, no backward."""
-        return self.fp8 or self.int8
+        """FP8 or INT8: out is bf16, no backward, the query sequence of a shard gathered."""
+        return self.fp8 or self.int8 or self.int8_in_call
 
     @property
     def num_extras(self) -> int:
-        return 2 * bool(self.varlen) + 2 * self.seqlens + 3 * self.eight_bit
+        """cu_seqlens or seqlens, then FP8's descales or INT8's scales."""
+        return 2 * bool(self.varlen) + 2 * self.seqlens + 3 * (self.fp8 or self.int8)
 
     def as_packed(self, seq_q: int, seq_k: int) -> AttentionSpec:
         """The packed call a padded dense one runs per shard (`jzyfa.padded`)."""
@@ -109,6 +118,8 @@ def make_spec(
     seqlens: bool = False,
     softcap: float | None = None,
     int8: bool = False,
+    int8_in_call: bool = False,
+    rotate: bool = False,
 ) -> AttentionSpec:
     """An AttentionSpec of plain hashable Python values."""
     return AttentionSpec(
@@ -123,6 +134,8 @@ def make_spec(
         seqlens=bool(seqlens),
         softcap=0.0 if softcap is None else float(softcap),
         int8=bool(int8),
+        int8_in_call=bool(int8_in_call),
+        rotate=bool(rotate),
     )
 
 
@@ -251,7 +264,7 @@ def _not_differentiable(primals, tangents, *, spec: AttentionSpec):
     del primals, tangents
     if spec.fp8:
         raise TypeError(FP8_NOT_DIFFERENTIABLE)
-    if spec.int8:
+    if spec.int8 or spec.int8_in_call:
         raise TypeError(INT8_NOT_DIFFERENTIABLE)
     raise TypeError("the jzyfa_attention_fwd primitive is differentiated through jzyfa.flash_attention only")
 
@@ -269,6 +282,13 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
     if spec.seqlens:
         packed = spec.as_packed(q.shape[1], k.shape[1])
         return padded.attention(functools.partial(attention_shard, spec=packed), q, k, v, *extras)
+    if spec.int8_in_call:
+        signs = rotation_signs(q.shape[-1])
+        q8, q_scale, k8, k_scale, v8, descale_v, key_mean = int8_quantize_p.bind(q, k, v, signs, rotate=spec.rotate)
+        quantized = dataclasses.replace(spec, int8_in_call=False, rotate=False, int8=True)
+        out, lse = attention_shard(q8, k8, v8, q_scale, k_scale, descale_v, spec=quantized)
+        shift = int8_quant.lse_shift(q, key_mean, spec.softmax_scale)
+        return out, jnp.where(jnp.isfinite(lse), lse + shift, lse)
     extras = list(extras)
     if spec.fp8:
         if spec.varlen:
@@ -302,10 +322,10 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         )
         extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
         spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
-    if spec.int8:  # V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows
-        if plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2]) == "transposed":
-            v = fp8_value_operand_p.bind(v)
-            spec = dataclasses.replace(spec, v_transposed=True)
+    # INT8: V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows.
+    if spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2]) == "transposed":
+        v = fp8_value_operand_p.bind(v)
+        spec = dataclasses.replace(spec, v_transposed=True)
     out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)
     return out, lse
 
@@ -591,3 +611,65 @@ def _value_operand_cuda_lowering(ctx, v):
 
 mlir.register_lowering(fp8_value_operand_p, _value_operand_fallback)
 mlir.register_lowering(fp8_value_operand_p, _value_operand_cuda_lowering, platform="cuda")
+
+
+# ---- precision="int8"'s quantization of one shard's q, k, v
+#
+# (q, k, v, signs) -> (q8, q_scale, k8, k_scale, v8, descale_v, key_mean), `jzyfa.int8_quant.Int8Inputs`'s
+# arrays: smoothed k, q and k rotated when asked (by signs then the Walsh-Hadamard matrix), INT8 per 128
+# tokens and head, v in e4m3. CUDA lowers it to `jzyfa_int8_quantize` (ffi/int8_quantize.cu: two
+# launches, q and v read once, k twice) for dense head-dim-128 operands; everything else lowers to
+# `jzyfa.int8_quant.int8_quantize_qkv`'s XLA ops (which the device kernel matches up to float32
+# rounding: the mean's and the rotation's summation orders).
+int8_quantize_p = Primitive(FFI_TARGET_INT8_QUANTIZE)
+int8_quantize_p.multiple_results = True
+
+
+def _int8_quantize_abstract_eval(q, k, v, signs, *, rotate):
+    del signs, rotate
+    blocks = lambda seq: -(-seq // int8_quant.INT8_BLOCK)
+    (batch, seq_q, heads_q, dim), (_, seq_k, heads_kv, _) = q.shape, k.shape
+    shaped = jax.core.ShapedArray
+    return (
+        shaped(q.shape, jnp.int8),
+        shaped((batch, heads_q, blocks(seq_q)), jnp.float32),
+        shaped(k.shape, jnp.int8),
+        shaped((batch, heads_kv, blocks(seq_k)), jnp.float32),
+        shaped(v.shape, jnp.float8_e4m3fn),
+        shaped((batch, heads_kv), jnp.float32),
+        shaped((batch, heads_kv, dim), jnp.float32),
+    )
+
+
+int8_quantize_p.def_abstract_eval(_int8_quantize_abstract_eval)
+int8_quantize_p.def_impl(jax.jit(int8_quantize_p.bind, static_argnames="rotate"))
+
+
+def _int8_quantize_xla(q, k, v, signs, *, rotate):
+    del signs  # int8_quantize_qkv rotates by the same signs (seed 0)
+    x = int8_quant.int8_quantize_qkv(q, k, v, rotate=rotate)
+    return x.q8, x.q_scale, x.k8, x.k_scale, x.v8, x.descale_v, x.key_mean
+
+
+_int8_quantize_fallback = mlir.lower_fun(_int8_quantize_xla, multiple_results=True)
+_int8_quantize_ffi = jax.ffi.ffi_lowering(FFI_TARGET_INT8_QUANTIZE)
+
+
+def _int8_quantize_cuda_lowering(ctx, q, k, v, signs, *, rotate):
+    q_aval, k_aval, v_aval = ctx.avals_in[:3]
+    if (
+        q_aval.shape[-1] != 128
+        or v_aval.shape != k_aval.shape
+        or jnp.dtype(q_aval.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    ):
+        return _int8_quantize_fallback(ctx, q, k, v, signs, rotate=rotate)
+    batch, seq_k, heads_kv, dim = k_aval.shape
+    chunks = -(-seq_k // int8_quant.KEY_MEAN_CHUNK)
+    workspace = jax.core.ShapedArray((batch, heads_kv, chunks, dim + 1), jnp.float32)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, workspace])
+    *results, _ = _int8_quantize_ffi(ctx, q, k, v, signs, rotate=bool(rotate))
+    return results
+
+
+mlir.register_lowering(int8_quantize_p, _int8_quantize_fallback)
+mlir.register_lowering(int8_quantize_p, _int8_quantize_cuda_lowering, platform="cuda")

@@ -99,6 +99,13 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return h / np.sqrt(n)
 
 
+def rotation_signs(head_dim: int, key: jax.Array | int | None = None) -> jax.Array:
+    """The random signs of `hadamard_rotate`'s rotation, float32 [head_dim] of +-1 (key None: seed 0)."""
+    if key is None or isinstance(key, int):
+        key = jax.random.key(0 if key is None else key)
+    return jax.random.rademacher(key, (head_dim,), jnp.float32)
+
+
 def hadamard_rotate(
     q: jax.Array, k: jax.Array, key: jax.Array | int | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -111,10 +118,7 @@ def hadamard_rotate(
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"q and k must share head_dim, got {head_dim} and {k.shape[-1]}")
-    if key is None or isinstance(key, int):
-        key = jax.random.key(0 if key is None else key)
-    signs = jax.random.rademacher(key, (head_dim,), jnp.float32)
-    rotation = signs[:, None] * jnp.asarray(hadamard_matrix(head_dim), jnp.float32)
+    rotation = rotation_signs(head_dim, key)[:, None] * jnp.asarray(hadamard_matrix(head_dim), jnp.float32)
 
     def rotate(x: jax.Array) -> jax.Array:
         return jnp.matmul(x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST).astype(

@@ -169,7 +169,7 @@ def per_shard_attention(shard_kernel: ShardKernel, plan: ShardPlan, mesh, *, seq
             kv_head = local_kv_head(plan, mesh, heads_kv)
             axis = plan.kv_head_axis()
             k, v = (lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis) for x in (k, v))
-            if spec.eight_bit:  # the KV-head scales (INT8's q_scale follows q's heads)
+            if spec.fp8 or spec.int8:  # the KV-head scales (INT8's q_scale follows q's heads)
                 n = len(extras) - (2 if spec.int8 else 3)
                 extras = (*extras[:n], *(lax.dynamic_slice_in_dim(d, kv_head, 1, axis=1) for d in extras[n:]))
 

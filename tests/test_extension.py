@@ -14,7 +14,7 @@ import jzyfa
 from jzyfa import _extension
 from jzyfa.plan import FP8_KEY_BLOCK_ENV, FP8_V_LAYOUT_ENV, fp8_value_layout
 from jzyfa.plan import fp8_key_block as fp8_kernel_key_block
-from jzyfa.primitives import FFI_TARGET, FFI_TARGET_BWD, FFI_TARGET_VALUE_OPERAND
+from jzyfa.primitives import FFI_TARGET, FFI_TARGET_BWD, FFI_TARGET_INT8_QUANTIZE, FFI_TARGET_VALUE_OPERAND
 
 EXPECT_EXTENSION = os.environ.get("JZYFA_EXPECT_EXTENSION") == "1"
 
@@ -36,8 +36,8 @@ def test_extension_registers_its_targets():
     targets = _jzyfa_ffi.registrations()
     assert (
         set(targets)
-        == {FFI_TARGET, FFI_TARGET_BWD, FFI_TARGET_VALUE_OPERAND}
-        == {"jzyfa_attention_fwd", "jzyfa_attention_bwd", "jzyfa_fp8_value_operand"}
+        == {FFI_TARGET, FFI_TARGET_BWD, FFI_TARGET_VALUE_OPERAND, FFI_TARGET_INT8_QUANTIZE}
+        == {"jzyfa_attention_fwd", "jzyfa_attention_bwd", "jzyfa_fp8_value_operand", "jzyfa_int8_quantize"}
     )
     assert all(type(c).__name__ == "PyCapsule" for c in targets.values())
     assert jzyfa.extension_loaded(), "registering the FFI targets with JAX failed"

@@ -13,8 +13,8 @@ from attention_oracle import naive_attention_f64, offsets, random_qkv, relative_
 
 import jzyfa
 from jzyfa import fp8_emulation, int8_emulation, int8_quant, plan, primitives
-from jzyfa.plan import FP8_V_LAYOUT_ENV
 from jzyfa.bench import inputs
+from jzyfa.plan import FP8_V_LAYOUT_ENV
 
 # Relative L2 of O against float64 attention on the unquantized inputs, Gaussian inputs at head dim
 # 128: the float64 simulation of the quantization alone gives 0.029-0.030 at 128-token blocks (V's
@@ -314,6 +314,13 @@ def test_cuda_lowering_passes_int8_operands_and_scales(primitive_path):
     for operand in ("s8[2,300,8,128]", "s8[2,260,2,128]", "f8e4m3fn[2,260,2,128]", "f32[2,8,3]", "f32[2,2,3]",
                     "f32[2,2]", "bf16[2,300,8,128]"):  # fmt: skip
         assert operand in call, (operand, call)
+    # The quantization: one device call on the bf16 q, k, v and the rotation's signs, its results the
+    # attention's operands, the key mean and a workspace of one row of sums per 512-key chunk.
+    (quantize,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_int8_quantize"' in line]
+    for shape in ("bf16[2,300,8,128]", "bf16[2,260,2,128]", "f32[128]", "s8[2,300,8,128]", "f32[2,2,128]",
+                  "f32[2,2,1,129]"):  # fmt: skip
+        assert shape in quantize, (shape, quantize)
+    assert "rotate = true" in quantize
     assert "window_right = 0" in call or "causal = true" in call
     assert "v_transposed = false" in call  # 300 x 4 rows per KV head: V as it is (the FP8 rule)
 

@@ -2,7 +2,8 @@
 Hopper GPU, through the FFI handler itself with NaN-poisoned outputs: against its emulation
 (jzyfa.int8_emulation: the same integer scores, lean P codes from the same FFMA, so closely) and
 against float64 attention on the unquantized inputs (loosely: the quantization's error); rows that see
-no key; bitwise reruns; the public path; the handler's refusals.
+no key; bitwise reruns; the public path; the handler's refusals. And the device quantization
+(`jzyfa_int8_quantize`) against jzyfa.int8_quant's XLA ops.
 
 Skipped without a Hopper GPU and the built extension (the plan's "int8" rows, jzyfa.plan.KERNELS).
 """
@@ -17,9 +18,10 @@ from attention_oracle import naive_attention_f64, random_qkv, relative_l2
 from gpu_utils import assert_bitwise_reruns, ffi_attention, kernel_call, requires_hopper
 
 import jzyfa
-from jzyfa import fp8_layout, int8_quant
+from jzyfa import fp8_layout, int8_quant, primitives
 from jzyfa._validation import mask_window
 from jzyfa.int8_emulation import attention_int8_emulated
+from jzyfa.quantize import rotation_signs
 
 pytestmark = [pytest.mark.gpu, requires_hopper]
 
@@ -144,3 +146,47 @@ def test_handler_refuses_bad_int8_operands(rng):
     q64 = x.q8[..., :64]
     with pytest.raises(Exception, match="head_dim must be 128 for q, k and v for the jzyfa INT8 kernel"):
         jax.block_until_ready(ffi_attention(q64, x.k8[..., :64], x.v8[..., :64], int8_scales=scales))
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(300, 1100), (1, 129), (4096, 4096)])
+def test_device_quantization_matches_the_xla_ops(rng, rotate, dtype, seq_q, seq_k):
+    """The device quantization (ffi/int8_quantize.cu) against int8_quantize_qkv in XLA ops on the same
+    inputs: v's e4m3 codes and descales exactly; without rotation q's codes and scales exactly; the key
+    mean and the scales to float32 rounding (sums in other orders, the rotation as butterflies rather
+    than a matmul), so an int8 code may move by one where a value sits near a rounding boundary."""
+    q, k, v = random_qkv(rng, batch=2, seq_q=seq_q, seq_k=seq_k, heads_q=8, heads_kv=2, head_dim=128, dtype=dtype)
+    k = k + jnp.asarray(rng.standard_normal((1, 1, 2, 128)) * 3, dtype)  # a shared key offset to remove
+    signs = rotation_signs(128)
+    device = jax.jit(lambda q, k, v: int8_quantize_p_bind(q, k, v, signs, rotate))
+    text = device.lower(q, k, v).compile().as_text()
+    assert 'custom_call_target="jzyfa_int8_quantize"' in text
+    got = device(q, k, v)
+    x = jax.jit(lambda q, k, v: int8_quant.int8_quantize_qkv(q, k, v, rotate=rotate))(q, k, v)
+    want = (x.q8, x.q_scale, x.k8, x.k_scale, x.v8, x.descale_v, x.key_mean)
+    names = ("q8", "q_scale", "k8", "k_scale", "v8", "descale_v", "key_mean")
+    got = dict(zip(names, (np.asarray(g.astype(jnp.float32) if g.dtype == jnp.float8_e4m3fn else g) for g in got)))
+    want = dict(zip(names, (np.asarray(w.astype(jnp.float32) if w.dtype == jnp.float8_e4m3fn else w) for w in want)))
+    np.testing.assert_array_equal(got["v8"], want["v8"])
+    np.testing.assert_array_equal(got["descale_v"], want["descale_v"])
+    np.testing.assert_allclose(got["key_mean"], want["key_mean"], rtol=1e-5, atol=1e-6)
+    for scale in ("q_scale", "k_scale"):
+        np.testing.assert_allclose(got[scale], want[scale], rtol=1e-5)
+    if not rotate:
+        np.testing.assert_array_equal(got["q8"], want["q8"])
+        np.testing.assert_array_equal(got["q_scale"], want["q_scale"])
+    for codes in ("q8", "k8"):
+        diff = np.abs(got[codes].astype(np.int32) - want[codes].astype(np.int32))
+        assert diff.max() <= 1 and (diff > 0).mean() < 1e-3, (codes, diff.max(), (diff > 0).mean())
+
+
+def int8_quantize_p_bind(q, k, v, signs, rotate):
+    return primitives.int8_quantize_p.bind(q, k, v, signs, rotate=rotate)
+
+
+def test_device_quantization_is_bitwise_deterministic(rng):
+    q, k, v = random_qkv(rng, batch=1, seq_q=2000, seq_k=3000, heads_q=4, heads_kv=2, head_dim=128)
+    signs = rotation_signs(128)
+    fn = jax.jit(lambda q, k, v: int8_quantize_p_bind(q, k, v, signs, True))
+    assert_bitwise_reruns(fn, (q, k, v), reruns=20)

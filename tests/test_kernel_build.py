@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("JZYFA_SKIP_NVCC") == "1", reason
 KERNEL_SOURCES = (
     *sorted(f"instantiations/{p.stem}" for p in (REPO / "ffi" / "instantiations").glob("*.cu")),
     "fp8_value_operand",
+    "int8_quantize",
 )
 
 # A forward kernel's symbol: FwdKernel (dense, O's tensor map last) or FwdVarlenKernel over Fwd16Mainloop
@@ -386,6 +387,22 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
     assert len(re.findall(r"\bPRMT\b", text)) == 32
     assert len(re.findall(r"\bBAR\.SYNC\b", text)) == 2
     assert not re.search(r"\b(LDL|STL)\b", text)
+
+
+def test_int8_quantization_kernels_use_wide_accesses_and_no_local_memory(compiled):
+    """ffi/int8_quantize.cu, bf16 and f16: QuantizeKernel reads a thread's half token row in eight 16-byte
+    loads and writes its 64 codes in four 16-byte stores (int8, and e4m3 for v); the rotation's last
+    butterfly stage is a shuffle with the partner thread; KeyStatsKernel sums columns in order. No local
+    memory in either."""
+    _, sass = compiled
+    found = {name: text for name, text in kernels(sass).items() if "QuantizeKernel" in name or "KeyStatsKernel" in name}
+    assert sorted(name.split("Kernel")[0][-8:] for name in found) == ["KeyStats", "KeyStats", "Quantize", "Quantize"]
+    for name, text in found.items():
+        assert not re.search(r"\b(LDL|STL)\b", text), name
+        if "QuantizeKernel" in name:
+            assert len(re.findall(r"\bLDG\.E\.128\b", text)) >= 8, name
+            assert len(re.findall(r"\bSTG\.E\.128\b", text)) >= 8, name  # int8 and e4m3 stores
+            assert len(re.findall(r"\bSHFL\.BFLY\b", text)) >= 64, name
 
 
 def staged_v(name: str) -> bool:

@@ -340,6 +340,22 @@ def test_int8_batch_and_head_sharding_match_unsharded(
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+def test_int8_quantizing_in_the_call_shards_batch_and_heads(rng):
+    """precision="int8"'s primitive on 16-bit q, k, v: each shard quantizes its own heads (its key mean
+    and scales are its heads'), so batch and head sharding need no collective and match the unsharded
+    call bit for bit."""
+    q, k, v = random_qkv(rng, batch=2, seq_q=200, heads_q=8, heads_kv=4, head_dim=128)
+    spec = primitives.make_spec(softmax_scale=128**-0.5, causal=True, int8_in_call=True, rotate=True)
+    call = functools.partial(primitives.attention_fwd, spec=spec)
+    mesh = cpu_mesh((2, 4), ("data", "model"))
+    qkv = NamedSharding(mesh, P("data", None, "model"))
+    sharded = jax.jit(call, in_shardings=(qkv, qkv, qkv))
+    assert collective_counts(compiled_hlo(sharded, q, k, v)) == NO_COLLECTIVES
+    got, want = sharded(q, k, v), jax.jit(call)(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_int8_sequence_sharded_q_is_gathered_and_correct(rng):
     mesh = cpu_mesh((4,), ("seq",))
     operands = int8_operands(rng, batch=1, seq_q=256, heads_q=2, heads_kv=1)
