@@ -3,7 +3,8 @@
 // sequence), key blocks in order (causal: the first key blocks see the most queries: longest first),
 // (batch, KV head) pairs fastest so that concurrent CTAs share Q and dO in L2. K and V land once; the
 // query blocks that see the tile (every query head of the KV head's group) stream Q and dO. Consumer c
-// owns keys 64c .. 64c + 63 of the tile. Per block:
+// owns keys 64c .. 64c + 63 of the tile; with split columns (head dim 256, MLA: tile_size.h) a tile is
+// 64 keys and each consumer holds some of dK's and dV's 64-column slices (BwdTile::Columns). Per block:
 //   S^T = K Q^T, dP^T = V dO^T                     wgmma, both operands in shared memory (M = keys)
 //   P^T = exp2(S^T scale_log2 - lse_log2)          registers; masked keys/queries give 0
 //   dS^T = P^T (dP^T - delta)                      registers

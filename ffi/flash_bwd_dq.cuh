@@ -1,7 +1,8 @@
 // The backward's dQ kernel (16-bit inputs, dense or varlen; no mask, causal or a sliding window), on
 // the skeleton of flash_bwd_common.cuh. A tile is 128 query rows of one (query block, query head,
 // batch row or sequence), the last query blocks first (causal: they see the most keys), heads fastest;
-// Q and dO land once, the key blocks the rows see stream K and V. Consumer c owns rows 64c .. 64c + 63.
+// Q and dO land once, the key blocks the rows see stream K and V. Consumer c owns rows 64c .. 64c + 63;
+// with split columns (head dim 256) a tile is 64 rows and each consumer holds half of dQ's columns.
 // Per block:
 //   S = Q K^T, dP = dO V^T                 wgmma from shared memory
 //   P = exp2(S scale_log2 - lse_log2)      registers; masked keys give 0
