@@ -120,8 +120,11 @@ def test_constants_are_the_kernels():
     assert "LoadMatrixX4Trans((src + lane.load_offset) ^ (q << 5), m[q]);" in text
     assert "vt + lane.store_offset + ((piece ^ lane.store_row_mod8) << 4);" in text
     assert "StoreMatrixX4(dst + q * 32u * 128u, __byte_perm(m[q][0], m[q][1], lane.sel_even)," in text
-    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
-    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in text
+    # The matrix instructions' wrappers (ffi/sm90_mma.cuh: StoreMatrixX4 serves the backward's gradient
+    # stores too).
+    wrappers = " ".join((HEADER.parent / "sm90_mma.cuh").read_text().split()) + " " + text
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in wrappers
+    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in wrappers
     # Every lane supplies a 16-byte aligned row address, the 32 (matrix, row) pairs distinct.
     assert all(load_offset(lane) % 16 == 0 for lane in range(32))
     assert len({store_row(lane) for lane in range(32)}) == 32
