@@ -102,7 +102,8 @@ def test_e4m3_has_no_transposed_b():
         gen_ptx.Wgmma(64, "e4m3", a_from_registers=True, b_transposed=True)
 
 
-SIXTEEN_BIT_OPS = [op for op in gen_ptx.all_wgmma_ops() if op.dtype != "e4m3"]
+SIXTEEN_BIT_OPS = [op for op in gen_ptx.all_wgmma_ops() if op.dtype in ("bf16", "f16")]
+INT8_OPS = [op for op in gen_ptx.all_wgmma_ops() if op.dtype == "s8"]
 
 
 @pytest.mark.parametrize("op", SIXTEEN_BIT_OPS, ids=lambda op: op.name)
@@ -115,6 +116,17 @@ def test_16_bit_wrappers_keep_their_transpose_immediates(op):
         assert operands[4:] == [f"%{op.num_acc + 4}", "p", "1", "1", "1"]
     else:  # a-desc, b-desc, p, scale-a, scale-b, imm-trans-a = 0, imm-trans-b = 0
         assert operands == [f"%{op.num_acc}", f"%{op.num_acc + 1}", "p", "1", "1", "0", "0"]
+
+
+@pytest.mark.parametrize("op", INT8_OPS, ids=lambda op: op.name)
+def test_int8_wrappers_accumulate_in_s32_without_immediates(op):
+    """s8 x s8 wgmma (the INT8 kernel's Q K^T): k32, s32 accumulators in uint32_t registers ("+r" or
+    "=r"), and no imm-scale or transpose operands after the scale-d predicate (integer types take none)."""
+    text = gen_ptx.wgmma_function(op)
+    assert op.k == 32 and f".m64n{op.n}k32.s32.s8.s8 " in text
+    assert f"uint32_t (&d)[{op.num_acc}]" in text
+    assert ('"=r"(d[0])' if op.overwrite else '"+r"(d[0])') in text
+    assert instruction_operands(text) == [f"%{op.num_acc}", f"%{op.num_acc + 1}", "p"]
 
 
 def test_pack4_e4m3_swaps_the_cvt_operands():
@@ -138,6 +150,12 @@ def test_header_has_every_shape_once():
 def test_dispatch_structs_name_every_role():
     text = gen_ptx.dispatch_structs()
     for dtype, element in gen_ptx.CPP_ELEMENT_TYPES.items():
+        if dtype == "s8":  # Q K^T only, at the INT8 kernel's key block
+            body = re.search(r"struct Wgmma<int8_t, 128> \{\n(.*?)\n\};", text, re.DOTALL).group(1)
+            assert body.splitlines() == [
+                f"  static constexpr auto {role} = wgmma_m64n128k32_s32_s8_{role};" for role in ("ss", "ss_zero")
+            ]
+            continue
         k = 32 if dtype == "e4m3" else 16
         roles = ("ss", "ss_zero", "rs", "rs_zero") if dtype == "e4m3" else ("ss", "ss_zero", "rs_tb")
         for n in gen_ptx.WGMMA_N:
@@ -158,7 +176,7 @@ PROBE_KERNEL = r"""
 // Runs one generated wgmma so its shape reaches the SASS.
 __global__ void probe_%NAME%(float* out, uint64_t da, uint64_t db, uint32_t a0) {
   const uint32_t a[4] = {a0, a0 + 1, a0 + 2, a0 + 3};
-  float d[%ACC%] = {};
+  %ACCTYPE% d[%ACC%] = {};
   wgmma_fence();
   %NAME%(d, %A%, db%ACCUMULATE%);
   wgmma_commit_group();
@@ -182,6 +200,7 @@ def probe_source() -> str:
         kernels.append(
             PROBE_KERNEL.replace("%NAME%", op.name)
             .replace("%ACC%", str(op.num_acc))
+            .replace("%ACCTYPE%", op.acc_cpp)
             .replace("%A%", "a" if op.a_from_registers else "da")
             .replace("%ACCUMULATE%", "" if op.overwrite else ", 1")
         )
@@ -199,7 +218,9 @@ def expected_gmma(op) -> str:
     """The SASS of one wgmma: e.g. `QGMMA.64x128x32.F32.E4M3.E4M3 R24, R88, gdesc[UR4], RZ, ...` (A
     from registers), `HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, ...` (both descriptors in one
     gdesc; the f16 form prints without a type suffix), `..., gdesc[UR4].tnspB, ...` (MN-major B)."""
-    if op.dtype == "e4m3":
+    if op.dtype == "s8":
+        mnemonic = rf"IGMMA\.64x{op.n}x32\.S8\.S8"
+    elif op.dtype == "e4m3":
         mnemonic = rf"QGMMA\.64x{op.n}x32\.F32\.E4M3\.E4M3"
     else:
         mnemonic = rf"HGMMA\.64x{op.n}x16\.F32" + (r"\.BF16" if op.dtype == "bf16" else "")
