@@ -41,7 +41,7 @@ std::string HeadDimsMessage(const FwdParams& p) {
     return "head_dim must be 128 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
   }
   if (p.family() == Family::kFp8) {
-    return std::string("head_dim must be 128 for q, k and v") +
+    return std::string("head_dim must be 64 or 128 for q, k and v") +
            (p.varlen ? "" : ", or 192 for q and k with 128 for v (MLA),") +
            " for the jzyfa FP8 " + (p.varlen ? "varlen " : "") + "kernel" + got;
   }
@@ -184,6 +184,10 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
     }
     if (p.varlen && !p.lean_p) {
       return "lean_p must be true for the FP8 varlen kernel (exact P has no varlen instantiation)";
+    }
+    if (p.head_dim_v == 64 && !p.v_transposed) {
+      return "v_transposed must be true for the FP8 kernel at head dim 64: it reads V^T from memory "
+             "(jzyfa.fp8_layout), it has no in-kernel transpose of 64-byte V rows";
     }
     if (p.v_transposed && !p.varlen && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +

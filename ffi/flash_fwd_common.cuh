@@ -63,8 +63,9 @@ struct PingPong {
   }
 };
 
-// S = Q K^T on wgmma from shared memory, both operands in 128-byte swizzle rows: k-steps of 32 bytes (16
-// bf16/f16 columns, 32 e4m3 or int8 ones), four per 128-byte slice of the head dim. Accumulator: float,
+// S = Q K^T on wgmma from shared memory, both operands in 128-byte swizzle rows (64-byte ones where the
+// whole head dim is 64 bytes: FP8 head dim 64): k-steps of 32 bytes (16 bf16/f16 columns, 32 e4m3 or
+// int8 ones), four per 128-byte slice of the head dim. Accumulator: float,
 // or uint32_t for int8 (exact int32 sums). Q's descriptor is buffer 0's
 // plus the buffer's offset (>> 4: the address field's unit), so that the descriptors stay loop-invariant
 // values and the buffer costs one add per k-step.
@@ -72,13 +73,17 @@ template <typename Element, int kBlockN, int kHeadDimQK, int kQSliceBytes, int k
           int kQBytes, typename Accumulator>
 __device__ __forceinline__ void IssueQK(Accumulator (&s)[kBlockN / 2], uint32_t smem_q, uint32_t smem_k,
                                         int q_buffer) {
+  constexpr int kRowBytes = kHeadDimQK * static_cast<int>(sizeof(Element)) < 128 ? 64 : 128;
+  constexpr int kStepsPerSlice = kRowBytes / 32;
   ptx::wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kHeadDimQK * static_cast<int>(sizeof(Element)) / 32; ++kk) {
-    const uint32_t column = (kk % 4) * 32;  // bytes into the slice's 128-byte rows
-    const uint64_t desc_q = SmemDescSw128(smem_q + (kk / 4) * kQSliceBytes + column, 16) +
-                            static_cast<uint32_t>(q_buffer * (kQBytes >> 4));
-    const uint64_t desc_k = SmemDescSw128(smem_k + (kk / 4) * kKSliceBytes + column, 16);
+    const uint32_t column = (kk % kStepsPerSlice) * 32;  // bytes into the slice's rows
+    const uint64_t desc_q =
+        SmemDescSwizzled<kRowBytes>(smem_q + (kk / kStepsPerSlice) * kQSliceBytes + column, 16) +
+        static_cast<uint32_t>(q_buffer * (kQBytes >> 4));
+    const uint64_t desc_k =
+        SmemDescSwizzled<kRowBytes>(smem_k + (kk / kStepsPerSlice) * kKSliceBytes + column, 16);
     if (kk == 0) {
       ptx::Wgmma<Element, kBlockN>::ss_zero(s, desc_q, desc_k);
     } else {

@@ -14,10 +14,11 @@
 
 namespace jzyfa {
 
-// The tile for q/k head dim kHeadDimQK (128, or MLA's 192) and v/out head dim 128. kHeadDim is v's and
-// out's (V^T's rows, O's columns); Q and K rows of more than 128 bytes are loaded as 128-byte-swizzle
-// slices of 128 columns each, laid out back to back (slice s at s * rows * 128 bytes), TMA filling the
-// columns past kHeadDimQK with zeros that no wgmma reads. kStagedV: V's operand built in shared
+// The tile for head dim kHeadDimQK: 64 or 128 for q, k, v and out alike, or MLA's 192 for q and k with
+// 128 for v and out. kHeadDim is v's and out's (V^T's rows, O's columns); Q and K rows of more than 128
+// bytes are loaded as 128-byte-swizzle slices of 128 columns each, laid out back to back (slice s at
+// s * rows * 128 bytes), TMA filling the columns past kHeadDimQK with zeros that no wgmma reads; rows
+// of 64 bytes (head dim 64) are one 64-byte-swizzle slice. kStagedV: V's operand built in shared
 // memory from V as it is (staging buffers, transposing warps), or TMA-loaded from a V^T in global
 // memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
 // memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
@@ -30,9 +31,14 @@ struct Fp8TileT {
   static constexpr Layout kLayout = kLayout_;
   static constexpr int kHeadDimQK = kHeadDimQK_;
   static constexpr bool kStagedV = kStagedV_;
-  static constexpr int kHeadDimV = 128;
+  static constexpr int kHeadDimV = kHeadDimQK == kMlaHeadDimQK ? kMlaHeadDimV : kHeadDimQK;
   static constexpr int kHeadDim = kHeadDimV;
-  static constexpr int kQkSliceCols = 128;  // bytes (e4m3 columns) of one swizzle slice
+  static_assert(kHeadDimV == 64 || kHeadDimV == 128, "v's head dim: 64 or 128");
+  // Bytes (e4m3 columns) of one swizzle slice of Q and K: 128, or the whole 64-byte row (IssueQK
+  // reads the same rule off the head dim).
+  static constexpr int kQkSliceCols = kHeadDimQK < 128 ? 64 : 128;
+  static constexpr CUtensorMapSwizzle kQkSwizzle =
+      kQkSliceCols == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   static constexpr int kQkSlices = (kHeadDimQK + kQkSliceCols - 1) / kQkSliceCols;
   static constexpr int kConsumers = kFwdConsumers;
   static constexpr int kRowsPerConsumer = kFwdRowsPerConsumer;
@@ -40,6 +46,7 @@ struct Fp8TileT {
   static constexpr int kBlockN = kSize.block_n;
   static_assert(kBlockN % 32 == 0 && kBlockN <= 256, "P V takes keys in k-steps of 32");
   static_assert(kBlockN == 128 || !kStagedV_, "the in-kernel V transpose handles 128-key blocks");
+  static_assert(kHeadDimV == 128 || !kStagedV_, "the in-kernel V transpose handles 128-byte V rows");
   static constexpr int kStages = kSize.stages;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kProducerRegs = kSize.producer_regs;

@@ -402,8 +402,8 @@ ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument(name + "v " + ShapeString(vd) +
                                        " must be [batch, seq_k, heads_kv, head_dim]");
   }
-  if (vd[3] != 128) {
-    return ffi::Error::InvalidArgument(name + "v's head_dim must be 128, got " +
+  if (vd[3] != 64 && vd[3] != 128) {
+    return ffi::Error::InvalidArgument(name + "v's head_dim must be 64 or 128, got " +
                                        std::to_string(vd[3]));
   }
   const int64_t padded = (vd[1] + 31) / 32 * 32;

@@ -11,7 +11,7 @@ namespace jzyfa {
 template <Family kFamily, int kHeadDimQK, int kHeadDimV, Layout kLayout>
 std::string LaunchFwdInstance(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   if constexpr (kFamily == Family::kFp8) {
-    static_assert(kHeadDimV == 128, "the FP8 tiles have v's head dim 128");
+    static_assert(kHeadDimV == Fp8TileT<kHeadDimQK, false>::kHeadDimV, "the FP8 tiles' v head dim is their own");
     return LaunchFp8<kHeadDimQK, kLayout>(p, mask, stream);
   } else if constexpr (kFamily == Family::kInt8) {
     static_assert(kHeadDimQK == 128 && kHeadDimV == 128 && kLayout == Layout::kDense,

@@ -20,7 +20,7 @@
 namespace jzyfa {
 
 // Q and K as bytes (e4m3 or int8), boxes of 128 head-dim columns (128 bytes: the whole head dim, or one
-// of MLA's two slices) x the rows. V (head dim 128) likewise but unswizzled, or 128-byte swizzled for
+// of MLA's two slices; head dim 64: 64 bytes, 64-byte swizzled) x the rows. V (head dim 128) likewise but unswizzled, or 128-byte swizzled for
 // the matrix transpose: the kernel's staging buffer, transposed into V^T in shared memory
 // (fp8_value_transpose.cuh). Or V^T [batch, heads_kv, 128, keys] (varlen: [1, heads_kv, 128,
 // vt_keys], a tile's boxes starting at its sequence's column, Fp8VarlenValueColumn): boxes of 128
@@ -33,8 +33,10 @@ bool EncodeByteOperands(const FwdParams& p, int64_t batch, int64_t seq_q, int64_
                         CUtensorMap* k, CUtensorMap* v, std::string* error) {
   constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   constexpr int kD = Tile::kHeadDimQK, kBox = Tile::kQkSliceCols;
-  if (!EncodeRowMap(q, p.q, kBytes, 1, batch, seq_q, p.heads_q, kD, kBox, Tile::kRowsPerConsumer, error) ||
-      !EncodeRowMap(k, p.k, kBytes, 1, batch, seq_k, p.heads_kv, kD, kBox, Tile::kBlockN, error)) {
+  constexpr CUtensorMapSwizzle kSwizzle = Tile::kQkSwizzle;
+  if (!EncodeRowMap(q, p.q, kBytes, 1, batch, seq_q, p.heads_q, kD, kBox, Tile::kRowsPerConsumer, error,
+                    kSwizzle) ||
+      !EncodeRowMap(k, p.k, kBytes, 1, batch, seq_k, p.heads_kv, kD, kBox, Tile::kBlockN, error, kSwizzle)) {
     return false;
   }
   if constexpr (Tile::kStagedV) {
@@ -113,7 +115,11 @@ std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
     }
     return with_tile(TypeTag<Fp8TileT<kHeadDimQK, false, L>>{});
   }
-  return with_tile(TypeTag<Fp8TileT<kHeadDimQK, true, L>>{});
+  if constexpr (kHeadDimQK == 64) {
+    return "v_transposed must be true for the FP8 kernel at head dim 64 (V^T from memory only)";
+  } else {
+    return with_tile(TypeTag<Fp8TileT<kHeadDimQK, true, L>>{});
+  }
 }
 
 }  // namespace jzyfa

@@ -47,7 +47,9 @@ inline constexpr FwdKernelGroup kFwdKernels[] = {
     {Family::k16Bit, 256, 256, Layout::kVarlen, kAllMasks},
     {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kAllMasks},
     {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kVarlen, kAllMasks},
-    // FP8 (e4m3): head dim 128 every mask, dense and varlen; MLA's dense, causal or no mask.
+    // FP8 (e4m3): head dims 64 and 128 every mask, dense and varlen; MLA's dense, causal or no mask.
+    {Family::kFp8, 64, 64, Layout::kDense, kAllMasks},
+    {Family::kFp8, 64, 64, Layout::kVarlen, kAllMasks},
     {Family::kFp8, 128, 128, Layout::kDense, kAllMasks},
     {Family::kFp8, 128, 128, Layout::kVarlen, kAllMasks},
     {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
@@ -115,7 +117,8 @@ constexpr TileSize Fwd16TileSize(int head_dim_v, Layout layout, int block_n) {
 // 128: Fp8KeyBlock's rule). O is promoted every 8 blocks of 128 keys (every 4: 8.6% of the kernel
 // time at 32K keys, every 8: 4.6%; every 16 measured 1.4-3.2% faster but left the row sum 1.9% low:
 // docs/benchmarks.md), 5 for 192 keys. O's float32 copy keeps 7 float4s per thread in registers (8
-// spill), MLA 6 (its longer Q K^T), none with 192-key blocks (1 spilled 28 bytes).
+// spill), MLA 6 (its longer Q K^T), none with 192-key blocks (1 spilled 28 bytes); head dim 64 all 9
+// (its O is half as wide). Head dim 64 reads V^T from memory (the in-kernel transpose is 128 x 128).
 constexpr int kFp8WideBlockN = 192;
 constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, int block_n) {
   return TileSize{block_n,
@@ -125,7 +128,7 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
                   layout == Layout::kDense,
                   staged_v,
                   8 * 128 / block_n > 0 ? 8 * 128 / block_n : 1,
-                  block_n > 128 ? 0 : head_dim_qk == 128 ? 7 : 6};
+                  block_n > 128 ? 0 : head_dim_qk == 64 ? 9 : head_dim_qk == 128 ? 7 : 6};
 }
 
 // The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dims,

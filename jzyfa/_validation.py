@@ -18,7 +18,7 @@ NON_FP8_DTYPES = SIXTEEN_BIT_DTYPES + (jnp.dtype(jnp.float32),)
 FP8_DTYPES = (jnp.dtype(FP8_DTYPE),)
 IMPLEMENTATIONS = (None, "kernel", "xla")
 DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
-FP8_VARLEN_HEAD_DIM = 128
+FP8_VARLEN_HEAD_DIMS = (64, 128)
 
 
 def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
@@ -67,7 +67,7 @@ def check_qkv_heads(q, k, v, *, axes: str) -> None:
 
 def check_packed_qkv(q, k, v) -> None:
     """Packed (varlen) layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; FP8 inputs
-    need head_dim 128 (the FP8 kernel's, and the only one tested)."""
+    need one head_dim of 64 or 128 for q, k and v (the FP8 varlen kernels')."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -76,9 +76,9 @@ def check_packed_qkv(q, k, v) -> None:
                 f"{name} must have rank 3 [total_tokens, heads, head_dim] (packed sequences), got shape {x.shape}"
             )
     check_qkv_heads(q, k, v, axes="[total_k, kv_heads]")
-    if is_fp8(q.dtype) and (q.shape[-1], v.shape[-1]) != (FP8_VARLEN_HEAD_DIM, FP8_VARLEN_HEAD_DIM):
+    if is_fp8(q.dtype) and (q.shape[-1] != v.shape[-1] or q.shape[-1] not in FP8_VARLEN_HEAD_DIMS):
         raise ValueError(
-            f"flash_attention_varlen takes FP8 inputs with head_dim {FP8_VARLEN_HEAD_DIM} for q, k and v only, "
+            "flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128 for q, k and v, "
             f"got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
         )
 

@@ -52,7 +52,7 @@ def _rows(family: str, head_dims, masks, layouts, direction: str = "fwd") -> tup
 # The table. Each row is an instantiation in ffi/ with its GPU tests (tests/test_*_gpu.py).
 KERNELS: frozenset[Config] = frozenset(
     _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS)
-    + _rows("fp8", [(128, 128)], MASKS, LAYOUTS)
+    + _rows("fp8", [(64, 64), (128, 128)], MASKS, LAYOUTS)
     + _rows("fp8", [MLA_HEAD_DIMS], ("none", "causal"), ("dense",))
     + _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS, "bwd")
     + _rows("int8", [(128, 128)], MASKS, ("dense",))
@@ -165,8 +165,9 @@ def call_problem(config: Config, sizes: CallSizes, softmax_scale: float) -> str 
                 f"the kernels take (num_seqs + 1) * ceil(max_seqlen_q / 128) * heads_q <= 2^30, got {tiles}"
             )
         tokens = sizes.total_q + sizes.total_k
-        if config.family == "fp8" and fp8_varlen_value_layout(sizes.seq_q, sizes.heads_q, sizes.heads_kv) == (
-            "transposed"
+        if config.family == "fp8" and (
+            fp8_varlen_value_layout(sizes.seq_q, sizes.heads_q, sizes.heads_kv, head_dim=config.head_dims[0])
+            == "transposed"
         ):
             keys = _varlen_padded_keys(sizes.total_k, sizes.batch)
             if surely(lambda: keys > FP8_VARLEN_MAX_VALUE_KEYS):
@@ -282,7 +283,10 @@ def choose_path(
 # staged up to FP8_STAGED_V_MAX_ROWS of them (dense; break-even measured at 4096), else transposed; and
 # transposed for those few rows too when they see enough keys that the kernel with V^T runs 192-key
 # blocks (a prefill chunk against a long cache), which the staged kernel does not have. Varlen calls
-# pay more for V^T (a gather of token rows first), so their threshold is higher.
+# pay more for V^T (a gather of token rows first), so their threshold is higher. The staged kernel
+# transposes V rows of 128 bytes only: at head dim 64 V^T always comes from memory (q/k head dims whose
+# v has 128 columns: FP8_STAGED_V_HEAD_DIMS).
+FP8_STAGED_V_HEAD_DIMS = (128, MLA_HEAD_DIMS[0])
 FP8_STAGED_V_MAX_ROWS = 2048
 FP8_VARLEN_STAGED_V_MAX_ROWS = 8192
 FP8_V_LAYOUTS = ("staged", "transposed")
@@ -346,6 +350,8 @@ def fp8_value_layout(
 ) -> str:
     """ "staged" or "transposed" for one shard of a dense FP8 call (the rule above). `window` is the
     mask as the primitive holds it (causal folded in: (-1, 0) causal, (-1, -1) none)."""
+    if head_dim not in FP8_STAGED_V_HEAD_DIMS:
+        return "transposed"
     layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
     if layout == "staged" and not _env_choice(FP8_V_LAYOUT_ENV, FP8_V_LAYOUTS):
         wide = fp8_key_block_for(
@@ -362,8 +368,10 @@ def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
     return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
 
 
-def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int) -> str:
+def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int, *, head_dim: int = 128) -> str:
     """The same for a packed varlen FP8 call, on the longest sequence's rows."""
+    if head_dim not in FP8_STAGED_V_HEAD_DIMS:
+        return "transposed"
     return _layout_by_rows(max_seqlen_q * (heads_q // heads_kv), FP8_VARLEN_STAGED_V_MAX_ROWS)
 
 

@@ -293,7 +293,8 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
     if spec.fp8:
         if spec.varlen:
             v_transposed = (
-                plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1]) == "transposed"
+                plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1], head_dim=q.shape[-1])
+                == "transposed"
             )
             if v_transposed:
                 v = fp8_layout.fp8_varlen_value_operand(v, extras[1], value_operand=fp8_value_operand_p.bind)
@@ -574,7 +575,7 @@ batching.primitive_batchers[attention_bwd_p] = functools.partial(_batch_rule, at
 # (ffi/fp8_value_operand.cu, bitwise the same); everywhere else, and for shapes that kernel does not take,
 # the pure-JAX function is the lowering.
 fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
-FP8_VALUE_OPERAND_HEAD_DIM = 128
+FP8_VALUE_OPERAND_HEAD_DIMS = (64, 128)
 
 
 def _value_operand_abstract_eval(v):
@@ -604,7 +605,7 @@ _value_operand_ffi = jax.ffi.ffi_lowering(FFI_TARGET_VALUE_OPERAND)
 
 def _value_operand_cuda_lowering(ctx, v):
     (aval,) = ctx.avals_in
-    if aval.dtype != jnp.float8_e4m3fn or aval.shape[3] != FP8_VALUE_OPERAND_HEAD_DIM:
+    if aval.dtype != jnp.float8_e4m3fn or aval.shape[3] not in FP8_VALUE_OPERAND_HEAD_DIMS:
         return _value_operand_fallback(ctx, v)
     return _value_operand_ffi(ctx, v)
 

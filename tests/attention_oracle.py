@@ -70,8 +70,9 @@ def random_fp8_packed(
     heads_kv: int = 2,
     pad_q: int = 0,
     per_head: bool = False,
+    head_dim: int = 128,
 ):
-    """Packed e4m3 q [total_q + pad_q, Hq, 128], k, v [total_k, Hkv, 128] of standard-normal values
+    """Packed e4m3 q [total_q + pad_q, Hq, D], k, v [total_k, Hkv, D] (D = head_dim) of standard-normal values
     quantized with power-of-two descales: ((q8, k8, v8), (dq, dk, dv), cu_q, cu_k). Descales are
     float32 scalars, or [num_seqs, Hkv] (per_head: a different power of two per sequence and KV head,
     q's shared by each KV head's query group); pad_q tokens past cu_seqlens_q[-1] belong to no sequence.
@@ -80,7 +81,7 @@ def random_fp8_packed(
     num_seqs = len(lengths_q)
 
     def quantize(total, heads, cu, descale):
-        x = rng.standard_normal((total, heads, 128))
+        x = rng.standard_normal((total, heads, head_dim))
         if descale.ndim == 2:  # per token: its sequence's (the last one's past the end)
             seq = np.clip(np.searchsorted(cu, np.arange(total), side="right") - 1, 0, num_seqs - 1)
             scale = np.repeat(descale[seq], heads // descale.shape[1], axis=1)[:, :, None]

@@ -57,7 +57,8 @@ BUILT_KERNELS = {
         for layout in ("dense", "varlen")
     ),
     *(
-        ("fp8", 128, 128, mask, layout, "fwd")
+        ("fp8", d, d, mask, layout, "fwd")
+        for d in (64, 128)
         for mask in ("none", "causal", "window")
         for layout in ("dense", "varlen")
     ),

@@ -44,6 +44,8 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
 F8 = E4M3 = jnp.float8_e4m3fn
 ROWS = sorted(row for row in plan.KERNELS if row.family == "fp8")
 DENSE_HEAD_DIMS = sorted({row.head_dims for row in ROWS if row.layout == "dense"})
+# The head dims with a staged kernel (V transposed in the kernel): v's head dim 128.
+STAGED_HEAD_DIMS = [dims for dims in DENSE_HEAD_DIMS if dims[1] == 128]
 MASK_OPTIONS = {"none": {"causal": False}, "causal": {"causal": True}, "window": {"window": (8, 0)}}
 DESCALE = jax.ShapeDtypeStruct((), jnp.float32)
 
@@ -218,7 +220,7 @@ def test_a_required_kernel_refuses_to_run_on_the_cpu(rng):
 # ---- configurations outside the table: the reason, and the pure-JAX path
 
 OUTSIDE_DENSE = [
-    ((64, 64), "causal"),
+    ((96, 96), "causal"),
     ((192, 192), "causal"),
     ((192, 64), "none"),
     ((128, 64), "causal"),
@@ -251,8 +253,8 @@ def test_dense_configurations_outside_the_table_say_why(rng, kernel_available, h
 
 
 def test_fp8_problem_sentences():
-    assert plan.config_problem(Config("fp8", (64, 64), "causal", "dense")) == (
-        "the FP8 (e4m3) kernels take head dims (q and k / v) 128/128, 192/128, got 64/64"
+    assert plan.config_problem(Config("fp8", (96, 96), "causal", "dense")) == (
+        "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96"
     )
     assert plan.config_problem(Config("fp8", (192, 128), "window", "dense")) == (
         "the FP8 (e4m3) kernel at head dims 192/128 (dense) takes masks none, causal, not a 'window' mask"
@@ -273,12 +275,12 @@ def test_mla_sliding_windows_stay_on_the_pure_jax_path_with_a_reason(rng, kernel
     assert out.shape == (1, 40, 4, 128)
 
 
-def test_varlen_fp8_outside_head_dim_128_is_refused_with_a_reason(rng):
-    """flash_attention_varlen has FP8 at head dim 128 only (MLA's 192/128 included): refused whatever the
-    implementation."""
+def test_varlen_fp8_outside_head_dims_64_and_128_is_refused_with_a_reason(rng):
+    """flash_attention_varlen has FP8 at head dims 64 and 128 only (not MLA's 192/128): refused whatever
+    the implementation."""
     (q8, k8, v8), (dq, dk, dv) = fp8_qkv(rng, (192, 128), seq_q=40, seq_k=40, heads_q=2, heads_kv=2)
     cu = jnp.asarray([0, 15, 40], jnp.int32)
-    message = r"FP8 inputs with head_dim 128 for q, k and v only, got 192 \(q, k\) and 128 \(v\)"
+    message = r"FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 192 \(q, k\) and 128 \(v\)"
     for implementation in (None, "kernel"):
         with pytest.raises(ValueError, match=message):
             jzyfa.flash_attention_varlen(
@@ -313,7 +315,7 @@ def test_bad_windows_name_the_argument(rng, window):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lean_p", [True, False])
-@pytest.mark.parametrize("head_dims", DENSE_HEAD_DIMS, ids=dims_id)
+@pytest.mark.parametrize("head_dims", STAGED_HEAD_DIMS, ids=dims_id)
 def test_dense_custom_call_with_v_staged(monkeypatch, head_dims, causal, lean_p):
     """V staged (JZYFA_FP8_V_LAYOUT=staged): one custom call on V as it is (the kernel transposes V's
     tiles itself): q and k qk wide, v and out dv, GQA heads, Sq != Sk; lse [B, Hq, Sq], the tile counter;
@@ -340,6 +342,18 @@ def test_dense_custom_call_with_v_staged(monkeypatch, head_dims, causal, lean_p)
     assert attrs["v_transposed"] == "false" and attrs["varlen"] == "false" and attrs["key_block"] == "0 : i64"
     assert attrs["max_seqlen_q"] == attrs["max_seqlen_k"] == "0 : i64"
     assert np.float32(attrs["softmax_scale"].split(" : ")[0]) == np.float32(1 / np.sqrt(qk))
+
+
+@pytest.mark.parametrize("layout", ["staged", "transposed", ""])
+def test_head_dim_64_is_always_v_transposed(monkeypatch, layout):
+    """The staged kernel transposes 128-byte V rows only: at head dim 64 the call takes V^T from the
+    layout kernel whatever the rule or the override says."""
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
+    hlo = cuda_hlo(fp8_call("kernel", causal=True), *dense_specs((64, 64)), DESCALE, DESCALE, DESCALE)
+    (call,) = custom_call_lines(hlo, FFI_TARGET)
+    assert attributes(call)["v_transposed"] == "true"
+    (layout_call,) = custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)
+    assert "f8e4m3fn[2,2,64,512]" in layout_call
 
 
 def test_dense_custom_call_takes_per_head_descales_and_the_given_scale(rng, monkeypatch):
@@ -666,7 +680,8 @@ def test_both_v_layouts_are_the_emulation_off_cuda(rng, fp8_v_layout, head_dims)
         .lower(lowering_platforms=("cuda",))
         .as_text(dialect="hlo")
     )
-    assert f"v_transposed = {str(fp8_v_layout == 'transposed').lower()}" in kernel_call_of(hlo)
+    transposed = fp8_v_layout == "transposed" or head_dims == (64, 64)  # no staged kernel at 64
+    assert f"v_transposed = {str(transposed).lower()}" in kernel_call_of(hlo)
     out, lse = primitive_call(scale=scale, causal=True)(q8, k8, v8, descales)
     want = attention_fp8_emulated(
         q8, k8, v8, *descales, causal=True, softmax_scale=scale, lean_p=True, integer_reference=True
@@ -793,8 +808,8 @@ CU = spec((3,), jnp.int32)
         ({}, (SCALAR, SCALAR, spec((), jnp.bfloat16)), TypeError, "descale_v must be float32, got bfloat16"),
         ({n: spec(GOOD[n].shape, jnp.bfloat16) for n in "qkv"}, (SCALAR, None, None), ValueError,
          "descale_q given for bfloat16 inputs; descales apply only to FP8 inputs"),
-        ({n: spec(GOOD[n].shape[:2] + (64,)) for n in "qkv"}, (SCALAR,) * 3, ValueError,
-         r"FP8 inputs with head_dim 128 for q, k and v only, got 64 \(q, k\) and 64 \(v\)"),
+        ({n: spec(GOOD[n].shape[:2] + (96,)) for n in "qkv"}, (SCALAR,) * 3, ValueError,
+         r"FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 96 \(q, k\) and 96 \(v\)"),
         ({"v": spec((12, 2, 128), jnp.bfloat16)}, (SCALAR,) * 3, TypeError, "q, k and v must share a dtype"),
     ],
 )  # fmt: skip
@@ -1103,18 +1118,19 @@ def test_value_operand_vmap_folds_into_the_batch(rng):
         np.testing.assert_array_equal(as_bytes(got[:, i]), as_bytes(fp8_value_operand(vs[:, i])))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seq_k, padded", [(1, 32), (300, 320), (4096, 4096)])
-def test_value_operand_cuda_lowering_is_the_ffi_custom_call(seq_k, padded):
-    v = spec((2, seq_k, 3, 128))
+def test_value_operand_cuda_lowering_is_the_ffi_custom_call(seq_k, padded, head_dim):
+    v = spec((2, seq_k, 3, head_dim))
     (call,) = custom_call_lines(cuda_hlo(fp8_value_operand_p.bind, v), FFI_TARGET_VALUE_OPERAND)
     assert "api_version=API_VERSION_TYPED_FFI" in call
     # Row-major operand and result, as the handler reads and writes them.
-    assert f"f8e4m3fn[2,3,128,{padded}]{{3,2,1,0}} custom-call(" in call
-    assert f"operand_layout_constraints={{f8e4m3fn[2,{seq_k},3,128]{{3,2,1,0}}}}" in call
+    assert f"f8e4m3fn[2,3,{head_dim},{padded}]{{3,2,1,0}} custom-call(" in call
+    assert f"operand_layout_constraints={{f8e4m3fn[2,{seq_k},3,{head_dim}]{{3,2,1,0}}}}" in call
 
 
 @pytest.mark.parametrize(
-    "shape, dtype", [((2, 40, 3, 64), jnp.float8_e4m3fn), ((2, 40, 3, 128), jnp.float32)]
+    "shape, dtype", [((2, 40, 3, 96), jnp.float8_e4m3fn), ((2, 40, 3, 128), jnp.float32)]
 )
 def test_value_operand_cuda_lowering_falls_back_where_the_kernel_does_not_serve(shape, dtype):
     hlo = cuda_hlo(fp8_value_operand_p.bind, jax.ShapeDtypeStruct(shape, dtype))

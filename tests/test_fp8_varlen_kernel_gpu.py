@@ -46,7 +46,7 @@ def run_poisoned(q8, k8, v8, descales, cu_q, cu_k, *, causal, window=None):
     hlo = fn.lower(*args).compile().as_text()
     custom_call = kernel_call(hlo)  # the one jzyfa_attention_fwd custom call
     # The varlen V^T's layout kernel runs first exactly when the layout is "transposed".
-    transposed = fp8_varlen_value_layout(max_q, q8.shape[1], k8.shape[1]) == "transposed"
+    transposed = fp8_varlen_value_layout(max_q, q8.shape[1], k8.shape[1], head_dim=q8.shape[-1]) == "transposed"
     assert "varlen = true" in custom_call and f"v_transposed = {str(transposed).lower()}" in custom_call
     assert f"max_seqlen_q = {max_q} : i64" in custom_call and f"max_seqlen_k = {max_k} : i64" in custom_call
     assert has_custom_call(hlo, FFI_TARGET_VALUE_OPERAND) == transposed, hlo
@@ -74,10 +74,13 @@ def dense_kernel_per_sequence(q8, k8, v8, descales, cu_q, cu_k, *, causal, windo
     return results
 
 
-def check(rng, lengths_q, lengths_k, *, causal, per_head, pad_q=0, window=None, heads_q=8, heads_kv=2):
+def check(
+    rng, lengths_q, lengths_k, *, causal, per_head, pad_q=0, window=None, heads_q=8, heads_kv=2, head_dim=128
+):
     (q8, k8, v8), descales, cu_q, cu_k = random_fp8_packed(
-        rng, lengths_q, lengths_k, heads_q=heads_q, heads_kv=heads_kv, pad_q=pad_q, per_head=per_head
-    )
+        rng, lengths_q, lengths_k, heads_q=heads_q, heads_kv=heads_kv, pad_q=pad_q, per_head=per_head,
+        head_dim=head_dim,
+    )  # fmt: skip
     out, lse = run_poisoned(q8, k8, v8, descales, cu_q, cu_k, causal=causal, window=window)
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
@@ -128,6 +131,13 @@ def test_many_short_sequences(rng):
 def test_sliding_window(rng):
     # A window that is neither causal nor none for these lengths: the windowed instantiation.
     check(rng, [65, 300, 1000], [65, 300, 1000], causal=False, per_head=True, window=(96, 0))
+
+
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (96, 0))])
+def test_head_dim_64(rng, causal, window):
+    """The head-dim-64 varlen kernel (V^T from memory whatever the layout override says: the in-kernel
+    transpose takes 128-byte rows only)."""
+    check(rng, LENGTHS, LENGTHS, causal=causal, per_head=True, pad_q=3, window=window, head_dim=64)
 
 
 def test_reruns_are_bitwise_identical(rng):

@@ -176,10 +176,10 @@ BAD_CALLS = [
     (dict(k=spec((12, 2, 32))), {}, ValueError, "same head_dim, got 64 and 32"),
     (dict(k=spec((12, 3, 64)), v=spec((12, 3, 64))), {}, ValueError, r"q's heads \(4\) must be a multiple"),
     (
-        {n: spec(GOOD[n].shape, jnp.float8_e4m3fn) for n in "qkv"},
+        {n: spec(GOOD[n].shape[:2] + (96,), jnp.float8_e4m3fn) for n in "qkv"},
         {},
         ValueError,
-        "flash_attention_varlen takes FP8 inputs with head_dim 128 for q, k and v only",
+        "flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 96",
     ),
     (dict(cu_q=spec((3,), jnp.uint32)), {}, TypeError, "cu_seqlens_q must be int32, got uint32"),
     (dict(cu_k=spec((3, 1), jnp.int32)), {}, ValueError, r"cu_seqlens_k must have shape \[num_seqs \+ 1\]"),
