@@ -54,7 +54,7 @@ def info(name: str) -> dict | None:
         return None
     fp8 = m["fqk"] is not None
     qk = int(m["fqk"] if fp8 else m["qk"])
-    v = 128 if fp8 else int(m["v"])
+    v = (128 if qk == 192 else qk) if fp8 else int(m["v"])  # FP8: MLA's v 128, else q's head dim
     return {
         "family": ("int8" if "Int8Args" in name else "fp8") if fp8 else "16bit",
         "element": None if fp8 else ("bf16" if "bfloat16" in m["element"] else "f16"),
@@ -274,7 +274,7 @@ def test_window_kernels_are_built_and_use_hgmma_in_batches(compiled):
 
 def test_fp8_kernels_use_qgmma_and_lean_p_has_no_exponentials(compiled):
     _, sass = compiled
-    found = select(sass, family="fp8", varlen=False, windowed=False, mla=False, n=128)
+    found = select(sass, family="fp8", varlen=False, windowed=False, qk=128, n=128)
     assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         lean = info(name)["lean"]
@@ -319,7 +319,7 @@ def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
     same QGMMA batches, no local memory (the consumers at 232 registers leave none to spare: the window
     mask works from per-row bounds), the producer at 40 registers (setmaxnreg), lean P without MUFU."""
     _, sass = compiled
-    found = select(sass, family="fp8", varlen=False, windowed=True)
+    found = select(sass, family="fp8", varlen=False, windowed=True, qk=128)
     assert len(found) == 4, list(found)  # lean P, exact P; each V staged and V^T loaded
     for name, text in found.items():
         assert "WindowedArgs" in name and "Fp8Args" in name, name
@@ -338,6 +338,31 @@ def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
     assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
     if lean:
         assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
+    """Head dim 64's FP8 instantiations (fwd_fp8_hd64_dense.cu: lean and exact P, plain and windowed;
+    fwd_fp8_hd64_varlen.cu: lean P, plain and windowed), V^T loaded only: S = Q K^T in 2 k32 steps on
+    64x128x32 (64-byte rows), P V in 4 on 64x72x32 (64 columns of O, 8 of sums), the producer at 40
+    registers and the consumers at 232, no local memory, lean P without exponentials."""
+    _, sass = compiled
+    found = select(sass, family="fp8", qk=64)
+    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
+    assert kinds == [
+        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
+        (True, False, True), (True, True, True),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert not staged_v(name) and info(name)["v"] == 64, name
+        qk = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text))
+        pv = len(re.findall(r"\bQGMMA\.64x72x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk % 2 == 0 and pv % 4 == 0 and qk // 2 + 1 == pv // 4, f"{name}: {qk} Q K^T, {pv} P V"
+        assert not re.search(r"\bQGMMA\.64x136x32\b", text), name
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
 
 def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
@@ -359,7 +384,7 @@ def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
     """The FP8 kernel over packed batches (fwd_fp8_hd128_varlen.cu: plain and sliding-window, lean P only,
     each with V staged and V^T loaded), built like the dense ones; O stored from registers (no TMA store)."""
     _, sass = compiled
-    found = select(sass, family="fp8", varlen=True)
+    found = select(sass, family="fp8", varlen=True, qk=128)
     assert sorted((info(name)["windowed"], info(name)["staged"], info(name)["lean"]) for name in found) == [
         (False, False, True),
         (False, True, True),
@@ -372,17 +397,20 @@ def test_fp8_varlen_kernels_are_built_like_the_fp8_kernels(compiled):
         assert "UTMASTG" not in text, name
 
 
-def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled):
-    """ffi/fp8_value_operand.cu: per thread four 16-byte evict-first loads of key rows into shared
-    memory, sixteen conflict-free 4-byte shared loads, the byte transpose in PRMT (8 per 4 x 4
-    bytes), four 16-byte shared stores of V^T rows, then four 16-byte loads of them and four 16-byte
-    global stores; two barriers, no local memory."""
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled, head_dim):
+    """ffi/fp8_value_operand.cu, per head dim D (bytes of a key row): per thread D / 32 16-byte
+    evict-first loads of key rows into shared memory, sixteen conflict-free 4-byte shared loads, the
+    byte transpose in PRMT (8 per 4 x 4 bytes), four 16-byte shared stores of V^T rows (lanes below
+    D / 4), then D / 32 16-byte loads of them and as many 16-byte global stores; two barriers, no local
+    memory."""
     _, sass = compiled
-    (text,) = [text for name, text in kernels(sass).items() if "Fp8ValueOperandKernel" in name]
-    assert len(re.findall(r"\bLDG\b", text)) == len(re.findall(r"\bLDG\.E\.EF\.128\b", text)) == 4
-    assert len(re.findall(r"\bSTG\b", text)) == len(re.findall(r"\bSTG\.E\.128\b", text)) == 4
-    assert len(re.findall(r"\bSTS\b", text)) == len(re.findall(r"\bSTS\.128\b", text)) == 8
-    assert len(re.findall(r"\bLDS\.128\b", text)) == 4
+    (text,) = [text for name, text in kernels(sass).items() if f"Fp8ValueOperandKernelILi{head_dim}E" in name]
+    moves = head_dim // 32
+    assert len(re.findall(r"\bLDG\b", text)) == len(re.findall(r"\bLDG\.E\.EF\.128\b", text)) == moves
+    assert len(re.findall(r"\bSTG\b", text)) == len(re.findall(r"\bSTG\.E\.128\b", text)) == moves
+    assert len(re.findall(r"\bSTS\b", text)) == len(re.findall(r"\bSTS\.128\b", text)) == moves + 4
+    assert len(re.findall(r"\bLDS\.128\b", text)) == moves
     assert len(re.findall(r"\bLDS\s", text)) == 16  # 32-bit: one word of a key row per lane
     assert len(re.findall(r"\bPRMT\b", text)) == 32
     assert len(re.findall(r"\bBAR\.SYNC\b", text)) == 2
@@ -469,8 +497,9 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     _, sass = compiled
     found = select(sass, family=lambda f: f in ("fp8", "int8"))
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
-    # 192-key plain kernel (lean, exact; V^T); INT8: plain, window (V staged, V^T)
-    assert len(found) == 22, list(found)
+    # 192-key plain kernel (lean, exact; V^T), head dim 64 (dense plain, window: lean, exact; varlen plain,
+    # window; V^T only); INT8: plain, window (V staged, V^T)
+    assert len(found) == 28, list(found)
     assert sum(staged_v(name) for name in found) == 10, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
@@ -526,15 +555,16 @@ def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
     kernels store O from registers."""
     _, sass = compiled
     fp8 = select(sass, family="fp8")
-    assert len(fp8) == 18, list(fp8)
+    assert len(fp8) == 24, list(fp8)  # head dim 64 adds 4 dense and 2 varlen kernels
     for name, text in fp8.items():
         tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name))
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         global_stores = len(re.findall(r"\bSTG\.E\b", text))
+        slices = info(name)["v"] // 64  # one store per 64-column slice of O
         if tma:
-            assert stores == 2 and global_stores <= 2, f"{name}: {stores} UTMASTG, {global_stores} STG"
+            assert stores == slices and global_stores <= 2, f"{name}: {stores} UTMASTG, {global_stores} STG"
         else:
-            assert stores == 0 and global_stores >= 32, f"{name}: {stores} UTMASTG, {global_stores} STG"
+            assert stores == 0 and global_stores >= 16 * slices, f"{name}: {stores} UTMASTG, {global_stores} STG"
 
 
 @pytest.mark.parametrize(
@@ -634,7 +664,7 @@ def test_fp8_sass_budget_walks_one_key_block(compiled, block_n):
     an EX2 each and an F2FP per two), and none of the rare paths (the mask's FSELs, the promotion's
     shared-memory copy, the rescale's FMULs)."""
     _, sass = compiled
-    found = select(sass, family="fp8", n=block_n, staged=False, varlen=False, windowed=False, mla=False)
+    found = select(sass, family="fp8", n=block_n, staged=False, varlen=False, windowed=False, qk=128)
     assert len(found) == 2, list(found)  # lean and exact P
     scores = block_n // 2
     for name, text in found.items():
