@@ -86,20 +86,27 @@ def test_fp8_mla_kernel_against_emulation_and_float64(fp8_v_layout, case, lean_p
     (q8, k8, v8), descales = fp8_mla_qkv(seed, batch, seq_q, seq_k, heads_q, heads_kv, granularity)
     out, lse = run_poisoned(q8, k8, v8, descales, causal=causal, lean_p=lean_p)
     assert out.shape == (batch, seq_q, heads_q, HEAD_DIM_V)
+    # The emulation's default scale is 1/sqrt(192), q's and k's head dim, as flash_attention's.
+    assert_matches_references(out, lse, q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+
+
+def assert_matches_references(out, lse, q8, k8, v8, descales, *, causal, lean_p, window=None):
+    """A poisoned kernel run's (out, lse) [B, Sq, Hq, Dv] and [B, Hq, Sq]: nothing left unwritten, the
+    emulation closely and float64 attention of the dequantized inputs loosely (softmax scale 1/sqrt of
+    q's head dim), the same rows without keys (O = 0, LSE = -inf)."""
     assert not np.isnan(out).any(), "the kernel left elements of O unwritten (NaN poison)"
     assert not np.isnan(lse).any(), "the kernel left LSE entries unwritten (NaN poison)"
-
-    # The emulation's default scale is 1/sqrt(192), q's and k's head dim, as flash_attention's.
-    seen = assert_matches_emulation(out, lse, q8, k8, v8, descales, causal=causal, lean_p=lean_p)
+    seen = assert_matches_emulation(out, lse, q8, k8, v8, descales, causal=causal, lean_p=lean_p, window=window)
+    seq_q, heads_q, seq_k, heads_kv = q8.shape[1], q8.shape[2], k8.shape[1], k8.shape[2]
     if causal and seq_q > seq_k:
         assert not np.isfinite(lse).all()  # the case does test empty rows
-
     ref_out, ref_lse = naive_attention_f64(
         dequantized(q8, descales[0], heads_q),
         dequantized(k8, descales[1], heads_kv),
         dequantized(v8, descales[2], heads_kv),
         causal=causal,
-        softmax_scale=HEAD_DIM**-0.5,
+        window=window,
+        softmax_scale=q8.shape[-1] ** -0.5,
     )
     np.testing.assert_array_equal(np.isfinite(ref_lse), seen)
     err = relative_l2(out, ref_out)
