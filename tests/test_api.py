@@ -201,10 +201,11 @@ BAD_CALLS = [
     ),
     (FP8_QKV, dict(FP8_DESCALES, descale_q=spec((), BF16)), TypeError, "descale_q must be float32"),
     (
-        FP8_QKV,
+        {name: spec(s.shape[:3] + (96,), FP8) for name, s in GOOD.items()},
         dict(FP8_DESCALES, implementation="kernel"),
         ValueError,
-        r"cannot serve this call: the FP8 \(e4m3\) kernels take head dims \(q and k / v\) 128/128, 192/128, got 64/64",
+        r"cannot serve this call: the FP8 \(e4m3\) kernels take head dims \(q and k / v\) 64/64, 128/128, 192/128, "
+        r"got 96/96",
     ),
     (dict(q=spec((2, 8, 4, 64), FP8)), {}, TypeError, "q, k and v must share a dtype"),
 ]

@@ -394,10 +394,10 @@ def test_pallas_arguments_prescale_q_in_f16():
 @pytest.mark.parametrize("allow", [False, True])
 def test_fp8_without_a_kernel_is_never_timed_as_jzyfa(monkeypatch, allow):
     """On a GPU (faked here) the FP8 peer asks for the kernel; where the plan has none (FP8 at head dim
-    64): unsupported (saying why, and how to time the pure-JAX path), or with --allow_xla_fallback the
+    96): unsupported (saying why, and how to time the pure-JAX path), or with --allow_xla_fallback the
     pure-JAX path under a name that says so."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
-    problem = Problem(1, 64, 64, 2, 2, 64, True, "fp8")
+    problem = Problem(1, 64, 64, 2, 2, 96, True, "fp8")
     sets = speed.make_input_sets(problem, "gaussian", 2, seed=0)
     ref = speed.compute_reference(problem, sets[0].q, sets[0].k, sets[0].v, 0)
     opts = quick_options(allow)
@@ -460,13 +460,13 @@ def test_fp8_exact_p_runs_only_in_fp8_runs():
 @pytest.mark.parametrize("name", ["jzyfa_fp8", "jzyfa_fp8_exact_p"])
 def test_fp8_peers_build_the_kernel_call_where_the_plan_has_one(monkeypatch, name):
     """On a GPU (faked) the FP8 peers build the kernel call where `jzyfa.plan` has a kernel (head dim
-    128); where it has none the reason is jzyfa's."""
+    128); where it has none (head dim 96) the reason is jzyfa's."""
     monkeypatch.setattr(peers, "_on_gpu", lambda: True)
     peer = peers.PEERS[name]
     assert plan.kernel_for(plan.Config("fp8", (128, 128), "causal", "dense")) is not None
     assert peer.build(Problem(1, 64, 64, 2, 2, 128, True, "fp8"), peers.Options()).path == "kernel"
     with pytest.raises(peers.Unsupported, match="head dim"):
-        peer.build(Problem(1, 64, 64, 2, 2, 64, True, "fp8"), peers.Options())
+        peer.build(Problem(1, 64, 64, 2, 2, 96, True, "fp8"), peers.Options())
 
 
 def test_fp8_sets_quantize_once():
