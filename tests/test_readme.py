@@ -19,7 +19,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import support_matrix  # noqa: E402
 
 MAX_README_LINES = 200
-DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*"
+DATE = re.compile(rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}} {MONTH} \d{{4}}\b|\b{MONTH} \d{{1,2}},? \d{{4}}\b")
 FORBIDDEN = ("_VERIFIED", "JZYFA_UNVERIFIED", "docs/patches")
 
 
