@@ -24,6 +24,12 @@ per sequence (query t at t + len_k[b] - len_q[b]). Without a causal mask or wind
 not matter, so any lengths map. With one, the shift len_k[b] - len_q[b] must be zero for every
 sequence, which is known at trace time only when both lengths are the same array object and T == S;
 otherwise the call falls back. Padded query rows (t >= query_seq_lengths[b]) are 0 on both.
+
+return_residual=True returns (out, residual) as jax.nn does: the log-sum-exp of each row's scaled,
+masked logits ([B, T, N], or [T, N] unbatched) in the inputs' dtype, gradient-stopped. jzyfa serves it
+from its own LSE; a row that sees no key (a padded query row, a window with no key in range) gets the
+value jax.nn's XLA path gives it, the logsumexp of its logits all set to jax.nn's large negative
+number (that number, in float32; -inf once cast to float16).
 """
 
 from __future__ import annotations
@@ -98,7 +104,8 @@ def dot_product_attention(
     key_value_seq_lengths=None,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: str | None = None,
-) -> jax.Array:
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`jax.nn.dot_product_attention`, with its signature and semantics, on jzyfa's kernels where
     they compute the same thing (see the module docstring for the mapping).
 
@@ -106,6 +113,8 @@ def dot_product_attention(
     jzyfa's kernel where cuDNN takes it, else with `jzyfa.flash_attention` where it maps (a Hopper
     kernel, cuDNN or its pure-JAX path) and with jax.nn's default elsewhere; "xla" and "cudnn" are
     passed straight to `jax.nn.dot_product_attention`.
+
+    return_residual: also return the log-sum-exp residual (see the module docstring), as jax.nn does.
     """
     reference = functools.partial(
         jax.nn.dot_product_attention,
@@ -119,6 +128,8 @@ def dot_product_attention(
         query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths,
         local_window_size=local_window_size,
+        # Passed only when asked, so that the plain call stays the one every jax.nn release takes.
+        **({"return_residual": True} if return_residual else {}),
     )
     if implementation in _JAX_IMPLEMENTATIONS:
         return reference(implementation=implementation)
@@ -127,8 +138,11 @@ def dot_product_attention(
             f"implementation must be None, 'xla' or 'cudnn' (as for jax.nn.dot_product_attention), "
             f"got implementation={implementation!r}; pass None to let jzyfa choose."
         )
-    # jax.nn's own checks (shapes, dtypes, lengths, heads) and its output's shape and dtype, abstractly.
+    # jax.nn's own checks (shapes, dtypes, lengths, heads) and its outputs' shapes and dtypes, abstractly.
     out_aval = jax.eval_shape(reference)
+    residual_aval = None
+    if return_residual:
+        out_aval, residual_aval = out_aval
     if cudnn.replaces_kernel(_platform.target()):
         try:
             out = reference(implementation="cudnn")
@@ -137,7 +151,12 @@ def dot_product_attention(
                 raise
             # jax.nn's cuDNN checks refuse this call: jzyfa's mapping or jax.nn's default below
         else:
-            return out if query_seq_lengths is None else _zero_padded_rows(out, query_seq_lengths)
+            residual = None
+            if return_residual:
+                out, residual = out
+            if query_seq_lengths is not None:
+                out = _zero_padded_rows(out, query_seq_lengths)
+            return (out, residual) if return_residual else out
     window = None
     if bias is None and mask is None:
         q, k, v = (jnp.asarray(x) for x in (query, key, value))
@@ -153,7 +172,7 @@ def dot_product_attention(
             window = None
     if window is None:
         return reference()
-    out = flash_attention(
+    result = flash_attention(
         q,
         k,
         v,
@@ -161,7 +180,21 @@ def dot_product_attention(
         softmax_scale=None if scale is None else float(scale),
         seqlens_q=None if query_seq_lengths is None else jnp.asarray(query_seq_lengths),
         seqlens_k=None if key_value_seq_lengths is None else jnp.asarray(key_value_seq_lengths),
+        return_lse=return_residual,
     )
+    out, lse = result if return_residual else (result, None)
     if unbatched:
         out = out[0]
-    return out.astype(out_aval.dtype).reshape(out_aval.shape)
+    out = out.astype(out_aval.dtype).reshape(out_aval.shape)
+    if not return_residual:
+        return out
+    return out, _residual(lse, residual_aval)
+
+
+def _residual(lse: jax.Array, aval) -> jax.Array:
+    """jzyfa's LSE (float32 [B, N, T]) as jax.nn's residual: [B, T, N] (or [T, N]) in aval's dtype,
+    gradient-stopped, a row of no key at the logsumexp jax.nn's XLA path gives it."""
+    no_key = jnp.asarray(-0.7 * float(jnp.finfo(jnp.float32).max), jnp.float32)  # jax.nn's masked logit
+    lse = jnp.where(jnp.isneginf(lse), no_key, lse)
+    residual = jnp.swapaxes(lse, 1, 2).astype(aval.dtype).reshape(aval.shape)
+    return jax.lax.stop_gradient(residual)

@@ -216,6 +216,7 @@ def test_implementation_xla_and_kernel_are_unchanged(on_target):
 
 DROP_IN_CALLS = {
     "causal": ({"is_causal": True}, {}),
+    "causal_with_residual": ({"is_causal": True, "return_residual": True}, {}),
     "causal_top_left_sq_ne_sk": ({"is_causal": True}, {"seq_q": 64}),  # jax.nn's own semantics
     "bias": ({"bias": jnp.zeros((1, 4, 128, 128), jnp.bfloat16)}, {}),
     "mask": ({"mask": jnp.tril(jnp.ones((128, 128), bool))[None, None]}, {}),

@@ -168,3 +168,84 @@ def test_jax_nn_errors(rng):
     q, k, v = _inputs(rng, 1, 8, 8, 2, 2, 64, jnp.bfloat16)
     with pytest.raises(ValueError, match="query_seq_lengths"):
         jzyfa.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([3, 4], jnp.int32))
+
+
+def _residual_close(ours, ref, dtype):
+    """Residuals (log-sum-exps in the inputs' dtype): equal where jax.nn's row saw no key (its large
+    negative number), else within the dtype's rounding of a value of a few units."""
+    a, b = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    empty = b < -1e30
+    np.testing.assert_array_equal(a[empty], b[empty])
+    np.testing.assert_allclose(a[~empty], b[~empty], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("t,s,is_causal,lws,served", CASES)
+def test_return_residual_matches_jax_nn(cpu_backend, rng, dtype, t, s, is_causal, lws, served):
+    q, k, v = _inputs(rng, 2, t, s, 4, 2, 64, dtype)  # GQA 4/2
+    kw = {"is_causal": is_causal, "local_window_size": lws, "return_residual": True}
+    out, residual = jzyfa.dot_product_attention(q, k, v, **kw)
+    ref_out, ref_residual = jax.nn.dot_product_attention(q, k, v, **kw)
+    assert (out.shape, out.dtype) == (ref_out.shape, ref_out.dtype)
+    assert (residual.shape, residual.dtype) == (ref_residual.shape, ref_residual.dtype) == ((2, t, 4), k.dtype)
+    _close(out, ref_out, dtype)
+    _residual_close(residual, ref_residual, dtype)
+    if dtype != jnp.float32:
+        assert _uses_jzyfa(lambda *a: jzyfa.dot_product_attention(*a, **kw), q, k, v) == served
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_return_residual_rows_without_keys(cpu_backend, rng, is_causal):
+    """Padded query rows and a batch row of no keys: the residual jax.nn's XLA path gives them (its
+    masked logit), in bf16 and in float16 (where it is -inf)."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        q, k, v = _inputs(rng, 3, 16, 16, 4, 4, 64, dtype)
+        lengths = jnp.array([16, 5, 0], jnp.int32)
+        kw = {"is_causal": is_causal, "query_seq_lengths": lengths, "key_value_seq_lengths": lengths}
+        kw["return_residual"] = True
+        out, residual = jzyfa.dot_product_attention(q, k, v, **kw)
+        ref_out, ref_residual = jax.nn.dot_product_attention(q, k, v, **kw)
+        assert _uses_jzyfa(lambda *a, kw=kw: jzyfa.dot_product_attention(*a, **kw), q, k, v)
+        rows = (np.arange(16)[None, :] < np.asarray(lengths)[:, None])[:, :, None, None]
+        _close(out, ref_out, dtype)
+        _residual_close(residual, ref_residual, dtype)
+        padded = np.asarray(residual, np.float32)[~rows[..., 0, 0]]
+        assert padded.size and (padded == np.float32(jnp.float32(-0.7 * np.finfo(np.float32).max).astype(dtype))).all()
+
+
+def test_return_residual_unbatched_and_gradients(cpu_backend, rng):
+    """[T, N] residual for unbatched inputs; the residual is gradient-stopped and the output's
+    gradients are those of the call without it."""
+    q, k, v = _inputs(rng, None, 12, 12, 8, 2, 128, jnp.bfloat16)
+    kw = {"is_causal": True, "scale": 0.3}
+    out, residual = jzyfa.dot_product_attention(q, k, v, return_residual=True, **kw)
+    ref_out, ref_residual = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+    assert residual.shape == (12, 8)
+    _close(out, ref_out, jnp.bfloat16)
+    _residual_close(residual, ref_residual, jnp.bfloat16)
+    weights = jnp.cos(jnp.arange(128.0))
+
+    def loss(with_residual):
+        def f(*a):
+            if with_residual:
+                o, r = jzyfa.dot_product_attention(*a, return_residual=True, **kw)
+                return jnp.sum(o.astype(jnp.float32) * weights) + jnp.sum(r.astype(jnp.float32))
+            return jnp.sum(jzyfa.dot_product_attention(*a, **kw).astype(jnp.float32) * weights)
+
+        return f
+
+    g_with = jax.grad(loss(True), argnums=(0, 1, 2))(q, k, v)
+    g_without = jax.grad(loss(False), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_with, g_without):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_return_residual_with_xla_and_fallbacks(cpu_backend, rng):
+    """implementation="xla" and the calls jax.nn serves (a bias) return jax.nn's tuple unchanged."""
+    q, k, v = _inputs(rng, 2, 8, 8, 2, 2, 64, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((2, 2, 8, 8)), jnp.bfloat16)
+    for kw in ({"implementation": "xla"}, {"bias": bias}):
+        out, residual = jzyfa.dot_product_attention(q, k, v, return_residual=True, **kw)
+        ref_out, ref_residual = jax.nn.dot_product_attention(q, k, v, return_residual=True, **kw)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
+        np.testing.assert_array_equal(np.asarray(residual, np.float32), np.asarray(ref_residual, np.float32))
