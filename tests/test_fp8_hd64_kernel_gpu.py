@@ -23,7 +23,7 @@ from test_fp8_kernel_gpu import (
     run_poisoned,
     run_poisoned_call,
 )
-from test_fp8_mla_kernel_gpu import assert_matches_references
+from test_fp8_mla_kernel_gpu import assert_matches_references, case_id
 from test_kernel_gpu import relative_l2
 
 from jzyfa import plan
@@ -49,11 +49,6 @@ CASES = [
     (1, 4097, 4097, 4, 1, True, "tensor"),
     (4, 1536, 1536, 8, 2, True, "head"),  # 384 tiles on 132 CTAs
 ]
-
-
-def case_id(case):
-    batch, sq, sk, hq, hkv, causal, granularity = case
-    return f"{'causal' if causal else 'full'}-b{batch}-{sq}x{sk}-h{hq}/{hkv}-{granularity}"
 
 
 def fp8_qkv(case, seed):
