@@ -90,7 +90,8 @@ std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t st
 }
 
 // The tile a call runs on: head dims, V source, layout, keys per block (p.key_block, which
-// ValidateFwd resolved to 128 or, for the dense unwindowed V^T kernel, 192).
+// ValidateFwd resolved to the head dim's default, Fp8DefaultBlockN, or, for the dense unwindowed V^T
+// kernel, 192).
 template <int kHeadDimQK, Layout kLayout>
 std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   const auto with_tile = [&](auto tile) {
@@ -99,7 +100,8 @@ std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
       constexpr bool kWindow = decltype(windowed)::value;
       if constexpr (kLayout == Layout::kVarlen) {
         return LaunchFp8Tile<Tile, true, kWindow>(p, mask, stream);  // lean P only
-      } else if constexpr (kWindow && (kHeadDimQK != Tile::kHeadDimV || Tile::kBlockN != 128)) {
+      } else if constexpr (kWindow && (kHeadDimQK != Tile::kHeadDimV ||
+                                       Tile::kBlockN != Fp8DefaultBlockN(Tile::kHeadDimV))) {
         return "no FP8 sliding-window kernel for this tile";  // ValidateFwd admits none
       } else {
         return BoolSwitch(p.lean_p, [&](auto lean_p) {
@@ -115,8 +117,8 @@ std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
     }
     return with_tile(TypeTag<Fp8TileT<kHeadDimQK, false, L>>{});
   }
-  if constexpr (kHeadDimQK == 64) {
-    return "v_transposed must be true for the FP8 kernel at head dim 64 (V^T from memory only)";
+  if constexpr (kHeadDimQK == 64 || kHeadDimQK == 256) {
+    return "v_transposed must be true for the FP8 kernel at head dims 64 and 256 (V^T from memory only)";
   } else {
     return with_tile(TypeTag<Fp8TileT<kHeadDimQK, true, L>>{});
   }

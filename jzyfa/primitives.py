@@ -575,7 +575,7 @@ batching.primitive_batchers[attention_bwd_p] = functools.partial(_batch_rule, at
 # (ffi/fp8_value_operand.cu, bitwise the same); everywhere else, and for shapes that kernel does not take,
 # the pure-JAX function is the lowering.
 fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
-FP8_VALUE_OPERAND_HEAD_DIMS = (64, 128)
+FP8_VALUE_OPERAND_HEAD_DIMS = (64, 128, 256)
 
 
 def _value_operand_abstract_eval(v):

@@ -58,7 +58,7 @@ BUILT_KERNELS = {
     ),
     *(
         ("fp8", d, d, mask, layout, "fwd")
-        for d in (64, 128)
+        for d in (64, 128, 256)
         for mask in ("none", "causal", "window")
         for layout in ("dense", "varlen")
     ),

@@ -133,11 +133,12 @@ def test_sliding_window(rng):
     check(rng, [65, 300, 1000], [65, 300, 1000], causal=False, per_head=True, window=(96, 0))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (96, 0))])
-def test_head_dim_64(rng, causal, window):
-    """The head-dim-64 varlen kernel (V^T from memory whatever the layout override says: the in-kernel
-    transpose takes 128-byte rows only)."""
-    check(rng, LENGTHS, LENGTHS, causal=causal, per_head=True, pad_q=3, window=window, head_dim=64)
+def test_head_dims_64_and_256(rng, causal, window, head_dim):
+    """The head-dim-64 and -256 varlen kernels (V^T from memory whatever the layout override says: the
+    in-kernel transpose takes 128-byte rows only)."""
+    check(rng, LENGTHS, LENGTHS, causal=causal, per_head=True, pad_q=3, window=window, head_dim=head_dim)
 
 
 def test_reruns_are_bitwise_identical(rng):

@@ -365,6 +365,33 @@ def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
         assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
 
+def test_fp8_hd256_kernels_are_built_like_the_fp8_kernels(compiled):
+    """Head dim 256's FP8 instantiations (fwd_fp8_hd256_dense.cu: lean and exact P, plain and windowed;
+    fwd_fp8_hd256_varlen.cu: lean P, plain and windowed), V^T loaded only, 64-key blocks: S = Q K^T in
+    8 k32 steps on 64x64x32 (two 128-byte slices of Q and K), P V in 2 on 64x256x32 (O's 256 columns)
+    each beside one 64x8x32 (the 8 sum columns: a wgmma's N stops at 256), the producer at 40 registers
+    and the consumers at 232, no local memory, O stored from registers, lean P without exponentials."""
+    _, sass = compiled
+    found = select(sass, family="fp8", qk=256)
+    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
+    assert kinds == [
+        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
+        (True, False, True), (True, True, True),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert not staged_v(name) and info(name)["v"] == 256 and info(name)["n"] == 64, name
+        qk = len(re.findall(r"\bQGMMA\.64x64x32\.F32\.E4M3\.E4M3", text))
+        pv = len(re.findall(r"\bQGMMA\.64x256x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        sums = len(re.findall(r"\bQGMMA\.64x8x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk % 8 == 0 and pv % 2 == 0 and qk // 8 == pv // 2 and sums == pv, f"{name}: {qk}, {pv}, {sums}"
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
+        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
+        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
+        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        assert "UTMASTG" not in text, name
+        assert ("MUFU.EX2" in text) != info(name)["lean"], name
+
+
 def test_fp8_mla_kernels_are_built_like_the_fp8_kernels(compiled):
     """MLA's FP8 instantiations (fwd_fp8_hd192x128_dense.cu: q/k head dim 192, v 128, lean and exact P),
     built like the head-dim-128 ones: S = Q K^T in 6 k32 steps (two
@@ -560,12 +587,13 @@ def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
     MLA's with V^T loaded, write bf16 O through shared memory and one TMA store per 64-column slice (two),
     and only the LSE from registers, as do the 192-key kernels (their V^T in 64-key slices leaves the
     room); MLA's staged kernels (no room for the O tiles next to the staging buffers) and the varlen
-    kernels store O from registers."""
+    kernels store O from registers, as do head dim 256's (its O tiles, 64 KB, do not fit beside O's
+    float32 copies)."""
     _, sass = compiled
     fp8 = select(sass, family="fp8")
-    assert len(fp8) == 24, list(fp8)  # head dim 64 adds 4 dense and 2 varlen kernels
+    assert len(fp8) == 30, list(fp8)  # head dims 64 and 256 add 4 dense and 2 varlen kernels each
     for name, text in fp8.items():
-        tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name))
+        tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name)) and info(name)["v"] != 256
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         global_stores = len(re.findall(r"\bSTG\.E\b", text))
         slices = info(name)["v"] // 64  # one store per 64-column slice of O

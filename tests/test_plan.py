@@ -25,7 +25,7 @@ from jzyfa.primitives import FFI_TARGET, FFI_TARGET_VALUE_OPERAND
 SIXTEEN_BIT_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 EXPECTED_ROWS = (
     {Config("16bit", d, m, layout) for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
-    | {Config("fp8", d, m, layout) for d in ((64, 64), (128, 128)) for m in plan.MASKS for layout in plan.LAYOUTS}
+    | {Config("fp8", d, m, layout) for d in ((64, 64), (128, 128), (256, 256)) for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("fp8", (192, 128), m, "dense") for m in ("none", "causal")}
     | {Config("16bit", d, m, layout, "bwd") for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("int8", (128, 128), m, "dense") for m in plan.MASKS}
@@ -34,7 +34,7 @@ EXPECTED_ROWS = (
 
 def test_kernels_are_the_rows_that_passed_their_gpu_tests():
     assert plan.KERNELS == EXPECTED_ROWS
-    assert len(plan.KERNELS) == 4 * 3 * 2 + 2 * 3 * 2 + 2 + 4 * 3 * 2 + 3
+    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 3 * 2 + 2 + 4 * 3 * 2 + 3
     assert plan.MLA_HEAD_DIMS == (192, 128)
 
 
@@ -74,7 +74,7 @@ NOT_ROWS = [
 def test_not_rows_cover_the_gaps():
     assert Config("fp8", (192, 128), "window", "dense") in NOT_ROWS
     assert Config("fp8", (192, 128), "causal", "varlen") in NOT_ROWS
-    assert Config("fp8", (256, 256), "none", "dense") in NOT_ROWS
+    assert Config("fp8", (128, 64), "none", "dense") in NOT_ROWS
     assert Config("16bit", (96, 96), "none", "dense") in NOT_ROWS
 
 
@@ -97,11 +97,11 @@ def test_not_rows_cover_the_gaps():
         ),
         (
             Config("fp8", (96, 96), "causal", "dense"),
-            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96",
+            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 96/96",
         ),
         (
-            Config("fp8", (256, 256), "none", "varlen"),
-            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 256/256",
+            Config("fp8", (128, 64), "none", "varlen"),
+            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 128/64",
         ),
         (
             Config("fp8", (192, 128), "causal", "varlen"),
@@ -415,7 +415,7 @@ def test_configurations_outside_the_table_raise_naming_the_problem(cpu_backend, 
         # No path takes packed FP8 inputs at other head dims: an argument error, whatever the implementation.
         for implementation in ("kernel", None, "xla"):
             fn, args = kernel_call(config, implementation)
-            with pytest.raises(ValueError, match="flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128"):
+            with pytest.raises(ValueError, match="flash_attention_varlen takes FP8 inputs with one head_dim of 64, 128 or 256"):
                 jax.eval_shape(fn, *args)
         return
     expected = "implementation='kernel' cannot serve this call: " + plan.config_problem(config)
@@ -457,8 +457,8 @@ def test_bad_override_values_raise_naming_the_variable(cpu_backend, monkeypatch,
 def test_v_layout_override_sets_v_transposed(cpu_backend, monkeypatch, row, layout):
     monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, layout)
     attrs, hlo = fp8_custom_call(row)
-    # Head dim 64 has no staged kernel: V^T whatever the override.
-    transposed = layout == "transposed" or row.head_dims == (64, 64)
+    # Head dims 64 and 256 have no staged kernel: V^T whatever the override.
+    transposed = layout == "transposed" or row.head_dims in ((64, 64), (256, 256))
     assert attrs["v_transposed"] == str(transposed).lower()
     # V^T from the layout kernel (varlen: after gathering each sequence's keys).
     assert len(custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)) == transposed
