@@ -532,9 +532,9 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     _, sass = compiled
     found = select(sass, family=lambda f: f in ("fp8", "int8"))
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
-    # 192-key plain kernel (lean, exact; V^T), head dim 64 (dense plain, window: lean, exact; varlen plain,
-    # window; V^T only); INT8: plain, window (V staged, V^T)
-    assert len(found) == 28, list(found)
+    # 192-key plain kernel (lean, exact; V^T), head dims 64 and 256 (each dense plain, window: lean, exact;
+    # varlen plain, window; V^T only); INT8: plain, window (V staged, V^T)
+    assert len(found) == 34, list(found)
     assert sum(staged_v(name) for name in found) == 10, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
