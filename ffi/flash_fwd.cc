@@ -84,7 +84,9 @@ int Fp8KeyBlock(bool v_transposed, int64_t head_dim, bool causal, int64_t window
                 int64_t window_right, int64_t seqlen_q, int64_t seqlen_k) {
   MaskPlan mask;  // where ResolveMask refuses the bounds the launch refuses the call: any answer does
   ResolveMask(causal, window_left, window_right, seqlen_q, seqlen_k, &mask);
-  const int default_block = Fp8DefaultBlockN(static_cast<int>(head_dim));
+  // The default block follows v's head dim: MLA's 192-wide q and k pair with a 128-wide v.
+  const int head_dim_v = head_dim == kMlaHeadDimQK ? kMlaHeadDimV : static_cast<int>(head_dim);
+  const int default_block = Fp8DefaultBlockN(head_dim_v);
   if (!HasWideFp8Kernel(false, v_transposed, head_dim, mask)) return default_block;
   return seqlen_k >= (mask.causal ? kWideMinKeysCausal : kWideMinKeysNoMask) ? kFp8WideBlockN
                                                                               : default_block;
