@@ -333,11 +333,27 @@ def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
     assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
     fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
     assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+    check_fp8_registers(name, text)
+    if lean:
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def check_fp8_registers(name: str, text: str) -> None:
+    """The FP8 kernels' register split (setmaxnreg): the producer at 40, the consumers at 232, and no
+    local memory."""
     assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
     assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
     assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
-    if lean:
-        assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def check_dense_and_varlen_set(found: dict) -> None:
+    """A head dim's FP8 instantiations: dense with lean and exact P, plain and windowed; varlen with lean
+    P, plain and windowed."""
+    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
+    assert kinds == [
+        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
+        (True, False, True), (True, True, True),
+    ], list(found)  # fmt: skip
 
 
 def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
@@ -347,11 +363,7 @@ def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
     registers and the consumers at 232, no local memory, lean P without exponentials."""
     _, sass = compiled
     found = select(sass, family="fp8", qk=64)
-    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
-    assert kinds == [
-        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
-        (True, False, True), (True, True, True),
-    ], list(found)  # fmt: skip
+    check_dense_and_varlen_set(found)
     for name, text in found.items():
         assert not staged_v(name) and info(name)["v"] == 64, name
         qk = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text))
@@ -359,9 +371,7 @@ def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
         assert qk % 2 == 0 and pv % 4 == 0 and qk // 2 + 1 == pv // 4, f"{name}: {qk} Q K^T, {pv} P V"
         assert not re.search(r"\bQGMMA\.64x136x32\b", text), name
         assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
-        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        check_fp8_registers(name, text)
         assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
 
@@ -373,11 +383,7 @@ def test_fp8_hd256_kernels_are_built_like_the_fp8_kernels(compiled):
     and the consumers at 232, no local memory, O stored from registers, lean P without exponentials."""
     _, sass = compiled
     found = select(sass, family="fp8", qk=256)
-    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
-    assert kinds == [
-        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
-        (True, False, True), (True, True, True),
-    ], list(found)  # fmt: skip
+    check_dense_and_varlen_set(found)
     for name, text in found.items():
         assert not staged_v(name) and info(name)["v"] == 256 and info(name)["n"] == 64, name
         qk = len(re.findall(r"\bQGMMA\.64x64x32\.F32\.E4M3\.E4M3", text))
@@ -385,9 +391,7 @@ def test_fp8_hd256_kernels_are_built_like_the_fp8_kernels(compiled):
         sums = len(re.findall(r"\bQGMMA\.64x8x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
         assert qk % 8 == 0 and pv % 2 == 0 and qk // 8 == pv // 2 and sums == pv, f"{name}: {qk}, {pv}, {sums}"
         assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
-        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        check_fp8_registers(name, text)
         assert "UTMASTG" not in text, name
         assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
