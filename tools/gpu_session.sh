@@ -32,9 +32,24 @@ rm -rf "$SITE"
 export JZYFA_MEASURE=${JZYFA_MEASURE:-}
 # One build directory per CUDAFLAGS and variant: with pyproject's fixed build/ a change finds "no work to do".
 BUILD_DIR=/tmp/jzyfa-build-$(printf '%s' "${CUDAFLAGS:-} ${JZYFA_MEASURE}" | md5sum | cut -c1-8)
-python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DIR" --target "$SITE" "$REPO" \
-  > "$OUT_DIR/build.log" 2>&1 \
-  || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
+build_here() {
+  python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DIR" --target "$SITE" "$REPO" \
+    > "$OUT_DIR/build.log" 2>&1 \
+    || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
+}
+# JZYFA_PREBUILT_SITE: an installed jzyfa (a folder holding jzyfa/ with its extension) built elsewhere
+# from this tree's sources, carried in to save the device the build's minutes; it is used only if its
+# extension loads here, else the tree is built as usual.
+if [ -n "${JZYFA_PREBUILT_SITE:-}" ]; then
+  mkdir -p "$SITE" && cp -r "$REPO/$JZYFA_PREBUILT_SITE"/jzyfa "$SITE"/
+  if (cd /tmp && PYTHONPATH="$SITE" python3 -c "import jzyfa, sys; sys.exit(0 if jzyfa.kernel_available() else 1)"); then
+    echo "prebuilt extension from $JZYFA_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build.log"
+  else
+    echo "prebuilt extension does not load here: building"; rm -rf "$SITE"; build_here
+  fi
+else
+  build_here
+fi
 # At most 8 files come back from the device tool: keep resources and SASS counts in one.
 grep -E "registers|spill|stack frame|C75" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/summary.txt"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
