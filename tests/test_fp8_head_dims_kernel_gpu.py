@@ -29,6 +29,7 @@ from test_fp8_kernel_gpu import (
     run_poisoned_call,
 )
 from test_fp8_mla_kernel_gpu import assert_matches_references, case_id
+from plan_rows import add_rows
 from test_kernel_gpu import relative_l2
 
 from jzyfa import plan
@@ -58,6 +59,14 @@ CASES = [
 ]
 
 head_dims = pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=lambda d: f"hd{d}")
+
+
+@pytest.fixture(autouse=True)
+def planned(monkeypatch, request):
+    """The plan's rows at the test's head dim (added where the kernel is built but not yet planned)."""
+    head_dim = request.node.callspec.params.get("head_dim") if hasattr(request.node, "callspec") else None
+    if head_dim is not None:
+        add_rows(monkeypatch, "fp8", (head_dim, head_dim))
 
 
 def fp8_qkv(case, head_dim, seed):

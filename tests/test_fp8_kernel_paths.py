@@ -20,6 +20,7 @@ from hlo_utils import cuda_hlo, custom_call_lines, window_attributes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
+from plan_rows import add_rows
 from test_extension import WIDE_MIN_KEYS
 
 import jzyfa
@@ -254,7 +255,7 @@ def test_dense_configurations_outside_the_table_say_why(rng, kernel_available, h
 
 def test_fp8_problem_sentences():
     assert plan.config_problem(Config("fp8", (96, 96), "causal", "dense")) == (
-        "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 96/96"
+        "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96"
     )
     assert plan.config_problem(Config("fp8", (192, 128), "window", "dense")) == (
         "the FP8 (e4m3) kernel at head dims 192/128 (dense) takes masks none, causal, not a 'window' mask"
@@ -351,6 +352,7 @@ def test_head_dims_64_and_256_are_always_v_transposed(monkeypatch, layout, head_
     from the layout kernel whatever the rule or the override says."""
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
     dims = (head_dim, head_dim)
+    add_rows(monkeypatch, "fp8", dims)  # the lowering of a built kernel, planned or not yet
     hlo = cuda_hlo(fp8_call("kernel", causal=True), *dense_specs(dims), DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET)
     assert attributes(call)["v_transposed"] == "true"
