@@ -33,8 +33,9 @@ BWD_WIDE_RS_N = (192,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3", "s8": "s8"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8, "s8": 8}
-# The INT8 kernel's S = Q K^T (s8 x s8 into exact int32 sums; shared-memory operands): its key block.
-INT8_QK_N = (128,)
+# The INT8 kernels' S = Q K^T (s8 x s8 into exact int32 sums; shared-memory operands): their key
+# blocks (64 at head dim 256, 128 at 128).
+INT8_QK_N = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)

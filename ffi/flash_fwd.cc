@@ -38,7 +38,7 @@ std::string HeadDimsMessage(const FwdParams& p) {
   const std::string got =
       "; got " + Str(p.head_dim) + " for q and k, " + Str(p.head_dim_v) + " for v";
   if (p.family() == Family::kInt8) {
-    return "head_dim must be 128 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
+    return "head_dim must be 128 or 256 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
   }
   if (p.family() == Family::kFp8) {
     return std::string("head_dim must be 64, 128 or 256 for q, k and v") +
@@ -166,6 +166,11 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
       return "q_scale, k_scale and descale_v are required for int8 inputs";
     }
     if (!p.lean_p) return "lean_p must be true for int8 inputs (the INT8 kernel computes lean P only)";
+    if (p.head_dim_v != 128 && !p.v_transposed) {
+      return "v_transposed must be true for the INT8 kernel at head dim " + Str(p.head_dim_v) +
+             ": it reads V^T from memory (jzyfa.fp8_layout), its in-kernel transpose takes 128-byte "
+             "V rows only";
+    }
     if (p.v_transposed && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" + Str((p.seqlen_k + 31) / 32 * 32) +
              "), got " + Str(p.vt_keys);
@@ -240,11 +245,13 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
              (wide ? "" : " (192-key blocks: dense, unwindowed head dim 128 with v_transposed)");
     }
   } else if (int8) {
-    if (p.key_block != 0 && p.key_block != 128) {
-      return "key_block must be 0 (the launch's rule) or 128 for int8 inputs (one K scale per key "
-             "block), got " + Str(p.key_block);
+    // The FP8 tile's default block: 128 keys (one K scale), 64 at head dim 256 (half a K scale block).
+    const int64_t block = Fp8DefaultBlockN(static_cast<int>(p.head_dim_v));
+    if (p.key_block != 0 && p.key_block != block) {
+      return "key_block must be 0 (the launch's rule) or " + Str(block) + " for int8 inputs at head dim " +
+             Str(p.head_dim_v) + ", got " + Str(p.key_block);
     }
-    p.key_block = 128;
+    p.key_block = block;
   } else {
     const int64_t block = Fwd16DefaultBlockN(static_cast<int>(p.head_dim_v));
     if (p.key_block != 0 && p.key_block != block) {

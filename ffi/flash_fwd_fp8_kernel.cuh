@@ -75,7 +75,8 @@ struct Fp8Args {
 // (IGMMA: exact int32 sums, a 128-deep product of int8 values fits in 22 bits), turned into floats
 // exactly (I2F), and each key block's factor to log2 units, (q_scale * k_scale) * scale_log2 (the
 // emulation's order: jzyfa/int8_emulation.py), is the one multiply lean P's FFMA takes. A tile's 128
-// rows are one Q scale block, a key block of 128 keys one K scale block. The rest is the FP8 kernel's.
+// rows are one Q scale block, a key block of 128 keys one K scale block (head dim 256's 64-key blocks:
+// two to a K scale block). The rest is the FP8 kernel's.
 struct Int8Args : Fp8Args {
   int q_blocks;  // ceil(seqlen_q / 128): q_scale's last dim
   int k_blocks;  // ceil(seqlen_k / 128): k_scale's last dim
@@ -159,9 +160,9 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr bool kInt8 = kIsInt8<Args>;
-  static_assert(!kInt8 || (!kVarlen && !kMla && kLeanP && kBlockN == kInt8ScaleBlock &&
+  static_assert(!kInt8 || (!kVarlen && !kMla && kLeanP && kInt8ScaleBlock % kBlockN == 0 &&
                            Tile::kBlockM == kInt8ScaleBlock),
-                "INT8: dense, head dim 128, lean P; one Q scale per tile, one K scale per key block");
+                "INT8: dense, lean P; one Q scale per tile, one K scale per key block or per two");
   constexpr int kStages = Tile::kStages;
   // Wider blocks, and head dim 256's 132-register O: one P buffer, packed from the codes left in S
   // once the previous block's P V (which reads the buffer) has landed; two buffers of 192 keys
@@ -489,8 +490,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         if constexpr (kInt8) {
           int key_block = block;
           if constexpr (kWindow) key_block += work.first_block;
+          // The K scale block (128 keys) holding this key block (128 keys, or 64 at head dim 256).
+          const int scale_block = key_block / (kInt8ScaleBlock / kBlockN);
           return args.descale_k[(static_cast<int64_t>(work.batch) * args.heads_kv + work.kv_head) *
-                                    args.k_blocks + key_block];
+                                    args.k_blocks + scale_block];
         } else {
           return 0.f;  // FP8: one descale per tile (row_scale below)
         }

@@ -62,12 +62,13 @@ std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t
       [&](Args& args) { SetDescaleArgs(args, p); });
 }
 
-// The INT8 launch (Int8Args): dense, head dim 128, lean P, 128-key blocks (one K scale each); V staged
-// and transposed in the kernel, or V^T from fp8_value_operand.cu (p.v_transposed); the scales' blocks
-// (128 tokens) from the lengths.
-template <bool kWindow, bool kStagedV>
+// The INT8 launch (Int8Args): dense, lean P, the FP8 tile's key blocks (head dim 128: 128 keys, one K
+// scale each; 256: 64 keys, two blocks a K scale); V staged and transposed in the kernel (head dim 128
+// only), or V^T from fp8_value_operand.cu (p.v_transposed); the scales' blocks (128 tokens) from the
+// lengths.
+template <int kHeadDim, bool kWindow, bool kStagedV>
 std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8TileT<128, kStagedV, Layout::kDense>;
+  using Tile = Fp8TileT<kHeadDim, kStagedV, Layout::kDense>;
   using Args = std::conditional_t<kWindow, WindowedArgs<Int8Args>, Int8Args>;
   return LaunchFwdKernel<Fp8Mainloop<true, Tile>, Tile, Args>(
       p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
@@ -79,13 +80,18 @@ std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_
 }
 
 // A template, so that only the INT8 instantiation file compiles its kernels.
-template <Layout kLayout>
+template <int kHeadDim, Layout kLayout>
 std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
-  return BoolSwitch(mask.windowed, [&](auto windowed) {
-    return BoolSwitch(p.v_transposed, [&](auto transposed) {
-      return LaunchInt8Tile<decltype(windowed)::value, !decltype(transposed)::value>(p, mask, stream);
-    });
+  return BoolSwitch(mask.windowed, [&](auto windowed) -> std::string {
+    constexpr bool kWindow = decltype(windowed)::value;
+    if constexpr (kHeadDim != 128) {  // V^T only (ValidateFwd)
+      return LaunchInt8Tile<kHeadDim, kWindow, false>(p, mask, stream);
+    } else {
+      return BoolSwitch(p.v_transposed, [&](auto transposed) {
+        return LaunchInt8Tile<kHeadDim, kWindow, !decltype(transposed)::value>(p, mask, stream);
+      });
+    }
   });
 }
 

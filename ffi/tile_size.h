@@ -56,8 +56,9 @@ inline constexpr FwdKernelGroup kFwdKernels[] = {
     {Family::kFp8, 256, 256, Layout::kDense, kAllMasks},
     {Family::kFp8, 256, 256, Layout::kVarlen, kAllMasks},
     {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
-    // INT8 Q K^T with e4m3 V (precision="int8"): head dim 128, dense, every mask.
+    // INT8 Q K^T with e4m3 V (precision="int8"): head dims 128 and 256, dense, every mask.
     {Family::kInt8, 128, 128, Layout::kDense, kAllMasks},
+    {Family::kInt8, 256, 256, Layout::kDense, kAllMasks},
 };
 inline constexpr size_t kNumFwdKernelGroups = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
 

@@ -363,10 +363,10 @@ def fp8_value_layout(
     return layout
 
 
-def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
+def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int, *, head_dim: int = 128) -> str:
     """ "staged" or "transposed" for one shard of a dense INT8 call: the FP8 rule by rows (the INT8 kernel
-    has 128-key blocks only, so no wide-block exception)."""
-    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
+    has no wide blocks, so no wide-block exception); V^T always at head dim 256."""
+    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS, head_dim)
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int, *, head_dim: int = 128) -> str:

@@ -324,7 +324,8 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
         spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
     # INT8: V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows.
-    if spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2]) == "transposed":
+    int8_layout = spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2], head_dim=q.shape[3])
+    if int8_layout == "transposed":
         v = fp8_value_operand_p.bind(v)
         spec = dataclasses.replace(spec, v_transposed=True)
     out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)

@@ -299,7 +299,7 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
     64 per block and thread, in each of the loop's three softmax sites), P V as the FP8 kernel's (QGMMA
     64x136x32), lean P without MUFU.EX2, no local memory."""
     _, sass = compiled
-    found = select(sass, family="int8")
+    found = select(sass, family="int8", qk=128)
     kinds = sorted((info(name)["staged"], info(name)["windowed"]) for name in found)
     assert kinds == [(False, False), (False, True), (True, False), (True, True)], list(found)
     for name, text in found.items():
@@ -312,6 +312,29 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
         assert not re.search(r"\bMUFU\.EX2\b", text), name
         assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == 2, name  # O through the TMA store, as FP8's
+
+
+def test_int8_hd256_kernels_are_the_fp8_hd256_tile_on_igmma(compiled):
+    """Head dim 256's INT8 instantiations (dense, lean P, V^T loaded, plain and windowed): the FP8
+    head-dim-256 tile (64-key blocks, two to a K scale block) with S = Q K^T on IGMMA 64x64x32 (8 k-steps
+    over two 128-byte slices), 32 I2FP conversions a block and thread in each of the three softmax
+    sites, P V on 64x256x32 beside 64x8x32 for the sums, the FP8 kernels' registers, O from registers."""
+    _, sass = compiled
+    found = select(sass, family="int8", qk=256)
+    assert sorted((info(name)["staged"], info(name)["windowed"]) for name in found) == [
+        (False, False), (False, True),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert info(name)["lean"] and info(name)["n"] == 64 and not info(name)["varlen"], name
+        qk = len(re.findall(r"\bIGMMA\.64x64x32\.S8\.S8\b", text))
+        pv = len(re.findall(r"\bQGMMA\.64x256x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        sums = len(re.findall(r"\bQGMMA\.64x8x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk >= 24 and qk % 8 == 0 and qk // 8 == pv // 2 and sums == pv, f"{name}: {qk}, {pv}, {sums}"
+        assert not re.search(r"\bQGMMA\.64x64x32", text), name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 32, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        check_fp8_registers(name, text)
+        assert "UTMASTG" not in text, name
 
 
 def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
@@ -529,8 +552,8 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     found = select(sass, family=lambda f: f in ("fp8", "int8"))
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
     # 192-key plain kernel (lean, exact; V^T), head dims 64 and 256 (each dense plain, window: lean, exact;
-    # varlen plain, window; V^T only); INT8: plain, window (V staged, V^T)
-    assert len(found) == 34, list(found)
+    # varlen plain, window; V^T only); INT8: plain, window (head dim 128: V staged, V^T; 256: V^T)
+    assert len(found) == 36, list(found)
     assert sum(staged_v(name) for name in found) == 10, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
