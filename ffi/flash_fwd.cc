@@ -38,7 +38,8 @@ std::string HeadDimsMessage(const FwdParams& p) {
   const std::string got =
       "; got " + Str(p.head_dim) + " for q and k, " + Str(p.head_dim_v) + " for v";
   if (p.family() == Family::kInt8) {
-    return "head_dim must be 128 or 256 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
+    return "head_dim must be 128 or 256 for q, k and v, or 192 for q and k with 128 for v (MLA), for the "
+           "jzyfa INT8 kernel (dense batches)" + got;
   }
   if (p.family() == Family::kFp8) {
     return std::string("head_dim must be 64, 128 or 256 for q, k and v") +

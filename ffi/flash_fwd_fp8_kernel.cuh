@@ -160,7 +160,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr bool kInt8 = kIsInt8<Args>;
-  static_assert(!kInt8 || (!kVarlen && !kMla && kLeanP && kInt8ScaleBlock % kBlockN == 0 &&
+  static_assert(!kInt8 || (!kVarlen && kLeanP && kInt8ScaleBlock % kBlockN == 0 &&
                            Tile::kBlockM == kInt8ScaleBlock),
                 "INT8: dense, lean P; one Q scale per tile, one K scale per key block or per two");
   constexpr int kStages = Tile::kStages;

@@ -62,10 +62,10 @@ std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t
       [&](Args& args) { SetDescaleArgs(args, p); });
 }
 
-// The INT8 launch (Int8Args): dense, lean P, the FP8 tile's key blocks (head dim 128: 128 keys, one K
-// scale each; 256: 64 keys, two blocks a K scale); V staged and transposed in the kernel (head dim 128
-// only), or V^T from fp8_value_operand.cu (p.v_transposed); the scales' blocks (128 tokens) from the
-// lengths.
+// The INT8 launch (Int8Args): dense, lean P, the FP8 tile's key blocks (head dims 128 and MLA's
+// 192/128: 128 keys, one K scale each; 256: 64 keys, two blocks a K scale); V staged and transposed in
+// the kernel (v's head dim 128 only), or V^T from fp8_value_operand.cu (p.v_transposed); the scales'
+// blocks (128 tokens) from the lengths.
 template <int kHeadDim, bool kWindow, bool kStagedV>
 std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   using Tile = Fp8TileT<kHeadDim, kStagedV, Layout::kDense>;
@@ -83,9 +83,12 @@ std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_
 template <int kHeadDim, Layout kLayout>
 std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
+  constexpr int kHeadDimV = Fp8TileT<kHeadDim, false>::kHeadDimV;
   return BoolSwitch(mask.windowed, [&](auto windowed) -> std::string {
     constexpr bool kWindow = decltype(windowed)::value;
-    if constexpr (kHeadDim != 128) {  // V^T only (ValidateFwd)
+    if constexpr (kWindow && kHeadDim != kHeadDimV) {
+      return "no INT8 sliding-window kernel at MLA's head dims";  // ValidateFwd admits none
+    } else if constexpr (kHeadDimV != 128) {  // V^T only (ValidateFwd)
       return LaunchInt8Tile<kHeadDim, kWindow, false>(p, mask, stream);
     } else {
       return BoolSwitch(p.v_transposed, [&](auto transposed) {

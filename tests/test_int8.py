@@ -375,22 +375,27 @@ def test_cuda_lowering_of_long_rows_takes_v_transposed(primitive_path):
     assert 'custom_call_target="jzyfa_fp8_value_operand"' in text
 
 
-def test_head_dim_256_kernel_path_lowers_and_is_the_emulation(rng, primitive_path, monkeypatch):
-    """Head dim 256 (the kernel's rows added for this test where the plan lacks them): V^T from the layout
-    target whatever the rows, the quantization in XLA ops (the device quantizer takes head dim 128), the
-    scales per 128 tokens; on the CPU the primitive's program is the emulation path bit for bit."""
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["hd256", "mla"])
+def test_other_head_dims_kernel_path_lowers_and_is_the_emulation(rng, primitive_path, monkeypatch, head_dims):
+    """Head dim 256 and MLA's 192/128 (the kernel's rows added for this test where the plan lacks them):
+    int8 q and k at their head dim, V^T from the layout target at head dim 256 whatever the rows (V as it
+    is for MLA's few rows), the quantization in XLA ops (the device quantizer takes head dim 128 alone),
+    the scales per 128 tokens; on the CPU the primitive's program is the emulation path bit for bit."""
     del primitive_path
-    add_rows(monkeypatch, "int8", (256, 256), layouts=("dense",))
-    q = jax.ShapeDtypeStruct((2, 300, 8, 256), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 260, 2, 256), jnp.bfloat16)
-    fn = lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=True)
-    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    qk, dv = head_dims
+    add_rows(monkeypatch, "int8", head_dims, layouts=("dense",))
+    q = jax.ShapeDtypeStruct((2, 300, 8, qk), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 260, 2, qk), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 260, 2, dv), jnp.bfloat16)
+    fn = lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=qk == dv)
+    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
     (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
-    for operand in ("s8[2,300,8,256]", "s8[2,260,2,256]", "f8e4m3fn[2,2,256,288]", "f32[2,8,3]", "f32[2,2,3]"):
+    v_operand = "f8e4m3fn[2,2,256,288]" if dv == 256 else "f8e4m3fn[2,260,2,128]"
+    for operand in (f"s8[2,300,8,{qk}]", f"s8[2,260,2,{qk}]", v_operand, "f32[2,8,3]", "f32[2,2,3]"):
         assert operand in call, (operand, call)
-    assert "v_transposed = true" in call
+    assert f"v_transposed = {str(dv == 256).lower()}" in call
     assert 'custom_call_target="jzyfa_int8_quantize"' not in text
-    q, k, v = random_qkv(rng, seq_q=150, seq_k=200, heads_q=4, heads_kv=2, head_dim=256)
+    q, k, v = random_qkv(rng, seq_q=150, seq_k=200, heads_q=4, heads_kv=2, head_dim=qk, head_dim_v=dv)
     kernel = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", return_lse=True))
     assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v))
     want = jzyfa.flash_attention(q, k, v, causal=True, precision="int8", return_lse=True, implementation="xla")

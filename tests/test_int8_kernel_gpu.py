@@ -85,10 +85,17 @@ def test_int8_hd256_kernel_against_emulation_and_float64(rng, case):
     check_against_emulation_and_float64(rng, case, head_dim=256, v_transposed=True)
 
 
-def check_against_emulation_and_float64(rng, case, *, head_dim: int, v_transposed: bool) -> None:
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_staged", "v_transposed"])
+@pytest.mark.parametrize("case", [c for c in CASES.values() if c[6] == (-1, -1)], ids=lambda c: f"{c[1]}x{c[2]}")
+def test_int8_mla_kernel_against_emulation_and_float64(rng, case, v_transposed):
+    """MLA's 192/128: q and k of 192, v of 128; causal or no mask."""
+    check_against_emulation_and_float64(rng, case, head_dim=192, head_dim_v=128, v_transposed=v_transposed)
+
+
+def check_against_emulation_and_float64(rng, case, *, head_dim: int, v_transposed: bool, head_dim_v=None) -> None:
     batch, seq_q, seq_k, heads_q, heads_kv, causal, window = case
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
-                         head_dim=head_dim)  # fmt: skip
+                         head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
     scale = head_dim**-0.5
     x = quantized(q, k, v)
     out, lse = kernel_poisoned(x, causal=causal, window=window, softmax_scale=scale, v_transposed=v_transposed)
@@ -168,7 +175,7 @@ def test_handler_refuses_bad_int8_operands(rng):
             ffi_attention(x256.q8, x256.k8, x256.v8, int8_scales=(x256.q_scale, x256.k_scale, x256.descale_v))
         )
     q64 = x.q8[..., :64]
-    with pytest.raises(Exception, match="head_dim must be 128 or 256 for q, k and v for the jzyfa INT8 kernel"):
+    with pytest.raises(Exception, match=r"head_dim must be 128 or 256 for q, k and v, or 192 .*jzyfa INT8 kernel"):
         jax.block_until_ready(ffi_attention(q64, x.k8[..., :64], x.v8[..., :64], int8_scales=scales))
 
 

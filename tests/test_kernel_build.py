@@ -337,6 +337,26 @@ def test_int8_hd256_kernels_are_the_fp8_hd256_tile_on_igmma(compiled):
         assert "UTMASTG" not in text, name
 
 
+def test_int8_mla_kernels_are_the_fp8_mla_tile_on_igmma(compiled):
+    """MLA's INT8 instantiations (192/128, dense, lean P, causal or no mask; V staged or V^T loaded): the
+    FP8 MLA tile with S = Q K^T on IGMMA 64x128x32 (6 k-steps over a 128- and a 64-byte slice, 3 sites),
+    P V on 64x136x32, 64 exact I2FP conversions a block and thread per site, the FP8 kernels' registers."""
+    _, sass = compiled
+    found = select(sass, family="int8", qk=192)
+    assert sorted((info(name)["staged"], info(name)["windowed"]) for name in found) == [
+        (False, False), (True, False),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert info(name)["lean"] and info(name)["v"] == 128 and info(name)["n"] == 128, name
+        qk = len(re.findall(r"\bIGMMA\.64x128x32\.S8\.S8\b", text))
+        assert qk >= 18 and qk % 6 == 0, f"{name}: {qk}"
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        assert not re.search(r"\bQGMMA\.64x128x32", text), name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 64, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        check_fp8_registers(name, text)
+
+
 def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
     """The FP8 kernel's sliding-window instantiations (dense), kernels of their own: the
     same QGMMA batches, no local memory (the consumers at 232 registers leave none to spare: the window
@@ -552,9 +572,10 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     found = select(sass, family=lambda f: f in ("fp8", "int8"))
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
     # 192-key plain kernel (lean, exact; V^T), head dims 64 and 256 (each dense plain, window: lean, exact;
-    # varlen plain, window; V^T only); INT8: plain, window (head dim 128: V staged, V^T; 256: V^T)
-    assert len(found) == 36, list(found)
-    assert sum(staged_v(name) for name in found) == 10, list(found)
+    # varlen plain, window; V^T only); INT8: plain, window (head dim 128: V staged, V^T; 256: V^T), MLA
+    # plain (V staged, V^T)
+    assert len(found) == 38, list(found)
+    assert sum(staged_v(name) for name in found) == 11, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
         if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)
