@@ -37,17 +37,18 @@ build_here() {
     > "$OUT_DIR/build.log" 2>&1 \
     || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
 }
-# JZYFA_PREBUILT_SITE: an installed jzyfa (a folder holding jzyfa/ with its extension) built elsewhere
-# from this tree's sources, carried in to save the device the build's minutes; it is used only if its
-# extension loads here, else the tree is built as usual.
-if [ -n "${JZYFA_PREBUILT_SITE:-}" ]; then
-  mkdir -p "$SITE" && cp -r "$REPO/$JZYFA_PREBUILT_SITE"/jzyfa "$SITE"/
-  if (cd /tmp && PYTHONPATH="$SITE" python3 -c "import jzyfa, sys; sys.exit(0 if jzyfa.kernel_available() else 1)"); then
-    echo "prebuilt extension from $JZYFA_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build.log"
-  else
-    echo "prebuilt extension does not load here: building"; rm -rf "$SITE"; build_here
-  fi
+# JZYFA_PREBUILT_SITE: an installed jzyfa (a folder holding jzyfa/ with its extension, and the
+# jzyfa-source.txt that tools/source_stamp.sh printed for the tree it was built from), carried in to save
+# the device the build's minutes. It is used only where that stamp is this tree's and its extension
+# loads here; else the tree is built as usual.
+PREBUILT=${JZYFA_PREBUILT_SITE:+$REPO/$JZYFA_PREBUILT_SITE}
+if [ -n "$PREBUILT" ] && [ "$(cat "$PREBUILT/jzyfa-source.txt" 2>/dev/null)" = "$(bash "$REPO/tools/source_stamp.sh" "$REPO")" ] \
+    && mkdir -p "$SITE" && cp -r "$PREBUILT/jzyfa" "$SITE"/ \
+    && (cd /tmp && PYTHONPATH="$SITE" python3 -c "import jzyfa, sys; sys.exit(0 if jzyfa.kernel_available() else 1)"); then
+  echo "prebuilt extension from $JZYFA_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build.log"
 else
+  [ -n "$PREBUILT" ] && echo "prebuilt extension is another tree's or does not load here: building"
+  rm -rf "$SITE"
   build_here
 fi
 # At most 8 files come back from the device tool: keep resources and SASS counts in one.
