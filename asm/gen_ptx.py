@@ -21,6 +21,8 @@ import sys
 WGMMA_N = (64, 128, 256)
 # The FP8 kernel's P V: v's head dim (64 or 128) plus 8 columns that sum P (see all_wgmma_ops).
 FP8_PV_WITH_SUM_N = (72, 136)
+# At head dim 256 (a wgmma's N stops at 256) the 8 sum columns take a P V of their own.
+FP8_ROW_SUM_N = (8,)
 # Wider FP8 key blocks (S = Q K^T only, shared-memory operands): FlashFwdFp8WideKernel's 192.
 FP8_WIDE_QK_N = (192,)
 # Other 16-bit key blocks (S = Q K^T only, shared-memory operands; P V keeps N = head dim):
@@ -31,8 +33,9 @@ BWD_WIDE_RS_N = (192,)
 # Input type -> PTX type. A wgmma k-step covers 32 bytes of K: k16 for 16-bit, k32 for 8-bit inputs.
 INPUT_TYPES = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3", "s8": "s8"}
 INPUT_BITS = {"bf16": 16, "f16": 16, "e4m3": 8, "s8": 8}
-# The INT8 kernel's S = Q K^T (s8 x s8 into exact int32 sums; shared-memory operands): its key block.
-INT8_QK_N = (128,)
+# The INT8 kernels' S = Q K^T (s8 x s8 into exact int32 sums; shared-memory operands): their key
+# blocks (64 at head dim 256, 128 at 128).
+INT8_QK_N = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +214,7 @@ def all_wgmma_ops() -> list[Wgmma]:
             ops.append(Wgmma(n, "e4m3", False, b_transposed=False, overwrite=overwrite))
     # P V with 8 more columns: V^T's tile is followed by 8 rows of e4m3 ones, so columns
     # D..D+7 of O accumulate the row sum of exactly the rounded P (docs/fp8.md).
-    for n in FP8_PV_WITH_SUM_N:
+    for n in FP8_PV_WITH_SUM_N + FP8_ROW_SUM_N:
         for overwrite in (False, True):
             ops.append(Wgmma(n, "e4m3", True, b_transposed=False, overwrite=overwrite))
     # INT8 Q K^T: s8 operands from shared memory, K-major, exact s32 sums.

@@ -38,10 +38,11 @@ std::string HeadDimsMessage(const FwdParams& p) {
   const std::string got =
       "; got " + Str(p.head_dim) + " for q and k, " + Str(p.head_dim_v) + " for v";
   if (p.family() == Family::kInt8) {
-    return "head_dim must be 128 for q, k and v for the jzyfa INT8 kernel (dense batches)" + got;
+    return "head_dim must be 128 or 256 for q, k and v, or 192 for q and k with 128 for v (MLA), for the "
+           "jzyfa INT8 kernel (dense batches)" + got;
   }
   if (p.family() == Family::kFp8) {
-    return std::string("head_dim must be 64 or 128 for q, k and v") +
+    return std::string("head_dim must be 64, 128 or 256 for q, k and v") +
            (p.varlen ? "" : ", or 192 for q and k with 128 for v (MLA),") +
            " for the jzyfa FP8 " + (p.varlen ? "varlen " : "") + "kernel" + got;
   }
@@ -84,8 +85,12 @@ int Fp8KeyBlock(bool v_transposed, int64_t head_dim, bool causal, int64_t window
                 int64_t window_right, int64_t seqlen_q, int64_t seqlen_k) {
   MaskPlan mask;  // where ResolveMask refuses the bounds the launch refuses the call: any answer does
   ResolveMask(causal, window_left, window_right, seqlen_q, seqlen_k, &mask);
-  if (!HasWideFp8Kernel(false, v_transposed, head_dim, mask)) return 128;
-  return seqlen_k >= (mask.causal ? kWideMinKeysCausal : kWideMinKeysNoMask) ? kFp8WideBlockN : 128;
+  // The default block follows v's head dim: MLA's 192-wide q and k pair with a 128-wide v.
+  const int head_dim_v = head_dim == kMlaHeadDimQK ? kMlaHeadDimV : static_cast<int>(head_dim);
+  const int default_block = Fp8DefaultBlockN(head_dim_v);
+  if (!HasWideFp8Kernel(false, v_transposed, head_dim, mask)) return default_block;
+  return seqlen_k >= (mask.causal ? kWideMinKeysCausal : kWideMinKeysNoMask) ? kFp8WideBlockN
+                                                                              : default_block;
 }
 
 std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
@@ -162,6 +167,11 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
       return "q_scale, k_scale and descale_v are required for int8 inputs";
     }
     if (!p.lean_p) return "lean_p must be true for int8 inputs (the INT8 kernel computes lean P only)";
+    if (p.head_dim_v != 128 && !p.v_transposed) {
+      return "v_transposed must be true for the INT8 kernel at head dim " + Str(p.head_dim_v) +
+             ": it reads V^T from memory (jzyfa.fp8_layout), its in-kernel transpose takes 128-byte "
+             "V rows only";
+    }
     if (p.v_transposed && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" + Str((p.seqlen_k + 31) / 32 * 32) +
              "), got " + Str(p.vt_keys);
@@ -185,9 +195,10 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
     if (p.varlen && !p.lean_p) {
       return "lean_p must be true for the FP8 varlen kernel (exact P has no varlen instantiation)";
     }
-    if (p.head_dim_v == 64 && !p.v_transposed) {
-      return "v_transposed must be true for the FP8 kernel at head dim 64: it reads V^T from memory "
-             "(jzyfa.fp8_layout), it has no in-kernel transpose of 64-byte V rows";
+    if (p.head_dim_v != 128 && !p.v_transposed) {
+      return "v_transposed must be true for the FP8 kernel at head dim " + Str(p.head_dim_v) +
+             ": it reads V^T from memory (jzyfa.fp8_layout), its in-kernel transpose takes 128-byte "
+             "V rows only";
     }
     if (p.v_transposed && !p.varlen && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +
@@ -224,22 +235,24 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
   // Keys per block.
   if (fp8) {
     const bool wide = HasWideFp8Kernel(p.varlen, p.v_transposed, p.head_dim, *mask);
+    const int64_t block = Fp8DefaultBlockN(static_cast<int>(p.head_dim_v));
     if (p.key_block == 0) {
       p.key_block = wide ? Fp8KeyBlock(p.v_transposed, p.head_dim, p.causal, p.window_left,
                                        p.window_right, p.seqlen_q, p.seqlen_k)
-                         : 128;
-    } else if (!(p.key_block == 128 || (wide && p.key_block == kFp8WideBlockN))) {
-      return "key_block must be 0 (the launch's rule)" +
-             std::string(wide ? ", 128 or 192" : " or 128") + " for this FP8 call, got " +
-             Str(p.key_block) +
+                         : block;
+    } else if (!(p.key_block == block || (wide && p.key_block == kFp8WideBlockN))) {
+      return "key_block must be 0 (the launch's rule), " + Str(block) +
+             std::string(wide ? " or 192" : "") + " for this FP8 call, got " + Str(p.key_block) +
              (wide ? "" : " (192-key blocks: dense, unwindowed head dim 128 with v_transposed)");
     }
   } else if (int8) {
-    if (p.key_block != 0 && p.key_block != 128) {
-      return "key_block must be 0 (the launch's rule) or 128 for int8 inputs (one K scale per key "
-             "block), got " + Str(p.key_block);
+    // The FP8 tile's default block: 128 keys (one K scale), 64 at head dim 256 (half a K scale block).
+    const int64_t block = Fp8DefaultBlockN(static_cast<int>(p.head_dim_v));
+    if (p.key_block != 0 && p.key_block != block) {
+      return "key_block must be 0 (the launch's rule) or " + Str(block) + " for int8 inputs at head dim " +
+             Str(p.head_dim_v) + ", got " + Str(p.key_block);
     }
-    p.key_block = 128;
+    p.key_block = block;
   } else {
     const int64_t block = Fwd16DefaultBlockN(static_cast<int>(p.head_dim_v));
     if (p.key_block != 0 && p.key_block != block) {

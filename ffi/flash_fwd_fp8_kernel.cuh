@@ -1,5 +1,5 @@
-// The Hopper forward kernel for FP8 (e4m3) inputs, head dim 128 (and MLA's, q/k 192 with v 128:
-// Fp8MlaTile): the schedule of the 16-bit kernel (flash_fwd_kernel.cuh: persistent grid, producer +
+// The Hopper forward kernel for FP8 (e4m3) inputs, head dims 64, 128 and 256 (and MLA's, q/k 192
+// with v 128: Fp8MlaTile): the schedule of the 16-bit kernel (flash_fwd_kernel.cuh: persistent grid, producer +
 // two consumer warpgroups, K/V ring, in-warpgroup overlap, ping-pong) with the FP8 softmax of
 // docs/fp8.md, which jzyfa/fp8_emulation.py specifies bit for bit where it can:
 //   - S = Q K^T and O += P V on e4m3 wgmma (QGMMA, k32). FP8 wgmma reads both operands K-major,
@@ -16,7 +16,9 @@
 //   - Lean P: each probability's e4m3 code from one FFMA, RNE(s * 8 scale + 56 - 8 r), read off the
 //     float's low byte (no MUFU.EX2 in the loop); kLeanP = false rounds ex2.approx to e4m3 instead.
 //   - The row sum is the sum of exactly the rounded P~: V^T's tile is followed by 8 rows of e4m3
-//     ones, so the P V wgmma (N = 136) accumulates it in O's columns 128..135.
+//     ones, so the P V wgmma (N = 136) accumulates it in O's columns 128..135. Head dim 256 (a
+//     wgmma's N stops at 256): a second wgmma of N = 8 on one shared block of ones
+//     (Fp8TileT::kSeparateSums), into O's columns 256..263.
 //   - Two-level accumulation: FP8 wgmma adds into its accumulator with only ~14 significant bits
 //     (the products are aligned to the largest term, the accumulator included), so O and the row
 //     sums lose precision as they grow over many keys (measured: 9% error at 16K keys, 16% at 32K,
@@ -73,7 +75,8 @@ struct Fp8Args {
 // (IGMMA: exact int32 sums, a 128-deep product of int8 values fits in 22 bits), turned into floats
 // exactly (I2F), and each key block's factor to log2 units, (q_scale * k_scale) * scale_log2 (the
 // emulation's order: jzyfa/int8_emulation.py), is the one multiply lean P's FFMA takes. A tile's 128
-// rows are one Q scale block, a key block of 128 keys one K scale block. The rest is the FP8 kernel's.
+// rows are one Q scale block, a key block of 128 keys one K scale block (head dim 256's 64-key blocks:
+// two to a K scale block). The rest is the FP8 kernel's.
 struct Int8Args : Fp8Args {
   int q_blocks;  // ceil(seqlen_q / 128): q_scale's last dim
   int k_blocks;  // ceil(seqlen_k / 128): k_scale's last dim
@@ -151,18 +154,21 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   static_assert(!(kVarlen && kTmaEpilogue), "varlen stores O from registers");
   constexpr bool kMla = Tile::kHeadDimQK != Tile::kHeadDimV;
   static_assert(!kMla || (!kWindow && !kVarlen), "MLA's FP8 tile serves dense causal / no-mask calls");
-  static_assert(Tile::kQkSlices == (kMla ? 2 : 1), "Q and K rows take one 128-byte slice, MLA's two");
+  // Q and K rows past 128 bytes (MLA's 192, head dim 256) take a second 128-byte slice.
+  constexpr bool kTwoQkSlices = Tile::kHeadDimQK > 128;
+  static_assert(Tile::kQkSlices == (kTwoQkSlices ? 2 : 1), "Q and K rows take one or two slices");
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr bool kInt8 = kIsInt8<Args>;
-  static_assert(!kInt8 || (!kVarlen && !kMla && kLeanP && kBlockN == kInt8ScaleBlock &&
+  static_assert(!kInt8 || (!kVarlen && kLeanP && kInt8ScaleBlock % kBlockN == 0 &&
                            Tile::kBlockM == kInt8ScaleBlock),
-                "INT8: dense, head dim 128, lean P; one Q scale per tile, one K scale per key block");
+                "INT8: dense, lean P; one Q scale per tile, one K scale per key block or per two");
   constexpr int kStages = Tile::kStages;
-  // Wider blocks: one P buffer, packed from the codes left in S once the previous block's P V (which
-  // reads the buffer) has landed; two buffers of 192 keys spilled (ptxas 13.0). At 128 the codes are
-  // packed in the softmax, into two alternating buffers.
-  constexpr bool kLatePack = kBlockN > 128;
+  // Wider blocks, and head dim 256's 132-register O: one P buffer, packed from the codes left in S
+  // once the previous block's P V (which reads the buffer) has landed; two buffers of 192 keys
+  // spilled, as did head dim 256's two (ptxas 13.0). Otherwise the codes are packed in the softmax,
+  // into two alternating buffers.
+  constexpr bool kLatePack = kBlockN > 128 || Tile::kSeparateSums;
   using Slot = RingSlot<kStages>;
 
   extern __shared__ uint8_t smem_raw[];
@@ -182,8 +188,13 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   const int warpgroup = threadIdx.x / 128;
   uint8_t* const smem_aligned = smem_raw + (smem_base - SmemAddress(smem_raw));
 
-  // The ones below each stage's V^T tile (e4m3 1.0 = 0x38): written once, read by every P V.
-  {
+  // The ones below each stage's V^T tile, or in their own block (separate sums) (e4m3 1.0 = 0x38):
+  // written once, read by every P V.
+  if constexpr (Tile::kSeparateSums) {
+    for (int i = threadIdx.x; i < Tile::kOnesBytes / 4; i += Tile::kThreads)
+      reinterpret_cast<uint32_t*>(smem_aligned + Tile::kSumOnesOffset)[i] = 0x38383838u;
+    ptx::fence_proxy_async_shared();  // generic-proxy writes, read by wgmma (async proxy)
+  } else {
     constexpr int kSlices = kStages * Tile::kVtSlices;
     for (int i = threadIdx.x; i < kSlices * Tile::kOnesBytes / 4; i += Tile::kThreads) {
       const int slice = i / (Tile::kOnesBytes / 4), word = i % (Tile::kOnesBytes / 4);
@@ -233,7 +244,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     ptx::prefetch_tensor_map(&tmap_k);
     ptx::prefetch_tensor_map(&tmap_v);
     // One byte per element: a box row of 128 bytes is the whole head dim (of Q, K or V); MLA's Q and
-    // K rows (192 bytes) take two boxes, columns 0..127 and 128..255 (TMA's zeros past 191).
+    // K rows (192 bytes) take two boxes, columns 0..127 and 128..255 (TMA's zeros past 191), as do
+    // head dim 256's.
     // Varlen: one packed "batch"; a tile's rows start at its sequence's offset. Rows and keys past
     // the sequence's end are the next sequence's (finite) tokens or TMA's zeros: such rows are not
     // stored, such keys are masked (P = 0).
@@ -243,7 +255,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       for (int c = 0; c < Tile::kConsumers; ++c)
         ptx::tma_load_4d(smem_q(c, buffer), &tmap_q, bar, 0, row + c * Tile::kRowsPerConsumer,
                          work.head, batch);
-      if constexpr (kMla) {  // the second slices (apart, so that head dim 128's code stays as it was)
+      if constexpr (kTwoQkSlices) {  // the second slices (apart, so that head dim 128's code stays as it was)
         for (int c = 0; c < Tile::kConsumers; ++c)
           ptx::tma_load_4d(smem_q(c, buffer) + Tile::kQSliceBytes, &tmap_q, bar, Tile::kQkSliceCols,
                            row + c * Tile::kRowsPerConsumer, work.head, batch);
@@ -259,7 +271,7 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       int key = first_key(work, block), batch = work.batch;
       if constexpr (kVarlen) key += work.k_offset, batch = 0;
       ptx::tma_load_4d(smem_k(stage), &tmap_k, bar, 0, key, work.kv_head, batch);
-      if constexpr (kMla) {
+      if constexpr (kTwoQkSlices) {
         ptx::tma_load_4d(smem_k(stage) + Tile::kKSliceBytes, &tmap_k, bar, Tile::kQkSliceCols, key,
                          work.kv_head, batch);
       }
@@ -335,7 +347,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   };
   // B = V^T's tile and the ones below it: rows (head-dim columns of O, then 8 sum columns) 1024
   // bytes per 8 (512 in 64-key slices), keys contiguous; k-step j starts 32 bytes (keys) into its
-  // slice's rows.
+  // slice's rows. Separate sums: B = V^T's tile into O's first kHeadDim columns, then B = the shared
+  // ones into the last 8.
   // keep = 0 (warpgroup-uniform) starts the accumulator afresh after a promotion.
   auto issue_pv = [&](float (&o)[Tile::kPvN / 2], const uint32_t (&p)[kBlockN / 32][4], int stage, int keep) {
     ptx::wgmma_fence();
@@ -344,7 +357,16 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       constexpr int kSteps = Tile::kVtStepsPerSlice;
       const uint32_t vt = smem_vt(stage) + (j / kSteps) * Tile::kVtSliceBytes + 32 * (j % kSteps);
       const uint64_t desc_vt = SmemDescSwizzled<Tile::kVtSliceKeys>(vt, 16);  // one row per slice
-      ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
+      if constexpr (Tile::kSeparateSums) {
+        const uint64_t desc_ones =
+            SmemDescSwizzled<Tile::kVtSliceKeys>(smem_base + Tile::kSumOnesOffset + 32 * (j % kSteps), 16);
+        ptx::Wgmma<__nv_fp8_e4m3, Tile::kHeadDim>::rs(*reinterpret_cast<float(*)[Tile::kHeadDim / 2]>(&o[0]),
+                                                      p[j], desc_vt, j == 0 ? keep : 1);
+        ptx::Wgmma<__nv_fp8_e4m3, 8>::rs(*reinterpret_cast<float(*)[4]>(&o[Tile::kHeadDim / 2]), p[j],
+                                         desc_ones, j == 0 ? keep : 1);
+      } else {
+        ptx::Wgmma<__nv_fp8_e4m3, Tile::kPvN>::rs(o, p[j], desc_vt, j == 0 ? keep : 1);
+      }
     }
     ptx::wgmma_commit_group();
   };
@@ -353,9 +375,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   float4* const o_copy =
       reinterpret_cast<float4*>(smem_aligned + Tile::kOCopyOffset + consumer * Tile::kOCopyBytes) +
       threadIdx.x % 128;
-  constexpr int kOChunks = Tile::kPvN / 8;  // float4s per thread
+  constexpr int kOChunks = Tile::kOChunks;  // float4s per thread
   constexpr int kRegChunks = Tile::kRegCopyChunks;
-  static_assert(kRegChunks >= 0 && kRegChunks <= kOChunks);
+  constexpr int kRegFirst = Tile::kRegCopyFirst;  // chunks kRegFirst .. + kRegChunks in registers
+  static_assert(kRegChunks >= 0 && kRegFirst >= 0 && kRegFirst + kRegChunks <= kOChunks);
 
   // No code unless a measuring build records the timeline (tools/measure/timeline.h); the windowed, varlen, MLA and 192-key
   // kernels never record (their stamps' registers would spill).
@@ -394,15 +417,18 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
     int pending = 0;  // key blocks in the accumulator (warpgroup-uniform)
     float copy_scale[2] = {1.f, 1.f};
     float4 reg_copy[kRegChunks > 0 ? kRegChunks : 1] = {};  // read only once `promoted`
-    // Chunk c of the copy (c is a constant in the unrolled loops below).
+    // Chunk c of the copy (c is a constant in the unrolled loops below): in registers, or at its
+    // place among the chunks in shared memory.
+    auto in_registers = [](int c) { return c >= kRegFirst && c < kRegFirst + kRegChunks; };
+    auto smem_chunk = [](int c) { return c < kRegFirst ? c : c - kRegChunks; };
     auto load_copy = [&](int c) {
-      return c < kRegChunks ? reg_copy[c] : o_copy[(c - kRegChunks) * 128];
+      return in_registers(c) ? reg_copy[c - kRegFirst] : o_copy[smem_chunk(c) * 128];
     };
     auto store_copy = [&](int c, const float4& value) {
-      if (c < kRegChunks) {
-        reg_copy[c] = value;
+      if (in_registers(c)) {
+        reg_copy[c - kRegFirst] = value;
       } else {
-        o_copy[(c - kRegChunks) * 128] = value;
+        o_copy[smem_chunk(c) * 128] = value;
       }
     };
     // o_copy += o / copy_scale: exact scaling (powers of two), one FFMA per value.
@@ -464,8 +490,10 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
         if constexpr (kInt8) {
           int key_block = block;
           if constexpr (kWindow) key_block += work.first_block;
+          // The K scale block (128 keys) holding this key block (128 keys, or 64 at head dim 256).
+          const int scale_block = key_block / (kInt8ScaleBlock / kBlockN);
           return args.descale_k[(static_cast<int64_t>(work.batch) * args.heads_kv + work.kv_head) *
-                                    args.k_blocks + key_block];
+                                    args.k_blocks + scale_block];
         } else {
           return 0.f;  // FP8: one descale per tile (row_scale below)
         }
@@ -649,10 +677,19 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
           epilogue.template WriteRow<__nv_bfloat16>(o, h, row - rows_start, quad_col, inv);
         } else {
           if (row >= args.seqlen_q) continue;
+          // Head dim 256: the tile's batch and head planned again, as varlen's offsets are, rather
+          // than held through the key loop (the windowed kernels spilled them, ptxas 13.0).
+          const auto where = [&] {
+            if constexpr (Tile::kSeparateSums) {
+              return PlanTile<Tile::kBlockM, kBlockN>(tile, args);
+            } else {
+              return work;
+            }
+          }();
           const int64_t lse_index =
-              (static_cast<int64_t>(work.batch) * args.heads_q + work.head) * args.seqlen_q + row;
+              (static_cast<int64_t>(where.batch) * args.heads_q + where.head) * args.seqlen_q + row;
           const int64_t out_row =
-              ((static_cast<int64_t>(work.batch) * args.seqlen_q + row) * args.heads_q + work.head) *
+              ((static_cast<int64_t>(where.batch) * args.seqlen_q + row) * args.heads_q + where.head) *
               Tile::kHeadDim;
           store_row(h, total, inv, out_row, lse_index);
         }

@@ -14,8 +14,8 @@
 
 namespace jzyfa {
 
-// The tile for head dim kHeadDimQK: 64 or 128 for q, k, v and out alike, or MLA's 192 for q and k with
-// 128 for v and out. kHeadDim is v's and out's (V^T's rows, O's columns); Q and K rows of more than 128
+// The tile for head dim kHeadDimQK: 64, 128 or 256 for q, k, v and out alike, or MLA's 192 for q and
+// k with 128 for v and out. kHeadDim is v's and out's (V^T's rows, O's columns); Q and K rows of more than 128
 // bytes are loaded as 128-byte-swizzle slices of 128 columns each, laid out back to back (slice s at
 // s * rows * 128 bytes), TMA filling the columns past kHeadDimQK with zeros that no wgmma reads; rows
 // of 64 bytes (head dim 64) are one 64-byte-swizzle slice. kStagedV: V's operand built in shared
@@ -23,9 +23,11 @@ namespace jzyfa {
 // memory (no staging buffers). kEpilogueTma: O stored through a bf16 tile per consumer in shared
 // memory and TMA (TmaEpilogue), or from registers (the varlen kernels: a box would reach into the
 // next sequence).
-// kLayout_: dense, or varlen (O from registers). kBlockN_: keys per block, 128 or (V^T from global
-// memory only) 192 (kFp8WideBlockN, docs/fp8.md 10.26). The sizes are tile_size.h's (Fp8TileSize).
-template <int kHeadDimQK_, bool kStagedV_ = true, Layout kLayout_ = Layout::kDense, int kBlockN_ = 128>
+// kLayout_: dense, or varlen (O from registers). kBlockN_: keys per block, 128 (64 at head dim 256:
+// Fp8DefaultBlockN) or (V^T from global memory only) 192 (kFp8WideBlockN, docs/fp8.md 10.26). The
+// sizes are tile_size.h's (Fp8TileSize).
+template <int kHeadDimQK_, bool kStagedV_ = true, Layout kLayout_ = Layout::kDense,
+          int kBlockN_ = Fp8DefaultBlockN(kHeadDimQK_ == kMlaHeadDimQK ? kMlaHeadDimV : kHeadDimQK_)>
 struct Fp8TileT {
   static constexpr TileSize kSize = Fp8TileSize(kHeadDimQK_, kStagedV_, kLayout_, kBlockN_);
   static constexpr Layout kLayout = kLayout_;
@@ -33,7 +35,7 @@ struct Fp8TileT {
   static constexpr bool kStagedV = kStagedV_;
   static constexpr int kHeadDimV = kHeadDimQK == kMlaHeadDimQK ? kMlaHeadDimV : kHeadDimQK;
   static constexpr int kHeadDim = kHeadDimV;
-  static_assert(kHeadDimV == 64 || kHeadDimV == 128, "v's head dim: 64 or 128");
+  static_assert(kHeadDimV == 64 || kHeadDimV == 128 || kHeadDimV == 256, "v's head dim: 64, 128 or 256");
   // Bytes (e4m3 columns) of one swizzle slice of Q and K: 128, or the whole 64-byte row (IssueQK
   // reads the same rule off the head dim).
   static constexpr int kQkSliceCols = kHeadDimQK < 128 ? 64 : 128;
@@ -52,6 +54,10 @@ struct Fp8TileT {
   static constexpr int kProducerRegs = kSize.producer_regs;
   static constexpr int kConsumerRegs = kSize.consumer_regs;
   static constexpr int kPvN = kHeadDim + 8;  // O's columns plus the row-sum columns
+  // A wgmma's N is at most 256: at head dim 256 the row sums take a P V wgmma of their own (N = 8)
+  // from one block of ones that every stage shares; otherwise the ones follow each V^T slice and one
+  // wgmma of N = kPvN accumulates both.
+  static constexpr bool kSeparateSums = kPvN > 256;
   // Key blocks summed in the wgmma accumulator before it is added to O's float32 copy (tile_size.h).
   static constexpr int kPromoteBlocks = kSize.promote_blocks;
   // One byte per element: a 128-byte swizzle row holds 128 head-dim columns (or 128 keys of V^T).
@@ -70,7 +76,7 @@ struct Fp8TileT {
   static constexpr int kVtSlices = (kBlockN + kVtSliceKeys - 1) / kVtSliceKeys;
   static constexpr int kVtBytes = kHeadDim * kVtSliceKeys;  // per slice (one TMA box)
   static constexpr int kOnesBytes = 8 * kVtSliceKeys;  // rows 128..135 of the P V B operand, per slice
-  static constexpr int kVtSliceBytes = kVtBytes + kOnesBytes;  // a multiple of the swizzle's 8 rows
+  static constexpr int kVtSliceBytes = kVtBytes + (kSeparateSums ? 0 : kOnesBytes);  // whole 8-row groups
   // Stages start 1024-byte aligned (Q K^T's 128-byte swizzle); 64-key slices leave 512 bytes over.
   static constexpr int kStageBytes = (kKBytes + kVtSlices * kVtSliceBytes + 1023) / 1024 * 1024;
   // V's tile as TMA loads it ([128 keys][128 bytes], unswizzled), per stage, after the O copies:
@@ -91,6 +97,9 @@ struct Fp8TileT {
       kSize.reg_copy_chunks == 7 && MeasureVariant<>::kFp8RegCopyChunks > 0
           ? MeasureVariant<>::kFp8RegCopyChunks
           : kSize.reg_copy_chunks;
+  // The chunks in registers are the first kRegCopyChunks, or with separate sums the last (the sums').
+  static constexpr int kOChunks = kPvN / 8;
+  static constexpr int kRegCopyFirst = kSeparateSums ? kOChunks - kRegCopyChunks : 0;
   static constexpr int kOCopyBytes = kRowsPerConsumer * (kPvN - 8 * kRegCopyChunks) * 4;
   // The TMA-store epilogue's O tiles, after everything else: per consumer 64 rows of bf16 O in two
   // 64-column slices (128-byte swizzle rows).
@@ -99,10 +108,13 @@ struct Fp8TileT {
   static constexpr int kOTilesBytes = kConsumers * kOConsumerBytes;
   static constexpr int kSmemAlign = 1024;
   static constexpr int kSmemLimit = 227 * 1024;
-  // Shared memory: Q (kQBuffers tiles), the K/V ring, O's float32 copies, V's staging buffers
-  // (staged V), the O tiles (the TMA-store epilogue).
-  static constexpr int kBetweenQAndOTilesBytes =
-      kStages * kStageBytes + kConsumers * kOCopyBytes + (kStagedV ? kStages * kVStagingBytes : 0);
+  // Shared memory: Q (kQBuffers tiles), the K/V ring, O's float32 copies, the sums' ones (separate
+  // sums), V's staging buffers (staged V), the O tiles (the TMA-store epilogue).
+  // Separate sums: their block of ones (8 rows of one V^T slice's keys) after the O copies, in a
+  // 1024-byte slot (what follows stays aligned).
+  static constexpr int kSumOnesBytes = kSeparateSums ? (kOnesBytes + 1023) / 1024 * 1024 : 0;
+  static constexpr int kBetweenQAndOTilesBytes = kStages * kStageBytes + kConsumers * kOCopyBytes +
+                                                 kSumOnesBytes + (kStagedV ? kStages * kVStagingBytes : 0);
   // Where the O tiles fit with one Q tile: not MLA's staged tile (207 KB before them).
   static constexpr bool kEpilogueTma =
       kSize.epilogue_tma && kQBytes + kBetweenQAndOTilesBytes + kOTilesBytes + kSmemAlign <= kSmemLimit;
@@ -111,7 +123,8 @@ struct Fp8TileT {
   static constexpr int kQBuffers = 1;
   static constexpr int kRingOffset = kQBuffers * kQBytes;
   static constexpr int kOCopyOffset = kRingOffset + kStages * kStageBytes;
-  static constexpr int kVStagingOffset = kOCopyOffset + kConsumers * kOCopyBytes;
+  static constexpr int kSumOnesOffset = kOCopyOffset + kConsumers * kOCopyBytes;
+  static constexpr int kVStagingOffset = kSumOnesOffset + kSumOnesBytes;
   static constexpr int kOTileOffset = kVStagingOffset + (kStagedV ? kStages * kVStagingBytes : 0);
   static constexpr int kSmemBytes = kOTileOffset + (kEpilogueTma ? kOTilesBytes : 0);
   static constexpr int kDynamicSmemBytes = kSmemBytes + kSmemAlign;
@@ -125,6 +138,8 @@ struct Fp8TileT {
                               kVStagingBytes == Fp8ValueTranspose::kTileBytes &&
                               kVtBytes == Fp8ValueTranspose::kTileBytes));
   static_assert(kPvN % 8 == 0 && kPromoteBlocks >= 1);
+  static_assert(!kSeparateSums || (!kStagedV && kRegCopyChunks == 1 && kSumOnesOffset % kSmemAlign == 0),
+                "separate sums: V^T from memory, the sums' copy in registers, the ones 1024-byte aligned");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= CtaRegisterPool(kThreads));
 };
 

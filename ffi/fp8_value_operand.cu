@@ -1,5 +1,5 @@
 // The FP8 attention kernel's V operand, built on the device: V e4m3 [B, Sk, Hkv, D] ->
-// V^T [B, Hkv, D, Sk'] (D = 128 or 64), keys padded with zeros to Sk' (a multiple of 32) and permuted
+// V^T [B, Hkv, D, Sk'] (D = 64, 128 or 256: KernelHeadDim), keys padded with zeros to Sk' (a multiple of 32) and permuted
 // inside each 32-key group (jzyfa/fp8_layout.py: column k of group g holds key 32 g + physical_key(k)).
 //
 // A tile transpose staged in shared memory, one block of 8 warps per (batch, KV head, 128-key
@@ -36,6 +36,13 @@ static_assert(kThreads / 32 == 2 * (kTileKeys / kKeyGroup), "two warps per 32-ke
 // The head dims (bytes of one e4m3 key row, rows of V^T) the kernel takes: at most one 4-byte word
 // of each key row per lane.
 constexpr bool IsValueOperandHeadDim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+// Head dim 256 is head dim 128 over twice the heads: V [B, Sk, H, 256] is V [B, Sk, 2H, 128] and
+// V^T [B, H, 256, Sk'] is V^T [B, 2H, 128, Sk'] (head h's rows 128..255 are head 2h + 1's), both as
+// they lie in memory.
+constexpr int64_t KernelHeadDim(int64_t head_dim) { return head_dim == 256 ? 128 : head_dim; }
+constexpr int64_t KernelHeads(int64_t head_dim, int64_t heads_kv) {
+  return head_dim == 256 ? 2 * heads_kv : heads_kv;
+}
 
 // rows[e] = byte e of w0, w1, w2, w3 (w0's in the lowest byte): a 4 x 4 byte transpose.
 __device__ __forceinline__ void Transpose4x4(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
@@ -144,10 +151,11 @@ std::string ValidateFp8ValueOperand(const Fp8ValueOperandParams& p) {
   if (p.batch < 0 || p.seqlen_k < 0 || p.heads_kv < 0) {
     return "v's batch, seq_k and heads_kv must not be negative";
   }
-  if (!IsValueOperandHeadDim(p.head_dim)) {
-    return "v's head_dim must be 64 or 128 for the jzyfa FP8 kernel's V operand, got " +
+  if (!IsValueOperandHeadDim(KernelHeadDim(p.head_dim))) {
+    return "v's head_dim must be 64, 128 or 256 for the jzyfa FP8 kernel's V operand, got " +
            std::to_string(p.head_dim);
   }
+  const int64_t heads = KernelHeads(p.head_dim, p.heads_kv);
   const int64_t padded = (p.seqlen_k + kKeyGroup - 1) / kKeyGroup * kKeyGroup;
   if (p.seqlen_k_padded != padded) {
     return "vt must hold seq_k rounded up to a multiple of 32 keys (" + std::to_string(padded) +
@@ -157,10 +165,10 @@ std::string ValidateFp8ValueOperand(const Fp8ValueOperandParams& p) {
   // which also keeps every byte offset far inside int64 (V and V^T under 2^45 bytes).
   const int64_t max_blocks = INT_MAX;
   const int64_t tiles = (padded + kTileKeys - 1) / kTileKeys;
-  if ((p.batch > 0 && p.heads_kv > max_blocks / p.batch) ||
-      (p.batch * p.heads_kv > 0 && tiles > max_blocks / (p.batch * p.heads_kv))) {
+  if ((p.batch > 0 && heads > max_blocks / p.batch) ||
+      (p.batch * heads > 0 && tiles > max_blocks / (p.batch * heads))) {
     return "v is too large for the jzyfa V-operand kernel: batch * heads_kv * ceil(seq_k / 128) "
-           "must be at most 2^31 - 1";
+           "(heads_kv doubled at head dim 256) must be at most 2^31 - 1";
   }
   return "";
 }
@@ -169,16 +177,18 @@ std::string LaunchFp8ValueOperand(const Fp8ValueOperandParams& p, cudaStream_t s
   std::string error = ValidateFp8ValueOperand(p);
   if (!error.empty()) return error;
   const int64_t tiles = (p.seqlen_k_padded + kTileKeys - 1) / kTileKeys;
-  const int64_t blocks = p.batch * p.heads_kv * tiles;
+  const int64_t heads = KernelHeads(p.head_dim, p.heads_kv);
+  const int64_t blocks = p.batch * heads * tiles;
   if (blocks == 0) return "";  // vt is empty: nothing to write
   if (p.v == nullptr || p.vt == nullptr) return "v and vt must be device buffers";
   if (reinterpret_cast<uintptr_t>(p.v) % 16 != 0 || reinterpret_cast<uintptr_t>(p.vt) % 16 != 0) {
     return "v and vt must be 16-byte aligned";  // XLA's buffers are
   }
-  auto* const kernel = p.head_dim == 64 ? Fp8ValueOperandKernel<64> : Fp8ValueOperandKernel<128>;
+  auto* const kernel =
+      KernelHeadDim(p.head_dim) == 64 ? Fp8ValueOperandKernel<64> : Fp8ValueOperandKernel<128>;
   kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       static_cast<const uint4*>(p.v), static_cast<uint4*>(p.vt), p.seqlen_k, p.seqlen_k_padded,
-      static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(tiles));
+      static_cast<unsigned>(heads), static_cast<unsigned>(tiles));
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return CudaError("launching the jzyfa FP8 V-operand kernel", err);
   return "";

@@ -10,7 +10,7 @@
 
 namespace jzyfa {
 
-// v e4m3 [batch, seqlen_k, heads_kv, D] -> vt e4m3 [batch, heads_kv, D, seqlen_k_padded], D 64 or 128,
+// v e4m3 [batch, seqlen_k, heads_kv, D] -> vt e4m3 [batch, heads_kv, D, seqlen_k_padded], D 64, 128 or 256,
 // both dense row-major, seqlen_k_padded = seqlen_k rounded up to a multiple of 32: V transposed,
 // column k of key group g holding key 32 g + physical_key(k) (jzyfa/fp8_layout.py), appended keys
 // zero. Bitwise what jzyfa.fp8_layout.fp8_value_operand computes.

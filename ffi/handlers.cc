@@ -90,8 +90,8 @@ ffi::Error DecodeShapes(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const size_t rank = p.varlen ? 3 : 4;
   const std::string layout = p.varlen ? "packed [total_tokens, heads, head_dim]"
                                       : "[batch, seq, heads, head_dim]";
-  const std::string vt_layout = p.varlen ? "[heads_kv, 128, roundup32(total_k) + 32 * (num_seqs + 1)]"
-                                         : "[batch, heads_kv, 128, seq_k rounded up to 32]";
+  const std::string vt_layout = p.varlen ? "[heads_kv, head_dim_v, roundup32(total_k) + 32 * (num_seqs + 1)]"
+                                         : "[batch, heads_kv, head_dim_v, seq_k rounded up to 32]";
   if (qd.size() != rank || kd.size() != rank || vd.size() != rank) {
     return Invalid(vt ? "q and k must be " + layout + ", vt " + vt_layout + " (v_transposed)"
                       : "q, k and v must be " + layout);
@@ -402,8 +402,8 @@ ffi::Error Fp8ValueOperandImpl(cudaStream_t stream, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument(name + "v " + ShapeString(vd) +
                                        " must be [batch, seq_k, heads_kv, head_dim]");
   }
-  if (vd[3] != 64 && vd[3] != 128) {
-    return ffi::Error::InvalidArgument(name + "v's head_dim must be 64 or 128, got " +
+  if (vd[3] != 64 && vd[3] != 128 && vd[3] != 256) {
+    return ffi::Error::InvalidArgument(name + "v's head_dim must be 64, 128 or 256, got " +
                                        std::to_string(vd[3]));
   }
   const int64_t padded = (vd[1] + 31) / 32 * 32;

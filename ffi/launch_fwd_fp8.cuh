@@ -62,12 +62,13 @@ std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t
       [&](Args& args) { SetDescaleArgs(args, p); });
 }
 
-// The INT8 launch (Int8Args): dense, head dim 128, lean P, 128-key blocks (one K scale each); V staged
-// and transposed in the kernel, or V^T from fp8_value_operand.cu (p.v_transposed); the scales' blocks
-// (128 tokens) from the lengths.
-template <bool kWindow, bool kStagedV>
+// The INT8 launch (Int8Args): dense, lean P, the FP8 tile's key blocks (head dims 128 and MLA's
+// 192/128: 128 keys, one K scale each; 256: 64 keys, two blocks a K scale); V staged and transposed in
+// the kernel (v's head dim 128 only), or V^T from fp8_value_operand.cu (p.v_transposed); the scales'
+// blocks (128 tokens) from the lengths.
+template <int kHeadDim, bool kWindow, bool kStagedV>
 std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8TileT<128, kStagedV, Layout::kDense>;
+  using Tile = Fp8TileT<kHeadDim, kStagedV, Layout::kDense>;
   using Args = std::conditional_t<kWindow, WindowedArgs<Int8Args>, Int8Args>;
   return LaunchFwdKernel<Fp8Mainloop<true, Tile>, Tile, Args>(
       p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
@@ -79,18 +80,27 @@ std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_
 }
 
 // A template, so that only the INT8 instantiation file compiles its kernels.
-template <Layout kLayout>
+template <int kHeadDim, Layout kLayout>
 std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
-  return BoolSwitch(mask.windowed, [&](auto windowed) {
-    return BoolSwitch(p.v_transposed, [&](auto transposed) {
-      return LaunchInt8Tile<decltype(windowed)::value, !decltype(transposed)::value>(p, mask, stream);
-    });
+  constexpr int kHeadDimV = Fp8TileT<kHeadDim, false>::kHeadDimV;
+  return BoolSwitch(mask.windowed, [&](auto windowed) -> std::string {
+    constexpr bool kWindow = decltype(windowed)::value;
+    if constexpr (kWindow && kHeadDim != kHeadDimV) {
+      return "no INT8 sliding-window kernel at MLA's head dims";  // ValidateFwd admits none
+    } else if constexpr (kHeadDimV != 128) {  // V^T only (ValidateFwd)
+      return LaunchInt8Tile<kHeadDim, kWindow, false>(p, mask, stream);
+    } else {
+      return BoolSwitch(p.v_transposed, [&](auto transposed) {
+        return LaunchInt8Tile<kHeadDim, kWindow, !decltype(transposed)::value>(p, mask, stream);
+      });
+    }
   });
 }
 
 // The tile a call runs on: head dims, V source, layout, keys per block (p.key_block, which
-// ValidateFwd resolved to 128 or, for the dense unwindowed V^T kernel, 192).
+// ValidateFwd resolved to the head dim's default, Fp8DefaultBlockN, or, for the dense unwindowed V^T
+// kernel, 192).
 template <int kHeadDimQK, Layout kLayout>
 std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
   const auto with_tile = [&](auto tile) {
@@ -99,7 +109,8 @@ std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
       constexpr bool kWindow = decltype(windowed)::value;
       if constexpr (kLayout == Layout::kVarlen) {
         return LaunchFp8Tile<Tile, true, kWindow>(p, mask, stream);  // lean P only
-      } else if constexpr (kWindow && (kHeadDimQK != Tile::kHeadDimV || Tile::kBlockN != 128)) {
+      } else if constexpr (kWindow && (kHeadDimQK != Tile::kHeadDimV ||
+                                       Tile::kBlockN != Fp8DefaultBlockN(Tile::kHeadDimV))) {
         return "no FP8 sliding-window kernel for this tile";  // ValidateFwd admits none
       } else {
         return BoolSwitch(p.lean_p, [&](auto lean_p) {
@@ -115,8 +126,8 @@ std::string LaunchFp8(const FwdParams& p, const MaskPlan& mask, cudaStream_t str
     }
     return with_tile(TypeTag<Fp8TileT<kHeadDimQK, false, L>>{});
   }
-  if constexpr (kHeadDimQK == 64) {
-    return "v_transposed must be true for the FP8 kernel at head dim 64 (V^T from memory only)";
+  if constexpr (kHeadDimQK == 64 || kHeadDimQK == 256) {
+    return "v_transposed must be true for the FP8 kernel at head dims 64 and 256 (V^T from memory only)";
   } else {
     return with_tile(TypeTag<Fp8TileT<kHeadDimQK, true, L>>{});
   }

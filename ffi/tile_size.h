@@ -47,14 +47,20 @@ inline constexpr FwdKernelGroup kFwdKernels[] = {
     {Family::k16Bit, 256, 256, Layout::kVarlen, kAllMasks},
     {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kAllMasks},
     {Family::k16Bit, kMlaHeadDimQK, kMlaHeadDimV, Layout::kVarlen, kAllMasks},
-    // FP8 (e4m3): head dims 64 and 128 every mask, dense and varlen; MLA's dense, causal or no mask.
+    // FP8 (e4m3): head dims 64, 128 and 256 every mask, dense and varlen; MLA's dense, causal or no
+    // mask.
     {Family::kFp8, 64, 64, Layout::kDense, kAllMasks},
     {Family::kFp8, 64, 64, Layout::kVarlen, kAllMasks},
     {Family::kFp8, 128, 128, Layout::kDense, kAllMasks},
     {Family::kFp8, 128, 128, Layout::kVarlen, kAllMasks},
+    {Family::kFp8, 256, 256, Layout::kDense, kAllMasks},
+    {Family::kFp8, 256, 256, Layout::kVarlen, kAllMasks},
     {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
-    // INT8 Q K^T with e4m3 V (precision="int8"): head dim 128, dense, every mask.
+    // INT8 Q K^T with e4m3 V (precision="int8"): head dims 128 and 256, dense, every mask; MLA's, dense,
+    // causal or no mask (the FP8 tiles').
     {Family::kInt8, 128, 128, Layout::kDense, kAllMasks},
+    {Family::kInt8, 256, 256, Layout::kDense, kAllMasks},
+    {Family::kInt8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
 };
 inline constexpr size_t kNumFwdKernelGroups = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
 
@@ -114,12 +120,16 @@ constexpr TileSize Fwd16TileSize(int head_dim_v, Layout layout, int block_n) {
 }
 
 // The FP8 tiles (Fp8TileT). 128 keys per block, or 192 (V^T from memory, dense, unwindowed head dim
-// 128: Fp8KeyBlock's rule). O is promoted every 8 blocks of 128 keys (every 4: 8.6% of the kernel
-// time at 32K keys, every 8: 4.6%; every 16 measured 1.4-3.2% faster but left the row sum 1.9% low:
-// docs/benchmarks.md), 5 for 192 keys. O's float32 copy keeps 7 float4s per thread in registers (8
-// spill), MLA 6 (its longer Q K^T), none with 192-key blocks (1 spilled 28 bytes); head dim 64 all 9
-// (its O is half as wide). Head dim 64 reads V^T from memory (the in-kernel transpose is 128 x 128).
+// 128: Fp8KeyBlock's rule); 64 at head dim 256, where O's accumulator alone takes 132 registers per
+// consumer thread (S then 32, P 2 x 8). O is promoted every 8 blocks of 128 keys (every 4: 8.6% of
+// the kernel time at 32K keys, every 8: 4.6%; every 16 measured 1.4-3.2% faster but left the row sum
+// 1.9% low: docs/benchmarks.md), 5 for 192 keys, 16 for 64 (1024 keys between promotions as at 128).
+// O's float32 copy keeps 7 float4s per thread in registers (8 spill), MLA 6 (its longer Q K^T), none
+// with 192-key blocks (1 spilled 28 bytes); head dim 64 all 9 (its O is half as wide); head dim 256
+// only the row sums' (its O copy, 64 KB per consumer, in shared memory). Head dims 64 and 256 read
+// V^T from memory (the in-kernel transpose is 128 x 128).
 constexpr int kFp8WideBlockN = 192;
+constexpr int Fp8DefaultBlockN(int head_dim_v) { return head_dim_v > 128 ? 64 : 128; }
 constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, int block_n) {
   return TileSize{block_n,
                   2,
@@ -128,7 +138,11 @@ constexpr TileSize Fp8TileSize(int head_dim_qk, bool staged_v, Layout layout, in
                   layout == Layout::kDense,
                   staged_v,
                   8 * 128 / block_n > 0 ? 8 * 128 / block_n : 1,
-                  block_n > 128 ? 0 : head_dim_qk == 64 ? 9 : head_dim_qk == 128 ? 7 : 6};
+                  block_n > 128    ? 0
+                  : head_dim_qk == 64  ? 9
+                  : head_dim_qk == 128 ? 7
+                  : head_dim_qk == 256 ? 1
+                                       : 6};
 }
 
 // The backward kernels (ffi/flash_bwd_dkdv.cuh, ffi/flash_bwd_dq.cuh): one group per (head dims,

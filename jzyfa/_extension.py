@@ -59,20 +59,26 @@ def handler_calls() -> int:
     return int(counter())
 
 
+def fp8_default_key_block(head_dim: int) -> int:
+    """The FP8 kernel's keys per block at this q/k head dim unless a wider block applies: 128, or 64 at
+    head dim 256 (ffi/tile_size.h's Fp8DefaultBlockN, whose O accumulator leaves room for no more)."""
+    return 64 if head_dim == 256 else 128
+
+
 def fp8_key_block(
     *, v_transposed: bool, head_dim: int, causal: bool, window: tuple[int, int], seq_q: int, seq_k: int
 ) -> int:
-    """Keys per block of the FP8 kernel that a call with these properties runs now: 128, or 192 for the
-    unwindowed head-dim-128 kernel with V^T from memory when its rows see many keys (the launch's
-    rule; `jzyfa.plan.fp8_key_block` adds the JZYFA_FP8_KEY_BLOCK override). `window` as the FP8 primitive passes it ((-1, -1): none; see
-    `jzyfa._validation.mask_window`). 128 without the extension, or with one built before the
-    function existed."""
+    """Keys per block of the FP8 kernel that a call with these properties runs now: 128 (64 at head dim
+    256), or 192 for the unwindowed head-dim-128 kernel with V^T from memory when its rows see many keys
+    (the launch's rule; `jzyfa.plan.fp8_key_block` adds the JZYFA_FP8_KEY_BLOCK override). `window` as
+    the FP8 primitive passes it ((-1, -1): none; see `jzyfa._validation.mask_window`).
+    `fp8_default_key_block` without the extension, or with one built before the function existed."""
     if load_error() is not None:
-        return 128
+        return fp8_default_key_block(head_dim)
     module = importlib.import_module(EXTENSION_MODULE)
     key_block = getattr(module, "fp8_key_block", None)
     if key_block is None:
-        return 128
+        return fp8_default_key_block(head_dim)
     return int(
         key_block(
             v_transposed=bool(v_transposed),

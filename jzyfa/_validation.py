@@ -18,7 +18,7 @@ NON_FP8_DTYPES = SIXTEEN_BIT_DTYPES + (jnp.dtype(jnp.float32),)
 FP8_DTYPES = (jnp.dtype(FP8_DTYPE),)
 IMPLEMENTATIONS = (None, "kernel", "xla")
 DESCALE_NAMES = ("descale_q", "descale_k", "descale_v")
-FP8_VARLEN_HEAD_DIMS = (64, 128)
+FP8_VARLEN_HEAD_DIMS = (64, 128, 256)
 
 
 def _dtype_names(dtypes: Sequence[np.dtype]) -> str:
@@ -67,7 +67,7 @@ def check_qkv_heads(q, k, v, *, axes: str) -> None:
 
 def check_packed_qkv(q, k, v) -> None:
     """Packed (varlen) layout: q [total_q, Hq, D], k [total_k, Hkv, D], v [total_k, Hkv, Dv]; FP8 inputs
-    need one head_dim of 64 or 128 for q, k and v (the FP8 varlen kernels')."""
+    need one head_dim of 64, 128 or 256 for q, k and v (the FP8 varlen kernels')."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -78,7 +78,7 @@ def check_packed_qkv(q, k, v) -> None:
     check_qkv_heads(q, k, v, axes="[total_k, kv_heads]")
     if is_fp8(q.dtype) and (q.shape[-1] != v.shape[-1] or q.shape[-1] not in FP8_VARLEN_HEAD_DIMS):
         raise ValueError(
-            "flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128 for q, k and v, "
+            "flash_attention_varlen takes FP8 inputs with one head_dim of 64, 128 or 256 for q, k and v, "
             f"got {q.shape[-1]} (q, k) and {v.shape[-1]} (v)"
         )
 

@@ -19,24 +19,33 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jzyfa import _validation, fp8_emulation, int8_quant
+from jzyfa import _extension, _validation, fp8_emulation, int8_quant
 from jzyfa.fp8_emulation import Fp8Options
 
 # The depth up to which int8 dot products sum exactly in float32: 127^2 * 1040 < 2^24.
 MAX_EXACT_HEAD_DIM = 1040
 
 
+def kernel_key_block(head_dim: int) -> int:
+    """Keys per block of the INT8 kernel at this head dim: the FP8 tile's default block, 128 (one K scale
+    per block) or 64 at head dim 256 (two blocks per K scale)."""
+    return _extension.fp8_default_key_block(head_dim)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("window", "softmax_scale", "q_block", "options", "out_dtype", "padded")
+    jax.jit, static_argnames=("window", "softmax_scale", "block", "q_block", "options", "out_dtype", "padded")
 )
-def _emulate(q8, k8, v8, q_scale, k_scale, descale_v, seqlens_q, seqlens_k, *, window, softmax_scale, q_block,
-             options, out_dtype, padded):  # fmt: skip
+def _emulate(q8, k8, v8, q_scale, k_scale, descale_v, seqlens_q, seqlens_k, *, window, softmax_scale, block,
+             q_block, options, out_dtype, padded):  # fmt: skip
     heads_kv = k8.shape[2]
     batch, seq_q, heads_q, _ = q8.shape
-    # [B, Hq, Sq] per-row Q scales -> [B, Hkv, G, Sq]; [B, Hkv, blocks] K scales -> [blocks, B, Hkv]
+    # [B, Hq, Sq] per-row Q scales -> [B, Hkv, G, Sq]; [B, Hkv, blocks] K scales -> one per key block of
+    # the kernel (a scale block holds block / block_n of them) -> [key blocks, B, Hkv]
     row_scale = int8_quant.per_token(q_scale, seq_q, q_block).reshape(
         batch, heads_kv, heads_q // heads_kv, seq_q
     )
+    key_blocks = -(-k8.shape[1] // options.block_n)
+    k_scale = jnp.repeat(k_scale, block // options.block_n, axis=2)[:, :, :key_blocks]
     if k_scale.shape[2] == 0:  # no keys: the emulation still visits one (empty) block
         k_scale = jnp.ones((batch, heads_kv, 1), jnp.float32)
     return fp8_emulation.blocked_attention(
@@ -87,11 +96,11 @@ def trace_attention_int8_emulated(
             f"head_dim must be at most {MAX_EXACT_HEAD_DIM} (exact float32 sums), got {q8.shape[-1]}"
         )
     (batch, seq_q, heads_q, _), (_, seq_k, heads_kv, _) = q8.shape, k8.shape
-    options = Fp8Options(lean_p=lean_p)
-    if block != options.block_n:
+    options = Fp8Options(lean_p=lean_p, block_n=kernel_key_block(q8.shape[-1]))
+    if int(block) != block or block < 1 or block % options.block_n:
         raise ValueError(
-            f"block must be the kernel's key block, {options.block_n} keys: one K scale per key block folds "
-            f"into lean P's FFMA; got {block}"
+            f"block must be a multiple of the kernel's key block, {options.block_n} keys at head dim "
+            f"{q8.shape[-1]}: one K scale per key block folds into lean P's FFMA; got {block}"
         )
     q_block = block if q_block is None else q_block
     if int(q_block) != q_block or q_block < 1:
@@ -116,7 +125,7 @@ def trace_attention_int8_emulated(
     ]
     return _emulate(
         q8, k8, v8, q_scale, k_scale, descale_v, *lengths, window=window, softmax_scale=float(softmax_scale),
-        q_block=int(q_block), options=options, out_dtype=jnp.dtype(out_dtype), padded=padded,
+        block=int(block), q_block=int(q_block), options=options, out_dtype=jnp.dtype(out_dtype), padded=padded,
     )  # fmt: skip
 
 

@@ -49,7 +49,8 @@ def _rows(family: str, head_dims, masks, layouts, direction: str = "fwd") -> tup
     )
 
 
-# The table. Each row is an instantiation in ffi/ with its GPU tests (tests/test_*_gpu.py).
+# The table. Each row is an instantiation in ffi/ that has passed its GPU tests (tests/test_*_gpu.py);
+# ffi/ may build more (ffi/tile_size.h's kFwdKernels), which their GPU tests add here to run them.
 KERNELS: frozenset[Config] = frozenset(
     _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS)
     + _rows("fp8", [(64, 64), (128, 128)], MASKS, LAYOUTS)
@@ -284,7 +285,7 @@ def choose_path(
 # transposed for those few rows too when they see enough keys that the kernel with V^T runs 192-key
 # blocks (a prefill chunk against a long cache), which the staged kernel does not have. Varlen calls
 # pay more for V^T (a gather of token rows first), so their threshold is higher. The staged kernel
-# transposes V rows of 128 bytes only: at head dim 64 V^T always comes from memory (q/k head dims whose
+# transposes V rows of 128 bytes only: at head dims 64 and 256 V^T always comes from memory (q/k head dims whose
 # v has 128 columns: FP8_STAGED_V_HEAD_DIMS).
 FP8_STAGED_V_HEAD_DIMS = (128, MLA_HEAD_DIMS[0])
 FP8_STAGED_V_MAX_ROWS = 2048
@@ -339,7 +340,9 @@ def fp8_key_block_for(
     )
 
 
-def _layout_by_rows(rows: int, max_staged_rows: int) -> str:
+def _layout_by_rows(rows: int, max_staged_rows: int, head_dim: int = 128) -> str:
+    if head_dim not in FP8_STAGED_V_HEAD_DIMS:
+        return "transposed"  # no staged kernel at this head dim, whatever the override
     if override := _env_choice(FP8_V_LAYOUT_ENV, FP8_V_LAYOUTS):
         return override
     return "staged" if rows <= max_staged_rows else "transposed"
@@ -350,9 +353,7 @@ def fp8_value_layout(
 ) -> str:
     """ "staged" or "transposed" for one shard of a dense FP8 call (the rule above). `window` is the
     mask as the primitive holds it (causal folded in: (-1, 0) causal, (-1, -1) none)."""
-    if head_dim not in FP8_STAGED_V_HEAD_DIMS:
-        return "transposed"
-    layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
+    layout = _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS, head_dim)
     if layout == "staged" and not _env_choice(FP8_V_LAYOUT_ENV, FP8_V_LAYOUTS):
         wide = fp8_key_block_for(
             v_transposed=True, head_dim=head_dim, causal=causal, window=window, seq_q=seq_q, seq_k=seq_k
@@ -362,17 +363,15 @@ def fp8_value_layout(
     return layout
 
 
-def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int) -> str:
+def int8_value_layout(seq_q: int, heads_q: int, heads_kv: int, *, head_dim: int = 128) -> str:
     """ "staged" or "transposed" for one shard of a dense INT8 call: the FP8 rule by rows (the INT8 kernel
-    has 128-key blocks only, so no wide-block exception)."""
-    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS)
+    has no wide blocks, so no wide-block exception); V^T always at head dim 256."""
+    return _layout_by_rows(seq_q * (heads_q // heads_kv), FP8_STAGED_V_MAX_ROWS, head_dim)
 
 
 def fp8_varlen_value_layout(max_seqlen_q: int, heads_q: int, heads_kv: int, *, head_dim: int = 128) -> str:
     """The same for a packed varlen FP8 call, on the longest sequence's rows."""
-    if head_dim not in FP8_STAGED_V_HEAD_DIMS:
-        return "transposed"
-    return _layout_by_rows(max_seqlen_q * (heads_q // heads_kv), FP8_VARLEN_STAGED_V_MAX_ROWS)
+    return _layout_by_rows(max_seqlen_q * (heads_q // heads_kv), FP8_VARLEN_STAGED_V_MAX_ROWS, head_dim)
 
 
 def fp8_key_block(q_shape, k_shape, *, causal: bool, window=None) -> int:

@@ -324,7 +324,8 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
         spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
     # INT8: V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows.
-    if spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2]) == "transposed":
+    int8_layout = spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2], head_dim=q.shape[3])
+    if int8_layout == "transposed":
         v = fp8_value_operand_p.bind(v)
         spec = dataclasses.replace(spec, v_transposed=True)
     out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)
@@ -575,7 +576,7 @@ batching.primitive_batchers[attention_bwd_p] = functools.partial(_batch_rule, at
 # (ffi/fp8_value_operand.cu, bitwise the same); everywhere else, and for shapes that kernel does not take,
 # the pure-JAX function is the lowering.
 fp8_value_operand_p = Primitive(FFI_TARGET_VALUE_OPERAND)
-FP8_VALUE_OPERAND_HEAD_DIMS = (64, 128)
+FP8_VALUE_OPERAND_HEAD_DIMS = (64, 128, 256)
 
 
 def _value_operand_abstract_eval(v):

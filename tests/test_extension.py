@@ -58,13 +58,14 @@ BUILT_KERNELS = {
     ),
     *(
         ("fp8", d, d, mask, layout, "fwd")
-        for d in (64, 128)
+        for d in (64, 128, 256)
         for mask in ("none", "causal", "window")
         for layout in ("dense", "varlen")
     ),
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
-    *(("int8", 128, 128, mask, "dense", "fwd") for mask in ("none", "causal", "window")),
+    *(("int8", d, d, mask, "dense", "fwd") for d in (128, 256) for mask in ("none", "causal", "window")),
+    *(("int8", 192, 128, mask, "dense", "fwd") for mask in ("none", "causal")),
     *(
         ("16bit", qk, v, mask, layout, "bwd")
         for qk, v in ((64, 64), (128, 128), (256, 256), (192, 128))
@@ -112,15 +113,15 @@ WIDE_MIN_KEYS = {True: 3072, False: 1536}  # by causal
 @pytest.mark.parametrize("env", [None, "128", "192"])
 def test_fp8_key_block_rule(monkeypatch, env):
     """The extension's FP8 key-block rule (key_block 0), which the kernel tests' emulation follows: 192 only
-    for the dense kernel with V^T from memory (head dim 128, no window) from WIDE_MIN_KEYS keys, 128 for
-    every other kernel. No environment variable changes it (the launch reads none): forcing a block is the
+    for the dense kernel with V^T from memory (head dim 128, no window) from WIDE_MIN_KEYS keys, 64 at head
+    dim 256 (O's accumulator leaves no room for more), 128 for every other kernel. No environment variable changes it (the launch reads none): forcing a block is the
     key_block attribute's job."""
     from jzyfa import _jzyfa_ffi
 
     if env is not None:
         monkeypatch.setenv("JZYFA_FP8_KEY_BLOCK", env)
     for v_transposed in (False, True):
-        for head_dim in (128, 192):
+        for head_dim in (128, 192, 256):
             for causal, window in ((True, (-1, 0)), (False, (-1, -1)), (True, (100, 0)), (False, (64, 64))):
                 for seq_k in (1000, 1535, 1536, 3071, 3072, 8192, 40000):
                     dense_vt = v_transposed and head_dim == 128 and window[0] == -1
@@ -129,7 +130,8 @@ def test_fp8_key_block_rule(monkeypatch, env):
                         v_transposed=v_transposed, head_dim=head_dim, causal=causal, window_left=window[0],
                         window_right=window[1], seqlen_q=1000, seqlen_k=seq_k,
                     )  # fmt: skip
-                    assert got == (192 if dense_vt and wide else 128), (
+                    default = 64 if head_dim == 256 else 128
+                    assert got == (192 if dense_vt and wide else default), (
                         v_transposed,
                         head_dim,
                         causal,

@@ -20,6 +20,7 @@ from hlo_utils import cuda_hlo, custom_call_lines, window_attributes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mesh_utils import cpu_mesh
+from plan_rows import add_rows
 from test_extension import WIDE_MIN_KEYS
 
 import jzyfa
@@ -227,7 +228,7 @@ OUTSIDE_DENSE = [
     ((64, 128), "none"),
     ((128, 192), "causal"),
     ((256, 128), "none"),
-    ((256, 256), "causal"),
+    ((128, 256), "causal"),
     ((192, 128), "window"),  # MLA has no windowed FP8 instantiation
 ]
 
@@ -275,12 +276,12 @@ def test_mla_sliding_windows_stay_on_the_pure_jax_path_with_a_reason(rng, kernel
     assert out.shape == (1, 40, 4, 128)
 
 
-def test_varlen_fp8_outside_head_dims_64_and_128_is_refused_with_a_reason(rng):
-    """flash_attention_varlen has FP8 at head dims 64 and 128 only (not MLA's 192/128): refused whatever
-    the implementation."""
+def test_varlen_fp8_outside_head_dims_64_128_256_is_refused_with_a_reason(rng):
+    """flash_attention_varlen has FP8 at head dims 64, 128 and 256 only (not MLA's 192/128): refused
+    whatever the implementation."""
     (q8, k8, v8), (dq, dk, dv) = fp8_qkv(rng, (192, 128), seq_q=40, seq_k=40, heads_q=2, heads_kv=2)
     cu = jnp.asarray([0, 15, 40], jnp.int32)
-    message = r"FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 192 \(q, k\) and 128 \(v\)"
+    message = r"FP8 inputs with one head_dim of 64, 128 or 256 for q, k and v, got 192 \(q, k\) and 128 \(v\)"
     for implementation in (None, "kernel"):
         with pytest.raises(ValueError, match=message):
             jzyfa.flash_attention_varlen(
@@ -344,16 +345,19 @@ def test_dense_custom_call_with_v_staged(monkeypatch, head_dims, causal, lean_p)
     assert np.float32(attrs["softmax_scale"].split(" : ")[0]) == np.float32(1 / np.sqrt(qk))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("layout", ["staged", "transposed", ""])
-def test_head_dim_64_is_always_v_transposed(monkeypatch, layout):
-    """The staged kernel transposes 128-byte V rows only: at head dim 64 the call takes V^T from the
-    layout kernel whatever the rule or the override says."""
+def test_head_dims_64_and_256_are_always_v_transposed(monkeypatch, layout, head_dim):
+    """The staged kernel transposes 128-byte V rows only: at head dims 64 and 256 the call takes V^T
+    from the layout kernel whatever the rule or the override says."""
     monkeypatch.setenv(FP8_V_LAYOUT_ENV, layout)
-    hlo = cuda_hlo(fp8_call("kernel", causal=True), *dense_specs((64, 64)), DESCALE, DESCALE, DESCALE)
+    dims = (head_dim, head_dim)
+    add_rows(monkeypatch, "fp8", dims)  # the lowering of a built kernel, planned or not yet
+    hlo = cuda_hlo(fp8_call("kernel", causal=True), *dense_specs(dims), DESCALE, DESCALE, DESCALE)
     (call,) = custom_call_lines(hlo, FFI_TARGET)
     assert attributes(call)["v_transposed"] == "true"
     (layout_call,) = custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)
-    assert "f8e4m3fn[2,2,64,512]" in layout_call
+    assert f"f8e4m3fn[2,2,{head_dim},512]" in layout_call
 
 
 def test_dense_custom_call_takes_per_head_descales_and_the_given_scale(rng, monkeypatch):
@@ -680,7 +684,7 @@ def test_both_v_layouts_are_the_emulation_off_cuda(rng, fp8_v_layout, head_dims)
         .lower(lowering_platforms=("cuda",))
         .as_text(dialect="hlo")
     )
-    transposed = fp8_v_layout == "transposed" or head_dims == (64, 64)  # no staged kernel at 64
+    transposed = fp8_v_layout == "transposed" or head_dims in ((64, 64), (256, 256))  # no staged kernel
     assert f"v_transposed = {str(transposed).lower()}" in kernel_call_of(hlo)
     out, lse = primitive_call(scale=scale, causal=True)(q8, k8, v8, descales)
     want = attention_fp8_emulated(
@@ -809,7 +813,7 @@ CU = spec((3,), jnp.int32)
         ({n: spec(GOOD[n].shape, jnp.bfloat16) for n in "qkv"}, (SCALAR, None, None), ValueError,
          "descale_q given for bfloat16 inputs; descales apply only to FP8 inputs"),
         ({n: spec(GOOD[n].shape[:2] + (96,)) for n in "qkv"}, (SCALAR,) * 3, ValueError,
-         r"FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 96 \(q, k\) and 96 \(v\)"),
+         r"FP8 inputs with one head_dim of 64, 128 or 256 for q, k and v, got 96 \(q, k\) and 96 \(v\)"),
         ({"v": spec((12, 2, 128), jnp.bfloat16)}, (SCALAR,) * 3, TypeError, "q, k and v must share a dtype"),
     ],
 )  # fmt: skip
@@ -1118,7 +1122,7 @@ def test_value_operand_vmap_folds_into_the_batch(rng):
         np.testing.assert_array_equal(as_bytes(got[:, i]), as_bytes(fp8_value_operand(vs[:, i])))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("seq_k, padded", [(1, 32), (300, 320), (4096, 4096)])
 def test_value_operand_cuda_lowering_is_the_ffi_custom_call(seq_k, padded, head_dim):
     v = spec((2, seq_k, 3, head_dim))

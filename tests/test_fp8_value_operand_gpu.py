@@ -76,6 +76,11 @@ def run_poisoned(v: jax.Array) -> np.ndarray:
         (1, 1, 1, 64),
         (1, 4097, 2, 64),
         (16, 1024, 16, 64),
+        # Head dim 256: the 128 kernel over twice the heads.
+        (2, 300, 3, 256),
+        (1, 1, 1, 256),
+        (1, 4097, 2, 256),
+        (4, 1024, 8, 256),
     ],
 )
 def test_kernel_is_the_pure_jax_layout_bitwise(rng, shape):
@@ -99,7 +104,7 @@ def test_fresh_inputs_give_fresh_outputs(rng):
 @pytest.mark.parametrize(
     "v_shape, vt_shape, message",
     [
-        ((1, 32, 1, 96), (1, 1, 96, 32), "head_dim must be 64 or 128, got 96"),
+        ((1, 32, 1, 96), (1, 1, 96, 32), "head_dim must be 64, 128 or 256, got 96"),
         ((1, 40, 2, 128), (1, 2, 128, 40), r"vt \[1, 2, 128, 40\] must be .* = \[1, 2, 128, 64\]"),
         ((32, 2, 128), (1, 2, 128, 32), "must be \\[batch, seq_k, heads_kv, head_dim\\]"),
     ],

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from attention_oracle import dequantized_f64, naive_varlen_f64, random_fp8_packed
 from gpu_utils import has_custom_call, kernel_call, requires_hopper
+from plan_rows import add_rows
 from test_fp8_kernel_gpu import FLOAT64_TOLERANCE
 from test_fp8_window_kernel_gpu import ONE_CODE_LSE
 from test_kernel_gpu import relative_l2
@@ -133,11 +134,13 @@ def test_sliding_window(rng):
     check(rng, [65, 300, 1000], [65, 300, 1000], causal=False, per_head=True, window=(96, 0))
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, (96, 0))])
-def test_head_dim_64(rng, causal, window):
-    """The head-dim-64 varlen kernel (V^T from memory whatever the layout override says: the in-kernel
-    transpose takes 128-byte rows only)."""
-    check(rng, LENGTHS, LENGTHS, causal=causal, per_head=True, pad_q=3, window=window, head_dim=64)
+def test_head_dims_64_and_256(rng, monkeypatch, causal, window, head_dim):
+    """The head-dim-64 and -256 varlen kernels (V^T from memory whatever the layout override says: the
+    in-kernel transpose takes 128-byte rows only)."""
+    add_rows(monkeypatch, "fp8", (head_dim, head_dim), layouts=("varlen",))  # built, planned or not yet
+    check(rng, LENGTHS, LENGTHS, causal=causal, per_head=True, pad_q=3, window=window, head_dim=head_dim)
 
 
 def test_reruns_are_bitwise_identical(rng):

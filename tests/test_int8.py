@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, offsets, random_qkv, relative_l2
+from plan_rows import add_rows
 
 import jzyfa
 from jzyfa import fp8_emulation, int8_emulation, int8_quant, plan, primitives
@@ -116,6 +117,39 @@ def test_int8_call_against_float64_gqa_masks(rng, mask):
     seen = np.isfinite(want_lse)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
     assert np.max(np.abs(np.asarray(lse)[seen] - want_lse[seen])) < 0.15
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_int8_call_at_head_dim_256_against_float64(rng, rotate):
+    """Head dim 256: the kernel's 64-key blocks (two to a K scale block of 128 tokens), lengths off both."""
+    assert int8_emulation.kernel_key_block(256) == 64 and int8_emulation.kernel_key_block(128) == 128
+    q, k, v = random_qkv(rng, batch=1, seq_q=200, seq_k=333, heads_q=4, heads_kv=2, head_dim=256)
+    out, lse = jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=rotate, return_lse=True)
+    want, want_lse = naive_attention_f64(q, k, v, causal=True)
+    assert out.shape == (1, 200, 4, 256)
+    assert relative_l2(out, want) < GAUSSIAN_TOLERANCE
+    assert np.max(np.abs(np.asarray(lse) - want_lse)) < 0.15
+
+
+def test_int8_emulation_key_blocks_take_their_scale_blocks_scale(rng):
+    """At head dim 256 the emulation walks 64-key blocks, each with the K scale of the 128-token block it
+    lies in: with K scale blocks of very different magnitudes, O and the LSE are those of float64
+    attention on the dequantized operands (a block given its neighbour's scale would be far off)."""
+    q, k, v = random_qkv(rng, seq_q=100, seq_k=333, heads_q=2, head_dim=256)
+    magnitude = np.ones((333,), np.float32)
+    magnitude[128:256], magnitude[256:] = 8.0, 0.25
+    k = (k.astype(jnp.float32) * magnitude[None, :, None, None] * 0.3).astype(k.dtype)
+    x = int8_quant.int8_quantize_qkv(q, k, v)
+    assert len(set(np.asarray(x.k_scale)[0, 0].round(5))) == 3
+    out, lse = int8_emulation.attention_int8_emulated(x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v, causal=True)
+    dequantized = (
+        int8_quant.int8_dequantize(x.q8, x.q_scale),
+        int8_quant.int8_dequantize(x.k8, x.k_scale),
+        x.v8.astype(jnp.float32) * x.descale_v[:, None, :, None],
+    )
+    want_out, want_lse = naive_attention_f64(*dequantized, causal=True)
+    assert relative_l2(out, want_out) < 0.05
+    assert np.max(np.abs(np.asarray(lse) - want_lse)) < 0.15  # lean P's e4m3 sums: as in the other tests
 
 
 def test_int8_call_f16_and_mla_head_dims(rng):
@@ -261,7 +295,7 @@ def test_emulation_checks_its_operands(rng):
         int8_emulation.attention_int8_emulated(
             q8, q8, v8, scale, scale[..., :0], jnp.ones((1, 2)), causal=True
         )
-    with pytest.raises(ValueError, match="block must be the kernel's key block, 128 keys"):
+    with pytest.raises(ValueError, match="block must be a multiple of the kernel's key block, 128 keys at head dim 64"):
         int8_emulation.attention_int8_emulated(
             q8, q8, v8, scale, scale, jnp.ones((1, 2)), causal=True, block=64
         )
@@ -339,6 +373,34 @@ def test_cuda_lowering_of_long_rows_takes_v_transposed(primitive_path):
     (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
     assert "v_transposed = true" in call and "f8e4m3fn[1,2,128,2112]" in call, call
     assert 'custom_call_target="jzyfa_fp8_value_operand"' in text
+
+
+@pytest.mark.parametrize("head_dims", [(256, 256), (192, 128)], ids=["hd256", "mla"])
+def test_other_head_dims_kernel_path_lowers_and_is_the_emulation(rng, primitive_path, monkeypatch, head_dims):
+    """Head dim 256 and MLA's 192/128 (the kernel's rows added for this test where the plan lacks them):
+    int8 q and k at their head dim, V^T from the layout target at head dim 256 whatever the rows (V as it
+    is for MLA's few rows), the quantization in XLA ops (the device quantizer takes head dim 128 alone),
+    the scales per 128 tokens; on the CPU the primitive's program is the emulation path bit for bit."""
+    del primitive_path
+    qk, dv = head_dims
+    add_rows(monkeypatch, "int8", head_dims, layouts=("dense",))
+    q = jax.ShapeDtypeStruct((2, 300, 8, qk), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 260, 2, qk), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 260, 2, dv), jnp.bfloat16)
+    fn = lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=qk == dv)
+    text = jax.jit(fn).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
+    v_operand = "f8e4m3fn[2,2,256,288]" if dv == 256 else "f8e4m3fn[2,260,2,128]"
+    for operand in (f"s8[2,300,8,{qk}]", f"s8[2,260,2,{qk}]", v_operand, "f32[2,8,3]", "f32[2,2,3]"):
+        assert operand in call, (operand, call)
+    assert f"v_transposed = {str(dv == 256).lower()}" in call
+    assert 'custom_call_target="jzyfa_int8_quantize"' not in text
+    q, k, v = random_qkv(rng, seq_q=150, seq_k=200, heads_q=4, heads_kv=2, head_dim=qk, head_dim_v=dv)
+    kernel = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", return_lse=True))
+    assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v))
+    want = jzyfa.flash_attention(q, k, v, causal=True, precision="int8", return_lse=True, implementation="xla")
+    for g, w in zip(kernel(q, k, v), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
 def test_kernel_path_refusals(rng):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from attention_oracle import naive_attention_f64, random_qkv, relative_l2
 from gpu_utils import assert_bitwise_reruns, ffi_attention, kernel_call, requires_hopper
+from plan_rows import add_rows
 
 import jzyfa
 from jzyfa import fp8_layout, int8_quant, primitives
@@ -75,10 +76,27 @@ CASES = {
 @pytest.mark.parametrize("v_transposed", [False, True], ids=["v_staged", "v_transposed"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_int8_kernel_against_emulation_and_float64(rng, case, v_transposed):
+    check_against_emulation_and_float64(rng, case, head_dim=128, v_transposed=v_transposed)
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_int8_hd256_kernel_against_emulation_and_float64(rng, case):
+    """Head dim 256: 64-key blocks, two to a K scale; V^T only."""
+    check_against_emulation_and_float64(rng, case, head_dim=256, v_transposed=True)
+
+
+@pytest.mark.parametrize("v_transposed", [False, True], ids=["v_staged", "v_transposed"])
+@pytest.mark.parametrize("case", [c for c in CASES.values() if c[6] == (-1, -1)], ids=lambda c: f"{c[1]}x{c[2]}")
+def test_int8_mla_kernel_against_emulation_and_float64(rng, case, v_transposed):
+    """MLA's 192/128: q and k of 192, v of 128; causal or no mask."""
+    check_against_emulation_and_float64(rng, case, head_dim=192, head_dim_v=128, v_transposed=v_transposed)
+
+
+def check_against_emulation_and_float64(rng, case, *, head_dim: int, v_transposed: bool, head_dim_v=None) -> None:
     batch, seq_q, seq_k, heads_q, heads_kv, causal, window = case
     q, k, v = random_qkv(rng, batch=batch, seq_q=seq_q, seq_k=seq_k, heads_q=heads_q, heads_kv=heads_kv,
-                         head_dim=128)  # fmt: skip
-    scale = 128**-0.5
+                         head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
+    scale = head_dim**-0.5
     x = quantized(q, k, v)
     out, lse = kernel_poisoned(x, causal=causal, window=window, softmax_scale=scale, v_transposed=v_transposed)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
@@ -101,26 +119,33 @@ def test_int8_kernel_against_emulation_and_float64(rng, case, v_transposed):
     assert relative_l2(out, ref_out) < FLOAT64_TOLERANCE
 
 
-def test_int8_kernel_is_bitwise_deterministic(rng):
-    q, k, v = random_qkv(rng, batch=2, seq_q=1500, seq_k=1700, heads_q=8, heads_kv=2, head_dim=128)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_int8_kernel_is_bitwise_deterministic(rng, head_dim):
+    q, k, v = random_qkv(rng, batch=2, seq_q=1500, seq_k=1700, heads_q=8, heads_kv=2, head_dim=head_dim)
     x = quantized(q, k, v)
+    v_transposed = head_dim != 128  # head dim 256 reads V^T only
+    v8 = fp8_layout.fp8_value_operand(x.v8) if v_transposed else x.v8
 
     def fn(*operands):
-        out, lse, _ = ffi_attention(*operands[:3], int8_scales=operands[3:], softmax_scale=0.09, causal=True)
+        out, lse, _ = ffi_attention(
+            *operands[:3], int8_scales=operands[3:], softmax_scale=0.09, causal=True, v_transposed=v_transposed
+        )
         return out, lse
 
-    assert_bitwise_reruns(fn, (x.q8, x.k8, x.v8, x.q_scale, x.k_scale, x.descale_v), reruns=100)
+    assert_bitwise_reruns(fn, (x.q8, x.k8, v8, x.q_scale, x.k_scale, x.descale_v), reruns=100)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("rotate", [False, True])
-def test_public_path_runs_the_kernel(rng, rotate):
+def test_public_path_runs_the_kernel(rng, monkeypatch, rotate, head_dim):
     """flash_attention(precision="int8") on a Hopper GPU: one program with the INT8 custom call, close to
     the emulation path (implementation="xla") in O and the unsmoothed keys' LSE."""
-    q, k, v = random_qkv(rng, batch=1, seq_q=900, seq_k=1300, heads_q=4, heads_kv=2, head_dim=128)
+    add_rows(monkeypatch, "int8", (head_dim, head_dim), layouts=("dense",))  # built, planned or not yet
+    q, k, v = random_qkv(rng, batch=1, seq_q=900, seq_k=1300, heads_q=4, heads_kv=2, head_dim=head_dim)
     run = jax.jit(lambda q, k, v: jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=rotate,
                                                         return_lse=True, implementation="kernel"))  # fmt: skip
     call = kernel_call(run.lower(q, k, v).compile().as_text())
-    assert "s8[1,900,4,128]" in call and "f8e4m3fn[1,1300,2,128]" in call, call
+    assert f"s8[1,900,4,{head_dim}]" in call, call
     out, lse = run(q, k, v)
     want_out, want_lse = jzyfa.flash_attention(q, k, v, causal=True, precision="int8", rotate=rotate, return_lse=True,
                                                implementation="xla")  # fmt: skip
@@ -143,8 +168,14 @@ def test_handler_refuses_bad_int8_operands(rng):
         jax.block_until_ready(ffi_attention(x.q8, x.k8, v, int8_scales=scales))
     with pytest.raises(Exception, match="lean_p must be true for int8 inputs"):
         jax.block_until_ready(ffi_attention(x.q8, x.k8, x.v8, int8_scales=scales, lean_p=False))
+    with pytest.raises(Exception, match="v_transposed must be true for the INT8 kernel at head dim 256"):
+        q, k, v = random_qkv(rng, seq_q=300, seq_k=200, heads_q=4, heads_kv=2, head_dim=256)
+        x256 = quantized(q, k, v)
+        jax.block_until_ready(
+            ffi_attention(x256.q8, x256.k8, x256.v8, int8_scales=(x256.q_scale, x256.k_scale, x256.descale_v))
+        )
     q64 = x.q8[..., :64]
-    with pytest.raises(Exception, match="head_dim must be 128 for q, k and v for the jzyfa INT8 kernel"):
+    with pytest.raises(Exception, match=r"head_dim must be 128 or 256 for q, k and v, or 192 .*jzyfa INT8 kernel"):
         jax.block_until_ready(ffi_attention(q64, x.k8[..., :64], x.v8[..., :64], int8_scales=scales))
 
 

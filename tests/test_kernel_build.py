@@ -299,7 +299,7 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
     64 per block and thread, in each of the loop's three softmax sites), P V as the FP8 kernel's (QGMMA
     64x136x32), lean P without MUFU.EX2, no local memory."""
     _, sass = compiled
-    found = select(sass, family="int8")
+    found = select(sass, family="int8", qk=128)
     kinds = sorted((info(name)["staged"], info(name)["windowed"]) for name in found)
     assert kinds == [(False, False), (False, True), (True, False), (True, True)], list(found)
     for name, text in found.items():
@@ -312,6 +312,49 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
         assert not re.search(r"\bMUFU\.EX2\b", text), name
         assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == 2, name  # O through the TMA store, as FP8's
+
+
+def test_int8_hd256_kernels_are_the_fp8_hd256_tile_on_igmma(compiled):
+    """Head dim 256's INT8 instantiations (dense, lean P, V^T loaded, plain and windowed): the FP8
+    head-dim-256 tile (64-key blocks, two to a K scale block) with S = Q K^T on IGMMA 64x64x32 (8 k-steps
+    over two 128-byte slices), 32 I2FP conversions a block and thread in each of the three softmax
+    sites, P V on 64x256x32 beside 64x8x32 for the sums, the FP8 kernels' registers, O from registers."""
+    _, sass = compiled
+    found = select(sass, family="int8", qk=256)
+    assert sorted((info(name)["staged"], info(name)["windowed"]) for name in found) == [
+        (False, False), (False, True),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert info(name)["lean"] and info(name)["n"] == 64 and not info(name)["varlen"], name
+        qk = len(re.findall(r"\bIGMMA\.64x64x32\.S8\.S8\b", text))
+        pv = len(re.findall(r"\bQGMMA\.64x256x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        sums = len(re.findall(r"\bQGMMA\.64x8x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk >= 24 and qk % 8 == 0 and qk // 8 == pv // 2 and sums == pv, f"{name}: {qk}, {pv}, {sums}"
+        assert not re.search(r"\bQGMMA\.64x64x32", text), name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 32, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        check_fp8_registers(name, text)
+        assert "UTMASTG" not in text, name
+
+
+def test_int8_mla_kernels_are_the_fp8_mla_tile_on_igmma(compiled):
+    """MLA's INT8 instantiations (192/128, dense, lean P, causal or no mask; V staged or V^T loaded): the
+    FP8 MLA tile with S = Q K^T on IGMMA 64x128x32 (6 k-steps over a 128- and a 64-byte slice, 3 sites),
+    P V on 64x136x32, 64 exact I2FP conversions a block and thread per site, the FP8 kernels' registers."""
+    _, sass = compiled
+    found = select(sass, family="int8", qk=192)
+    assert sorted((info(name)["staged"], info(name)["windowed"]) for name in found) == [
+        (False, False), (True, False),
+    ], list(found)  # fmt: skip
+    for name, text in found.items():
+        assert info(name)["lean"] and info(name)["v"] == 128 and info(name)["n"] == 128, name
+        qk = len(re.findall(r"\bIGMMA\.64x128x32\.S8\.S8\b", text))
+        assert qk >= 18 and qk % 6 == 0, f"{name}: {qk}"
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        assert not re.search(r"\bQGMMA\.64x128x32", text), name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 64, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        check_fp8_registers(name, text)
 
 
 def test_fp8_window_kernels_are_built_like_the_fp8_kernels(compiled):
@@ -333,11 +376,27 @@ def check_fp8_instantiation(name: str, text: str, *, lean: bool) -> None:
     assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
     fences = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text))
     assert fences * 3 < len(re.findall(r"\bQGMMA\b", text)), name
+    check_fp8_registers(name, text)
+    if lean:
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def check_fp8_registers(name: str, text: str) -> None:
+    """The FP8 kernels' register split (setmaxnreg): the producer at 40, the consumers at 232, and no
+    local memory."""
     assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
     assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
     assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
-    if lean:
-        assert not re.search(r"\bMUFU\.EX2\b", text), name
+
+
+def check_dense_and_varlen_set(found: dict) -> None:
+    """A head dim's FP8 instantiations: dense with lean and exact P, plain and windowed; varlen with lean
+    P, plain and windowed."""
+    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
+    assert kinds == [
+        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
+        (True, False, True), (True, True, True),
+    ], list(found)  # fmt: skip
 
 
 def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
@@ -347,11 +406,7 @@ def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
     registers and the consumers at 232, no local memory, lean P without exponentials."""
     _, sass = compiled
     found = select(sass, family="fp8", qk=64)
-    kinds = sorted((info(name)["varlen"], info(name)["windowed"], info(name)["lean"]) for name in found)
-    assert kinds == [
-        (False, False, False), (False, False, True), (False, True, False), (False, True, True),
-        (True, False, True), (True, True, True),
-    ], list(found)  # fmt: skip
+    check_dense_and_varlen_set(found)
     for name, text in found.items():
         assert not staged_v(name) and info(name)["v"] == 64, name
         qk = len(re.findall(r"\bQGMMA\.64x128x32\.F32\.E4M3\.E4M3", text))
@@ -359,9 +414,28 @@ def test_fp8_hd64_kernels_are_built_like_the_fp8_kernels(compiled):
         assert qk % 2 == 0 and pv % 4 == 0 and qk // 2 + 1 == pv // 4, f"{name}: {qk} Q K^T, {pv} P V"
         assert not re.search(r"\bQGMMA\.64x136x32\b", text), name
         assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
-        assert re.search(r"USETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", text), f"{name}: producer not at 40"
-        assert re.search(r"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, 0xe8\b", text), f"{name}: consumers not at 232"
-        assert not re.search(r"\b(LDL|STL)\b", text), f"{name}: local memory traffic"
+        check_fp8_registers(name, text)
+        assert ("MUFU.EX2" in text) != info(name)["lean"], name
+
+
+def test_fp8_hd256_kernels_are_built_like_the_fp8_kernels(compiled):
+    """Head dim 256's FP8 instantiations (fwd_fp8_hd256_dense.cu: lean and exact P, plain and windowed;
+    fwd_fp8_hd256_varlen.cu: lean P, plain and windowed), V^T loaded only, 64-key blocks: S = Q K^T in
+    8 k32 steps on 64x64x32 (two 128-byte slices of Q and K), P V in 2 on 64x256x32 (O's 256 columns)
+    each beside one 64x8x32 (the 8 sum columns: a wgmma's N stops at 256), the producer at 40 registers
+    and the consumers at 232, no local memory, O stored from registers, lean P without exponentials."""
+    _, sass = compiled
+    found = select(sass, family="fp8", qk=256)
+    check_dense_and_varlen_set(found)
+    for name, text in found.items():
+        assert not staged_v(name) and info(name)["v"] == 256 and info(name)["n"] == 64, name
+        qk = len(re.findall(r"\bQGMMA\.64x64x32\.F32\.E4M3\.E4M3", text))
+        pv = len(re.findall(r"\bQGMMA\.64x256x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        sums = len(re.findall(r"\bQGMMA\.64x8x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text))
+        assert qk % 8 == 0 and pv % 2 == 0 and qk // 8 == pv // 2 and sums == pv, f"{name}: {qk}, {pv}, {sums}"
+        assert len(re.findall(r"\bWARPGROUP\.ARRIVE\b", text)) * 3 < qk + pv, name
+        check_fp8_registers(name, text)
+        assert "UTMASTG" not in text, name
         assert ("MUFU.EX2" in text) != info(name)["lean"], name
 
 
@@ -497,10 +571,11 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     _, sass = compiled
     found = select(sass, family=lambda f: f in ("fp8", "int8"))
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
-    # 192-key plain kernel (lean, exact; V^T), head dim 64 (dense plain, window: lean, exact; varlen plain,
-    # window; V^T only); INT8: plain, window (V staged, V^T)
-    assert len(found) == 28, list(found)
-    assert sum(staged_v(name) for name in found) == 10, list(found)
+    # 192-key plain kernel (lean, exact; V^T), head dims 64 and 256 (each dense plain, window: lean, exact;
+    # varlen plain, window; V^T only); INT8: plain, window (head dim 128: V staged, V^T; 256: V^T), MLA
+    # plain (V staged, V^T)
+    assert len(found) == 38, list(found)
+    assert sum(staged_v(name) for name in found) == 11, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
         if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)
@@ -552,12 +627,13 @@ def test_fp8_dense_kernels_store_o_with_tma_where_the_o_tiles_fit(compiled):
     MLA's with V^T loaded, write bf16 O through shared memory and one TMA store per 64-column slice (two),
     and only the LSE from registers, as do the 192-key kernels (their V^T in 64-key slices leaves the
     room); MLA's staged kernels (no room for the O tiles next to the staging buffers) and the varlen
-    kernels store O from registers."""
+    kernels store O from registers, as do head dim 256's (its O tiles, 64 KB, do not fit beside O's
+    float32 copies)."""
     _, sass = compiled
     fp8 = select(sass, family="fp8")
-    assert len(fp8) == 24, list(fp8)  # head dim 64 adds 4 dense and 2 varlen kernels
+    assert len(fp8) == 30, list(fp8)  # head dims 64 and 256 add 4 dense and 2 varlen kernels each
     for name, text in fp8.items():
-        tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name))
+        tma = not info(name)["varlen"] and not (info(name)["mla"] and staged_v(name)) and info(name)["v"] != 256
         stores = len(re.findall(r"\bUTMASTG\.4D\b", text))
         global_stores = len(re.findall(r"\bSTG\.E\b", text))
         slices = info(name)["v"] // 64  # one store per 64-column slice of O

@@ -17,11 +17,14 @@ from hlo_utils import custom_call_lines
 
 import jzyfa
 from jzyfa import _platform, plan
+from jzyfa._validation import FP8_VARLEN_HEAD_DIMS
 from jzyfa.plan import Config, Path
 from jzyfa.primitives import FFI_TARGET, FFI_TARGET_VALUE_OPERAND
 
 # --- the table's rows -----------------------------------------------------------------------------
 
+# The packed FP8 inputs flash_attention_varlen takes (outside them: an argument error before any plan).
+FP8_VARLEN_DIMS = [(d, d) for d in FP8_VARLEN_HEAD_DIMS]
 SIXTEEN_BIT_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 EXPECTED_ROWS = (
     {Config("16bit", d, m, layout) for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
@@ -74,7 +77,7 @@ NOT_ROWS = [
 def test_not_rows_cover_the_gaps():
     assert Config("fp8", (192, 128), "window", "dense") in NOT_ROWS
     assert Config("fp8", (192, 128), "causal", "varlen") in NOT_ROWS
-    assert Config("fp8", (256, 256), "none", "dense") in NOT_ROWS
+    assert Config("fp8", (128, 64), "none", "dense") in NOT_ROWS
     assert Config("16bit", (96, 96), "none", "dense") in NOT_ROWS
 
 
@@ -100,8 +103,8 @@ def test_not_rows_cover_the_gaps():
             "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96",
         ),
         (
-            Config("fp8", (256, 256), "none", "varlen"),
-            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 256/256",
+            Config("fp8", (128, 64), "none", "varlen"),
+            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 128/64",
         ),
         (
             Config("fp8", (192, 128), "causal", "varlen"),
@@ -411,11 +414,11 @@ def test_each_row_lowers_to_one_custom_call_for_cuda(cpu_backend, config):
 @pytest.mark.parametrize("config", NOT_ROWS, ids=str)
 def test_configurations_outside_the_table_raise_naming_the_problem(cpu_backend, config):
     fn, args = kernel_call(config)
-    if config.family == "fp8" and config.layout == "varlen":
+    if config.family == "fp8" and config.layout == "varlen" and config.head_dims not in FP8_VARLEN_DIMS:
         # No path takes packed FP8 inputs at other head dims: an argument error, whatever the implementation.
         for implementation in ("kernel", None, "xla"):
             fn, args = kernel_call(config, implementation)
-            with pytest.raises(ValueError, match="flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128"):
+            with pytest.raises(ValueError, match="flash_attention_varlen takes FP8 inputs with one head_dim of 64, 128 or 256"):
                 jax.eval_shape(fn, *args)
         return
     expected = "implementation='kernel' cannot serve this call: " + plan.config_problem(config)
@@ -457,8 +460,8 @@ def test_bad_override_values_raise_naming_the_variable(cpu_backend, monkeypatch,
 def test_v_layout_override_sets_v_transposed(cpu_backend, monkeypatch, row, layout):
     monkeypatch.setenv(plan.FP8_V_LAYOUT_ENV, layout)
     attrs, hlo = fp8_custom_call(row)
-    # Head dim 64 has no staged kernel: V^T whatever the override.
-    transposed = layout == "transposed" or row.head_dims == (64, 64)
+    # Head dims 64 and 256 have no staged kernel: V^T whatever the override.
+    transposed = layout == "transposed" or row.head_dims in ((64, 64), (256, 256))
     assert attrs["v_transposed"] == str(transposed).lower()
     # V^T from the layout kernel (varlen: after gathering each sequence's keys).
     assert len(custom_call_lines(hlo, FFI_TARGET_VALUE_OPERAND)) == transposed

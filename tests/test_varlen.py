@@ -179,7 +179,7 @@ BAD_CALLS = [
         {n: spec(GOOD[n].shape[:2] + (96,), jnp.float8_e4m3fn) for n in "qkv"},
         {},
         ValueError,
-        "flash_attention_varlen takes FP8 inputs with one head_dim of 64 or 128 for q, k and v, got 96",
+        "flash_attention_varlen takes FP8 inputs with one head_dim of 64, 128 or 256 for q, k and v, got 96",
     ),
     (dict(cu_q=spec((3,), jnp.uint32)), {}, TypeError, "cu_seqlens_q must be int32, got uint32"),
     (dict(cu_k=spec((3, 1), jnp.int32)), {}, ValueError, r"cu_seqlens_k must have shape \[num_seqs \+ 1\]"),

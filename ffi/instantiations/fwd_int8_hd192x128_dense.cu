@@ -1,0 +1,11 @@
+// The forward instantiations of one group of kFwdKernels (int8, head dims (192, 128), dense): every
+// mask it serves.
+#include "launch_fwd.cuh"
+
+namespace jzyfa {
+
+template std::string LaunchFwdInstance<Family::kInt8, 192, 128, Layout::kDense>(const FwdParams&,
+                                                                       const MaskPlan&,
+                                                                       cudaStream_t);
+
+}  // namespace jzyfa
