@@ -255,7 +255,7 @@ def test_dense_configurations_outside_the_table_say_why(rng, kernel_available, h
 
 def test_fp8_problem_sentences():
     assert plan.config_problem(Config("fp8", (96, 96), "causal", "dense")) == (
-        "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96"
+        "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 96/96"
     )
     assert plan.config_problem(Config("fp8", (192, 128), "window", "dense")) == (
         "the FP8 (e4m3) kernel at head dims 192/128 (dense) takes masks none, causal, not a 'window' mask"

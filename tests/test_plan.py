@@ -28,16 +28,17 @@ FP8_VARLEN_DIMS = [(d, d) for d in FP8_VARLEN_HEAD_DIMS]
 SIXTEEN_BIT_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 EXPECTED_ROWS = (
     {Config("16bit", d, m, layout) for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
-    | {Config("fp8", d, m, layout) for d in ((64, 64), (128, 128)) for m in plan.MASKS for layout in plan.LAYOUTS}
+    | {Config("fp8", d, m, layout) for d in ((64, 64), (128, 128), (256, 256)) for m in plan.MASKS for layout in plan.LAYOUTS}
     | {Config("fp8", (192, 128), m, "dense") for m in ("none", "causal")}
     | {Config("16bit", d, m, layout, "bwd") for d in SIXTEEN_BIT_DIMS for m in plan.MASKS for layout in plan.LAYOUTS}
-    | {Config("int8", (128, 128), m, "dense") for m in plan.MASKS}
+    | {Config("int8", d, m, "dense") for d in ((128, 128), (256, 256)) for m in plan.MASKS}
+    | {Config("int8", (192, 128), m, "dense") for m in ("none", "causal")}
 )
 
 
 def test_kernels_are_the_rows_that_passed_their_gpu_tests():
     assert plan.KERNELS == EXPECTED_ROWS
-    assert len(plan.KERNELS) == 4 * 3 * 2 + 2 * 3 * 2 + 2 + 4 * 3 * 2 + 3
+    assert len(plan.KERNELS) == 4 * 3 * 2 + 3 * 3 * 2 + 2 + 4 * 3 * 2 + 2 * 3 + 2
     assert plan.MLA_HEAD_DIMS == (192, 128)
 
 
@@ -100,11 +101,11 @@ def test_not_rows_cover_the_gaps():
         ),
         (
             Config("fp8", (96, 96), "causal", "dense"),
-            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 96/96",
+            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 96/96",
         ),
         (
             Config("fp8", (128, 64), "none", "varlen"),
-            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, got 128/64",
+            "the FP8 (e4m3) kernels take head dims (q and k / v) 64/64, 128/128, 192/128, 256/256, got 128/64",
         ),
         (
             Config("fp8", (192, 128), "causal", "varlen"),
@@ -400,12 +401,14 @@ def test_each_row_lowers_to_one_custom_call_for_cuda(cpu_backend, config):
     assert call.split(" = ", 1)[1].startswith(out + " custom-call(")
     listed = [shape.split("{")[0] for shape in re.findall(r"\w+\[[\d,]*\]\{[\d,]*\}", operands)]
     assert listed[:2] == [element + q_shape, element + k_shape]
-    if int8:
-        assert listed[2] == "f8e4m3fn" + f"[{BATCH},{SEQ},{HEADS_KV},{dv}]"
+    if int8:  # V as it is, or V^T from the layout pass (head dim 256's only V)
+        vt_keys = -(-SEQ // 32) * 32
+        v_shape = f"[{BATCH},{HEADS_KV},{dv},{vt_keys}]" if attrs["v_transposed"] == "true" else f"[{BATCH},{SEQ},{HEADS_KV},{dv}]"
+        assert listed[2] == "f8e4m3fn" + v_shape
     assert listed[3:] == extras
     assert len(listed) == 3 + 2 * varlen + 3 * (fp8 or int8)
     if attrs["v_transposed"] == "true":
-        assert fp8  # V^T from the layout pass (or its pure-JAX form)
+        assert fp8 or int8  # V^T from the layout pass (or its pure-JAX form)
     # On a CPU, implementation="kernel" has no kernel to run: lowering for the CPU refuses.
     with pytest.raises(ValueError, match="implementation='kernel' needs a Hopper GPU"):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",))
