@@ -20,9 +20,10 @@ def _stamp(tree, **env):
 
 def _tree(tmp_path):
     tree = tmp_path / "tree"
-    for name in ("ffi", "jzyfa"):
+    for name in ("ffi", "jzyfa", "asm"):
         (tree / name).mkdir(parents=True)
     (tree / "ffi" / "kernel.cuh").write_text("// kernel\n")
+    (tree / "asm" / "gen_ptx.py").write_text("# the PTX wrappers the kernels include\n")
     (tree / "jzyfa" / "plan.py").write_text("X = 1\n")
     (tree / "CMakeLists.txt").write_text("project(x)\n")
     (tree / "pyproject.toml").write_text("[project]\n")
@@ -42,8 +43,11 @@ def test_stamp_follows_the_sources_and_build_variables(tmp_path):
     assert _stamp(tree) == first  # caches and built libraries are no source
     assert _stamp(tree, CUDAFLAGS="-lineinfo") != first
     assert _stamp(tree, JZYFA_MEASURE="timeline") != first
+    (tree / "asm" / "gen_ptx.py").write_text("# changed\n")
+    second = _stamp(tree)
+    assert second != first  # the generated PTX header is a build input
     (tree / "ffi" / "kernel.cuh").write_text("// kernel, changed\n")
-    assert _stamp(tree) != first
+    assert _stamp(tree) != second
 
 
 def test_stamp_of_this_checkout():

@@ -40,11 +40,23 @@ build_here() {
 # JZYFA_PREBUILT_SITE: an installed jzyfa (a folder holding jzyfa/ with its extension, and the
 # jzyfa-source.txt that tools/source_stamp.sh printed for the tree it was built from), carried in to save
 # the device the build's minutes. It is used only where that stamp is this tree's and its extension
-# loads here; else the tree is built as usual.
+# loads here; else the tree is built as usual. (JZYFA_AB_PREBUILT_SITE: the same for build B.)
+# install_prebuilt PREBUILT TREE SITE [stamp variables...]: PREBUILT's jzyfa into SITE if it fits TREE.
+# Says why where it cannot.
+install_prebuilt() {
+  local prebuilt=$1 tree=$2 site=$3 want have
+  shift 3
+  [ -n "$prebuilt" ] || return 1
+  want=$(env "$@" bash "$REPO/tools/source_stamp.sh" "$tree")
+  have=$(cat "$prebuilt/jzyfa-source.txt" 2>/dev/null)
+  [ "$have" = "$want" ] || { echo "prebuilt $prebuilt: built from '$have', this tree is '$want'"; return 1; }
+  rm -rf "$site" && mkdir -p "$site" && cp -r "$prebuilt/jzyfa" "$site"/ \
+    && (cd /tmp && PYTHONPATH="$site" python3 -c "
+import sys, jzyfa
+sys.exit(0) if jzyfa.kernel_available() else sys.exit('prebuilt extension does not load: %s' % jzyfa.kernel_unavailable_reason())")
+}
 PREBUILT=${JZYFA_PREBUILT_SITE:+$REPO/$JZYFA_PREBUILT_SITE}
-if [ -n "$PREBUILT" ] && [ "$(cat "$PREBUILT/jzyfa-source.txt" 2>/dev/null)" = "$(bash "$REPO/tools/source_stamp.sh" "$REPO")" ] \
-    && mkdir -p "$SITE" && cp -r "$PREBUILT/jzyfa" "$SITE"/ \
-    && (cd /tmp && PYTHONPATH="$SITE" python3 -c "import jzyfa, sys; sys.exit(0 if jzyfa.kernel_available() else 1)"); then
+if install_prebuilt "$PREBUILT" "$REPO" "$SITE"; then
   echo "prebuilt extension from $JZYFA_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build.log"
 else
   [ -n "$PREBUILT" ] && echo "prebuilt extension is another tree's or does not load here: building"
@@ -187,11 +199,16 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}${JZYFA_AB_ME
     MEASURE_B=${JZYFA_AB_MEASURE-${JZYFA_MEASURE}}
     step "A/B: build B from ${TREE_B} with CUDAFLAGS=${FLAGS_B} JZYFA_MEASURE=${MEASURE_B}"
     SITE_B=/tmp/jzyfa-site-b
-    rm -rf "$SITE_B"
-    CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B" python3 -m pip install -v --no-build-isolation --no-deps \
-      -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B $MEASURE_B" | md5sum | cut -c1-8)" \
-      --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
-      || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
+    PREBUILT_B=${JZYFA_AB_PREBUILT_SITE:+$REPO/$JZYFA_AB_PREBUILT_SITE}
+    if install_prebuilt "$PREBUILT_B" "$TREE_B" "$SITE_B" CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B"; then
+      echo "B: prebuilt extension from $JZYFA_AB_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build_b.log"
+    else
+      rm -rf "$SITE_B"
+      CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B" python3 -m pip install -v --no-build-isolation --no-deps \
+        -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B $MEASURE_B" | md5sum | cut -c1-8)" \
+        --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
+        || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
+    fi
     grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
   fi
   step "A/B: B runs with environment: ${env_b[*]:-(none)}"
