@@ -288,8 +288,8 @@ def flash_attention(
         device) and runs the FP8 path; out keeps the inputs' dtype. Not differentiable. "int8"
         subtracts each (batch, KV head)'s mean key (softmax is unchanged; the LSE returned is the
         unsmoothed keys'), quantizes q and k to INT8 with one scale per 128 tokens and head and v to
-        e4m3 (`jzyfa.int8_quant`), and runs the INT8 kernel (dense calls at head dims 128, 256 and
-        MLA's 192/128 on a Hopper GPU: the README's support matrix) or elsewhere its bit-faithful
+        e4m3 (`jzyfa.int8_quant`), and runs the INT8 kernel (dense calls at head dim 128 and MLA's
+        192/128 on a Hopper GPU: the README's support matrix) or elsewhere its bit-faithful
         emulation (`jzyfa.int8_emulation`). Not differentiable.
         See docs/int8.md.
       rotate: with precision="fp8" or "int8", rotate q and k by one Hadamard matrix with random signs

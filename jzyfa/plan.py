@@ -49,14 +49,22 @@ def _rows(family: str, head_dims, masks, layouts, direction: str = "fwd") -> tup
     )
 
 
-# The table. Each row is an instantiation in ffi/ with its GPU tests (tests/test_*_gpu.py).
+# The table. Each row is an instantiation in ffi/ that has passed its GPU tests (tests/test_*_gpu.py).
 KERNELS: frozenset[Config] = frozenset(
     _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS)
-    + _rows("fp8", [(64, 64), (128, 128), (256, 256)], MASKS, LAYOUTS)
+    + _rows("fp8", [(64, 64), (128, 128)], MASKS, LAYOUTS)
+    + _rows("fp8", [(256, 256)], MASKS, ("dense",))
     + _rows("fp8", [MLA_HEAD_DIMS], ("none", "causal"), ("dense",))
     + _rows("16bit", [(64, 64), (128, 128), (256, 256), MLA_HEAD_DIMS], MASKS, LAYOUTS, "bwd")
-    + _rows("int8", [(128, 128), (256, 256)], MASKS, ("dense",))
+    + _rows("int8", [(128, 128)], MASKS, ("dense",))
     + _rows("int8", [MLA_HEAD_DIMS], ("none", "causal"), ("dense",))
+)
+
+# Built in ffi/ (ffi/tile_size.h's kFwdKernels) but not served yet: rows whose GPU tests have not all
+# passed. Calls with these configurations run the pure-JAX path; their GPU tests add the rows for
+# themselves (tests/plan_rows.py). docs/benchmarks.md says what ran of them.
+BUILT_AWAITING_GPU_TESTS: frozenset[Config] = frozenset(
+    _rows("fp8", [(256, 256)], MASKS, ("varlen",)) + _rows("int8", [(256, 256)], MASKS, ("dense",))
 )
 
 # Exact probabilities (lean_p=False) exist for dense FP8 calls; varlen FP8 calls always use lean P.

@@ -247,7 +247,7 @@ def test_jit_and_vmap(rng):
             ValueError,
             (
                 r"^implementation='kernel' cannot serve this call: the INT8 \(int8 q and k, e4m3 v\) kernels take "
-                r"head dims \(q and k / v\) 128/128, 192/128, 256/256, got 64/64"
+                r"head dims \(q and k / v\) 128/128, 192/128, got 64/64"
             ),
         ),
         ({"softcap": 30.0}, ValueError, "softcap is not available with precision='int8'"),
@@ -318,7 +318,7 @@ def primitive_path(monkeypatch):
 
 def test_kernel_rows_are_the_dense_fp8_tiles():
     rows = {row for row in plan.KERNELS if row.family == "int8"}
-    assert rows == {plan.Config("int8", d, mask, "dense") for d in ((128, 128), (256, 256)) for mask in plan.MASKS} | {
+    assert rows == {plan.Config("int8", (128, 128), mask, "dense") for mask in plan.MASKS} | {
         plan.Config("int8", (192, 128), mask, "dense") for mask in ("none", "causal")
     }
 
