@@ -32,17 +32,18 @@ rm -rf "$SITE"
 export JZYFA_MEASURE=${JZYFA_MEASURE:-}
 # One build directory per CUDAFLAGS and variant: with pyproject's fixed build/ a change finds "no work to do".
 BUILD_DIR=/tmp/jzyfa-build-$(printf '%s' "${CUDAFLAGS:-} ${JZYFA_MEASURE}" | md5sum | cut -c1-8)
-build_here() {
-  python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$BUILD_DIR" --target "$SITE" "$REPO" \
-    > "$OUT_DIR/build.log" 2>&1 \
-    || { echo "BUILD FAILED"; tail -60 "$OUT_DIR/build.log"; exit 1; }
+# build_into SITE TREE BUILD_DIR LOG NAME: pip-installs TREE into SITE, or stops the session.
+build_into() {
+  rm -rf "$1"
+  python3 -m pip install -v --no-build-isolation --no-deps -C build-dir="$3" --target "$1" "$2" > "$4" 2>&1 \
+    || { echo "$5 FAILED"; tail -60 "$4"; exit 1; }
 }
 # JZYFA_PREBUILT_SITE: an installed jzyfa (a folder holding jzyfa/ with its extension, and the
 # jzyfa-source.txt that tools/source_stamp.sh printed for the tree it was built from), carried in to save
 # the device the build's minutes. It is used only where that stamp is this tree's and its extension
 # loads here; else the tree is built as usual. (JZYFA_AB_PREBUILT_SITE: the same for build B.)
-# install_prebuilt PREBUILT TREE SITE [stamp variables...]: PREBUILT's jzyfa into SITE if it fits TREE.
-# Says why where it cannot.
+# install_prebuilt PREBUILT TREE SITE [stamp variables...]: PREBUILT's jzyfa into SITE if it fits TREE;
+# where it does not, says why (the caller then builds).
 install_prebuilt() {
   local prebuilt=$1 tree=$2 site=$3 want have
   shift 3
@@ -59,9 +60,7 @@ PREBUILT=${JZYFA_PREBUILT_SITE:+$REPO/$JZYFA_PREBUILT_SITE}
 if install_prebuilt "$PREBUILT" "$REPO" "$SITE"; then
   echo "prebuilt extension from $JZYFA_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build.log"
 else
-  [ -n "$PREBUILT" ] && echo "prebuilt extension is another tree's or does not load here: building"
-  rm -rf "$SITE"
-  build_here
+  build_into "$SITE" "$REPO" "$BUILD_DIR" "$OUT_DIR/build.log" BUILD
 fi
 # At most 8 files come back from the device tool: keep resources and SASS counts in one.
 grep -E "registers|spill|stack frame|C75" "$OUT_DIR/build.log" | sort | uniq -c | tee "$OUT_DIR/summary.txt"
@@ -203,11 +202,9 @@ if [ -n "${JZYFA_AB_CUDAFLAGS:-}${JZYFA_AB_TREE:-}${JZYFA_AB_ENV:-}${JZYFA_AB_ME
     if install_prebuilt "$PREBUILT_B" "$TREE_B" "$SITE_B" CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B"; then
       echo "B: prebuilt extension from $JZYFA_AB_PREBUILT_SITE (no build here)" | tee "$OUT_DIR/build_b.log"
     else
-      rm -rf "$SITE_B"
-      CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B" python3 -m pip install -v --no-build-isolation --no-deps \
-        -C build-dir="/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B $MEASURE_B" | md5sum | cut -c1-8)" \
-        --target "$SITE_B" "$TREE_B" > "$OUT_DIR/build_b.log" 2>&1 \
-        || { echo "BUILD B FAILED"; tail -60 "$OUT_DIR/build_b.log"; exit 1; }
+      CUDAFLAGS="$FLAGS_B" JZYFA_MEASURE="$MEASURE_B" build_into "$SITE_B" "$TREE_B" \
+        "/tmp/jzyfa-build-b-$(printf '%s' "$TREE_B $FLAGS_B $MEASURE_B" | md5sum | cut -c1-8)" \
+        "$OUT_DIR/build_b.log" "BUILD B"
     fi
     grep -E "registers|spill|stack frame" "$OUT_DIR/build_b.log" | sort | uniq -c | tee -a "$OUT_DIR/summary.txt"
   fi

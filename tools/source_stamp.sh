@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Prints one line naming what a jzyfa build is made from: a hash of a source tree's build inputs
 # (ffi/, jzyfa/, asm/ (the PTX generator), CMakeLists.txt, pyproject.toml; caches and built libraries
-# left out) and the build
-# variables (CUDAFLAGS, JZYFA_MEASURE). tools/gpu_session.sh writes it beside the extension it
+# left out) and the build variables (CUDAFLAGS, JZYFA_MEASURE). tools/gpu_session.sh writes it beside the extension it
 # installs (jzyfa-source.txt); tools/real_model_session.sh reuses an installed extension only where
 # that file matches its own tree, so a warm machine's build of another tree is never measured.
 #
