@@ -38,6 +38,7 @@ std::string HeadDimsMessage(const FwdParams& p) {
   const std::string got =
       "; got " + Str(p.head_dim) + " for q and k, " + Str(p.head_dim_v) + " for v";
   if (p.family() == Family::kInt8) {
+    if (p.varlen) return "head_dim must be 128 for q, k and v for the jzyfa INT8 varlen kernel" + got;
     return "head_dim must be 128 or 256 for q, k and v, or 192 for q and k with 128 for v (MLA), for the "
            "jzyfa INT8 kernel (dense batches)" + got;
   }
@@ -172,7 +173,7 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
              ": it reads V^T from memory (jzyfa.fp8_layout), its in-kernel transpose takes 128-byte "
              "V rows only";
     }
-    if (p.v_transposed && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
+    if (p.v_transposed && !p.varlen && p.vt_keys != (p.seqlen_k + 31) / 32 * 32) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" + Str((p.seqlen_k + 31) / 32 * 32) +
              "), got " + Str(p.vt_keys);
     }
@@ -204,19 +205,20 @@ std::string ValidateFwd(FwdParams* params, MaskPlan* mask) {
       return "vt must hold seqlen_k rounded up to a multiple of 32 keys (" +
              Str((p.seqlen_k + 31) / 32 * 32) + "), got " + Str(p.vt_keys);
     }
-    if (p.v_transposed && p.varlen) {
-      const int64_t want_keys = Fp8VarlenValueKeys(p.total_k, p.num_seqs);
-      if (p.vt_keys != want_keys) {
-        return "vt must hold roundup32(total_k) + 32 * (num_seqs + 1) = " + Str(want_keys) +
-               " key columns, got " + Str(p.vt_keys);
-      }
-      // V^T columns (a box starts up to 128 keys past a sequence's end) stay int32.
-      if (p.vt_keys > (int64_t{1} << 31) - 1024) {
-        return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " + Str(p.vt_keys);
-      }
-    }
   } else if (p.v_transposed && !int8) {  // INT8: checked above
     return "v_transposed must be false for 16-bit inputs";
+  }
+  // A varlen V^T (FP8 and INT8): each sequence's keys from its own 32-key group (Fp8VarlenValueKeys).
+  if (p.v_transposed && p.varlen) {
+    const int64_t want_keys = Fp8VarlenValueKeys(p.total_k, p.num_seqs);
+    if (p.vt_keys != want_keys) {
+      return "vt must hold roundup32(total_k) + 32 * (num_seqs + 1) = " + Str(want_keys) +
+             " key columns, got " + Str(p.vt_keys);
+    }
+    // V^T columns (a box starts up to 128 keys past a sequence's end) stay int32.
+    if (p.vt_keys > (int64_t{1} << 31) - 1024) {
+      return "total_k + 32 * (num_seqs + 1) must be below 2^31 - 1024, got " + Str(p.vt_keys);
+    }
   }
   // The mask: over the longest sequences for varlen calls (a bound that excludes no key of those
   // excludes none of a shorter one either).

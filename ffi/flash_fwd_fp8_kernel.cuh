@@ -76,14 +76,18 @@ struct Fp8Args {
 // exactly (I2F), and each key block's factor to log2 units, (q_scale * k_scale) * scale_log2 (the
 // emulation's order: jzyfa/int8_emulation.py), is the one multiply lean P's FFMA takes. A tile's 128
 // rows are one Q scale block, a key block of 128 keys one K scale block (head dim 256's 64-key blocks:
-// two to a K scale block). The rest is the FP8 kernel's.
-struct Int8Args : Fp8Args {
-  int q_blocks;  // ceil(seqlen_q / 128): q_scale's last dim
-  int k_blocks;  // ceil(seqlen_k / 128): k_scale's last dim
+// two to a K scale block). The rest is the FP8 kernel's. Varlen (Int8VarlenArgs): the scales are
+// per sequence, q_scale [num_seqs, heads_q, q_blocks] and k_scale [num_seqs, heads_kv, k_blocks],
+// their blocks counted from each sequence's first token (descale_v [num_seqs, heads_kv]).
+struct Int8ScaleBlocks {
+  int q_blocks;  // ceil(seqlen_q / 128), varlen ceil(max_seqlen_q / 128): q_scale's last dim
+  int k_blocks;  // ceil(seqlen_k / 128), varlen ceil(max_seqlen_k / 128): k_scale's last dim
 };
+template <typename Base>
+struct Int8ArgsT : Base, Int8ScaleBlocks {};
 
 template <typename Args>
-constexpr bool kIsInt8 = std::is_base_of_v<Int8Args, Args>;
+constexpr bool kIsInt8 = std::is_base_of_v<Int8ScaleBlocks, Args>;
 
 // Tokens per INT8 scale block (jzyfa.int8_quant.INT8_BLOCK): the tile's rows and the key block.
 constexpr int kInt8ScaleBlock = 128;
@@ -101,8 +105,17 @@ struct Fp8VarlenArgs : VarlenFwdArgs {
   int descale_per_head;
 };
 
+using Int8Args = Int8ArgsT<Fp8Args>;
+using Int8VarlenArgs = Int8ArgsT<Fp8VarlenArgs>;
+
+// The varlen tile plan for the FP8 and INT8 varlen arguments (otherwise the dense PlanTile, a template
+// over any argument struct, would be the better match for them).
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ VarlenWork PlanTile(int tile, const Fp8VarlenArgs& args) {
+  return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));
+}
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ VarlenWork PlanTile(int tile, const Int8VarlenArgs& args) {
   return PlanTile<kBlockM, kBlockN>(tile, static_cast<const VarlenFwdArgs&>(args));
 }
 
@@ -160,9 +173,8 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
   constexpr bool kStagedV = Tile::kStagedV;
   constexpr int kBlockN = Tile::kBlockN;
   constexpr bool kInt8 = kIsInt8<Args>;
-  static_assert(!kInt8 || (!kVarlen && kLeanP && kInt8ScaleBlock % kBlockN == 0 &&
-                           Tile::kBlockM == kInt8ScaleBlock),
-                "INT8: dense, lean P; one Q scale per tile, one K scale per key block or per two");
+  static_assert(!kInt8 || (kLeanP && kInt8ScaleBlock % kBlockN == 0 && Tile::kBlockM == kInt8ScaleBlock),
+                "INT8: lean P; one Q scale per tile, one K scale per key block or per two");
   constexpr int kStages = Tile::kStages;
   // Wider blocks, and head dim 256's 132-register O: one P buffer, packed from the codes left in S
   // once the previous block's P V (which reads the buffer) has landed; two buffers of 192 keys
@@ -486,10 +498,19 @@ __device__ __forceinline__ void FlashFwdFp8Tiles(const CUtensorMap& tmap_q, cons
       // INT8: the tile's Q scale, and the K scale of the block whose Q K^T was issued last (loaded
       // then, its latency behind the wgmma's).
       float q_scale = 0.f, key_scale = 0.f;
+      // The tile's first key block in its sequence: a dense window's first_block; a varlen window
+      // moved k_offset instead (by whole key blocks from the sequence's first key).
+      int first_key_block = 0;
+      if constexpr (kInt8 && kWindow) {
+        if constexpr (kVarlen) {
+          first_key_block = (work.k_offset - args.cu_seqlens_k[work.batch]) / kBlockN;
+        } else {
+          first_key_block = work.first_block;
+        }
+      }
       auto load_key_scale = [&](int block) {
         if constexpr (kInt8) {
-          int key_block = block;
-          if constexpr (kWindow) key_block += work.first_block;
+          const int key_block = first_key_block + block;
           // The K scale block (128 keys) holding this key block (128 keys, or 64 at head dim 256).
           const int scale_block = key_block / (kInt8ScaleBlock / kBlockN);
           return args.descale_k[(static_cast<int64_t>(work.batch) * args.heads_kv + work.kv_head) *

@@ -234,12 +234,15 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
     p.descale_count = counts[0];
   }
   if (int8) {
-    if (varlen) return Invalid("int8 inputs take dense batches only (no varlen INT8 kernel)");
     // q_scale [batch, heads_q, ceil(seq_q / 128)], k_scale [batch, heads_kv, ceil(seq_k / 128)],
-    // descale_v [batch, heads_kv]: float32 (jzyfa.int8_quant's blocks of 128 tokens).
-    const int64_t want_dims[3][3] = {{p.batch, p.heads_q, (p.seqlen_q + 127) / 128},
-                                     {p.batch, p.heads_kv, (p.seqlen_k + 127) / 128},
-                                     {p.batch, p.heads_kv, 0}};
+    // descale_v [batch, heads_kv]: float32 (jzyfa.int8_quant's blocks of 128 tokens). Varlen: per
+    // sequence, num_seqs for batch and the maxima for the lengths (jzyfa.int8_quant.int8_quantize_packed).
+    const int64_t groups = varlen ? p.num_seqs : p.batch;
+    const int64_t seq_q = varlen ? p.max_seqlen_q : p.seqlen_q, seq_k = varlen ? p.max_seqlen_k : p.seqlen_k;
+    if (seq_q < 1 || seq_k < 1) return Invalid("max_seqlen_q and max_seqlen_k must be at least 1");
+    const int64_t want_dims[3][3] = {{groups, p.heads_q, (seq_q + 127) / 128},
+                                     {groups, p.heads_kv, (seq_k + 127) / 128},
+                                     {groups, p.heads_kv, 0}};
     const char* const names[3] = {"q_scale", "k_scale", "descale_v"};
     const float* scales[3];
     for (int i = 0; i < 3; ++i) {
@@ -258,7 +261,7 @@ ffi::Error AttentionFwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
     p.descale_q = scales[0];
     p.descale_k = scales[1];
     p.descale_v = scales[2];
-    p.descale_count = p.batch * p.heads_kv;  // descale_v's: one per (batch, KV head)
+    p.descale_count = groups * p.heads_kv;  // descale_v's: one per (batch or sequence, KV head)
   }
   if (tile_counter->element_count() != 1) {
     return Invalid("the tile counter scratch result must hold one int32");

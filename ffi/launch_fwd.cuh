@@ -14,8 +14,7 @@ std::string LaunchFwdInstance(const FwdParams& p, const MaskPlan& mask, cudaStre
     static_assert(kHeadDimV == Fp8TileT<kHeadDimQK, false>::kHeadDimV, "the FP8 tiles' v head dim is their own");
     return LaunchFp8<kHeadDimQK, kLayout>(p, mask, stream);
   } else if constexpr (kFamily == Family::kInt8) {
-    static_assert(kHeadDimV == Fp8TileT<kHeadDimQK, false>::kHeadDimV && kLayout == Layout::kDense,
-                  "the INT8 tiles: the dense FP8 tiles' head dims");
+    static_assert(kHeadDimV == Fp8TileT<kHeadDimQK, false>::kHeadDimV, "the INT8 tiles: the FP8 tiles' head dims");
     return LaunchInt8<kHeadDimQK, kLayout>(p, mask, stream);
   } else {
     return Launch16<kHeadDimQK, kHeadDimV, kLayout>(p, mask, stream);

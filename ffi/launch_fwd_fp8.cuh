@@ -62,37 +62,40 @@ std::string LaunchFp8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t
       [&](Args& args) { SetDescaleArgs(args, p); });
 }
 
-// The INT8 launch (Int8Args): dense, lean P, the FP8 tile's key blocks (head dims 128 and MLA's
-// 192/128: 128 keys, one K scale each; 256: 64 keys, two blocks a K scale); V staged and transposed in
-// the kernel (v's head dim 128 only), or V^T from fp8_value_operand.cu (p.v_transposed); the scales'
-// blocks (128 tokens) from the lengths.
-template <int kHeadDim, bool kWindow, bool kStagedV>
+// The INT8 launch (Int8Args, varlen Int8VarlenArgs): lean P, the FP8 tile's key blocks (head dims 128
+// and MLA's 192/128: 128 keys, one K scale each; 256: 64 keys, two blocks a K scale); V staged and
+// transposed in the kernel (v's head dim 128 only), or V^T from fp8_value_operand.cu (p.v_transposed);
+// the scales' blocks (128 tokens) from the lengths (varlen: the longest sequences').
+template <int kHeadDim, Layout kLayout, bool kWindow, bool kStagedV>
 std::string LaunchInt8Tile(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  using Tile = Fp8TileT<kHeadDim, kStagedV, Layout::kDense>;
-  using Args = std::conditional_t<kWindow, WindowedArgs<Int8Args>, Int8Args>;
+  using Tile = Fp8TileT<kHeadDim, kStagedV, kLayout>;
+  using Base = std::conditional_t<kLayout == Layout::kVarlen, Int8VarlenArgs, Int8Args>;
+  using Args = std::conditional_t<kWindow, WindowedArgs<Base>, Base>;
+  const int64_t seqlen_q = kLayout == Layout::kVarlen ? p.max_seqlen_q : p.seqlen_q;
+  const int64_t seqlen_k = kLayout == Layout::kVarlen ? p.max_seqlen_k : p.seqlen_k;
   return LaunchFwdKernel<Fp8Mainloop<true, Tile>, Tile, Args>(
       p, mask, ScaleLog2Of(p), stream, [&](auto... maps) { return EncodeByteOperands<Tile>(p, maps...); },
       [&](Args& args) {
         SetDescaleArgs(args, p);
-        args.q_blocks = static_cast<int>((p.seqlen_q + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
-        args.k_blocks = static_cast<int>((p.seqlen_k + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
+        args.q_blocks = static_cast<int>((seqlen_q + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
+        args.k_blocks = static_cast<int>((seqlen_k + kInt8ScaleBlock - 1) / kInt8ScaleBlock);
       });
 }
 
-// A template, so that only the INT8 instantiation file compiles its kernels.
+// A template, so that only the INT8 instantiation files compile their kernels.
 template <int kHeadDim, Layout kLayout>
 std::string LaunchInt8(const FwdParams& p, const MaskPlan& mask, cudaStream_t stream) {
-  static_assert(kLayout == Layout::kDense, "the INT8 tile is dense");
   constexpr int kHeadDimV = Fp8TileT<kHeadDim, false>::kHeadDimV;
+  static_assert(kLayout == Layout::kDense || kHeadDim == 128, "the INT8 varlen tile: head dim 128");
   return BoolSwitch(mask.windowed, [&](auto windowed) -> std::string {
     constexpr bool kWindow = decltype(windowed)::value;
     if constexpr (kWindow && kHeadDim != kHeadDimV) {
       return "no INT8 sliding-window kernel at MLA's head dims";  // ValidateFwd admits none
     } else if constexpr (kHeadDimV != 128) {  // V^T only (ValidateFwd)
-      return LaunchInt8Tile<kHeadDim, kWindow, false>(p, mask, stream);
+      return LaunchInt8Tile<kHeadDim, kLayout, kWindow, false>(p, mask, stream);
     } else {
       return BoolSwitch(p.v_transposed, [&](auto transposed) {
-        return LaunchInt8Tile<kHeadDim, kWindow, !decltype(transposed)::value>(p, mask, stream);
+        return LaunchInt8Tile<kHeadDim, kLayout, kWindow, !decltype(transposed)::value>(p, mask, stream);
       });
     }
   });

@@ -56,9 +56,10 @@ inline constexpr FwdKernelGroup kFwdKernels[] = {
     {Family::kFp8, 256, 256, Layout::kDense, kAllMasks},
     {Family::kFp8, 256, 256, Layout::kVarlen, kAllMasks},
     {Family::kFp8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
-    // INT8 Q K^T with e4m3 V (precision="int8"): head dims 128 and 256, dense, every mask; MLA's, dense,
-    // causal or no mask (the FP8 tiles').
+    // INT8 Q K^T with e4m3 V (precision="int8"): head dims 128 and 256, dense, every mask; head dim 128
+    // varlen, every mask; MLA's, dense, causal or no mask (the FP8 tiles').
     {Family::kInt8, 128, 128, Layout::kDense, kAllMasks},
+    {Family::kInt8, 128, 128, Layout::kVarlen, kAllMasks},
     {Family::kInt8, 256, 256, Layout::kDense, kAllMasks},
     {Family::kInt8, kMlaHeadDimQK, kMlaHeadDimV, Layout::kDense, kCausalOrNone},
 };

@@ -180,13 +180,14 @@ def _quantize_in_call(q, k, v, *, rotate: bool):
     return q8, k8, v8, {"descale_q": dq, "descale_k": dk, "descale_v": dv}
 
 
-def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, softmax_scale, implementation,
-                  lean_p, rotate, softcap) -> tuple[dict, Path]:  # fmt: skip
+def _int8_options(q, k, v, *, layout: str, seq_q: int, seq_k: int, causal, window, softmax_scale, implementation,
+                  lean_p, rotate, softcap, num_seqs: int = 0) -> tuple[dict, Path]:  # fmt: skip
     """precision="int8"'s arguments checked as any call's, before any work: (`int8_attention`'s options,
-    the path). The INT8 kernel serves dense calls at head dim 128 with lean P on a Hopper GPU (the plan's
-    "int8" rows); the emulation serves the rest and every other backend, and implementation="kernel"
-    raises what the kernel cannot serve. seq_q, seq_k: the lengths the mask is read at (varlen: the
-    maxima)."""
+    the path). The INT8 kernel serves the plan's "int8" rows with lean P on a Hopper GPU; the emulation
+    serves the rest and every other backend, and implementation="kernel" raises what the kernel cannot
+    serve. layout "varlen": packed q, k, v of num_seqs sequences, or padded dense ones (num_seqs 0: the
+    batch's rows and their padding, `jzyfa.padded`). seq_q, seq_k: the lengths the mask is read at
+    (varlen: the maxima)."""
     _validation.check_causal(causal)
     window = _validation.check_window(window)
     _validation.check_implementation(implementation)
@@ -202,7 +203,13 @@ def _int8_options(q, v, *, layout: str, seq_q: int, seq_k: int, causal, window, 
     if problem is None and not lean_p:
         problem = "the INT8 kernel computes lean P only (lean_p=True); lean_p=False runs the emulation"
     if problem is None:
-        sizes = plan.CallSizes(layout, q.shape[0], seq_q, seq_k, q.shape[2], v.shape[2])
+        if layout == "dense":
+            sizes = plan.CallSizes(layout, q.shape[0], seq_q, seq_k, q.shape[2], k.shape[2])
+        elif num_seqs:  # packed [tokens, heads, dim]
+            sizes = plan.CallSizes(layout, num_seqs, seq_q, seq_k, q.shape[1], k.shape[1], q.shape[0], k.shape[0])
+        else:  # padded [batch, seq, heads, dim]: 2 * batch packed sequences
+            batch = q.shape[0]
+            sizes = plan.CallSizes(layout, 2 * batch, seq_q, seq_k, q.shape[2], k.shape[2], batch * seq_q, batch * seq_k)
         problem = plan.call_problem(config, sizes, softmax_scale)
     path = plan.choose_path(problem, implementation, cpu_primitive=False)
     window = _validation.mask_window(causal, window)
@@ -215,18 +222,23 @@ def _int8_attention(q, k, v, seqlens_q=None, seqlens_k=None, **options):
     return int8_attention(q, k, v, seqlens_q=seqlens_q, seqlens_k=seqlens_k, **options)
 
 
-@functools.partial(jax.jit, static_argnames=("window", "softmax_scale", "rotate", "lean_p", "kernel_required"))
-def _int8_kernel_attention(q, k, v, *, window, softmax_scale, rotate, lean_p, kernel_required):
-    """precision="int8" on the INT8 kernel, dense [B, S, H, D] q, k, v: the primitive quantizes each
-    shard's q, k, v (`jzyfa.primitives.int8_quantize_p`), runs the kernel and gives the unsmoothed keys'
-    LSE; out in q's dtype. Not differentiable."""
+@functools.partial(
+    jax.jit, static_argnames=("window", "softmax_scale", "rotate", "lean_p", "kernel_required", "varlen")
+)
+def _int8_kernel_attention(q, k, v, *lengths, window, softmax_scale, rotate, lean_p, kernel_required, varlen=None):
+    """precision="int8" on the INT8 kernel: the primitive quantizes each shard's q, k, v
+    (`jzyfa.primitives.int8_quantize_p`; packed and padded batches per sequence,
+    `jzyfa.int8_quant.int8_quantize_packed`), runs the kernel and gives the unsmoothed keys' LSE; out in
+    q's dtype. Dense [B, S, H, D] q, k, v with no lengths or (seqlens_q, seqlens_k); or packed ones with
+    (cu_seqlens_q, cu_seqlens_k) and varlen = (max_seqlen_q, max_seqlen_k). Not differentiable."""
     q, k, v = map(_int8_gradient_refused, (q, k, v))
-    _, kernel_causal, kernel_window = kernel_mask(False, window, q.shape[1], k.shape[1])
+    seq_q, seq_k = varlen or (q.shape[1], k.shape[1])
+    _, kernel_causal, kernel_window = kernel_mask(False, window, seq_q, seq_k)
     spec = primitives.make_spec(
         softmax_scale=softmax_scale, causal=kernel_causal, window=kernel_window, kernel_required=kernel_required,
-        int8_in_call=True, rotate=rotate, lean_p=lean_p,
+        int8_in_call=True, rotate=rotate, lean_p=lean_p, varlen=varlen, seqlens=bool(lengths) and varlen is None,
     )  # fmt: skip
-    out, lse = primitives.attention_fwd(q, k, v, spec=spec)
+    out, lse = primitives.attention_fwd(q, k, v, *lengths, spec=spec)
     return out.astype(q.dtype), lse
 
 
@@ -336,13 +348,15 @@ def flash_attention(
         return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
     if precision == "int8":
         lengths = _validation.check_seqlens(seqlens_q, seqlens_k, q.shape[:2], k.shape[1])
-        options, path = _int8_options(q, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1],
+        options, path = _int8_options(q, k, v, layout="varlen" if lengths else "dense", seq_q=q.shape[1],
                                       seq_k=k.shape[1], causal=causal, window=window, softmax_scale=softmax_scale,
                                       implementation=implementation, lean_p=lean_p, rotate=rotate, softcap=softcap)  # fmt: skip
         if path is Path.REFERENCE:
             out, lse = _int8_attention(q, k, v, *lengths, **options)
         else:
-            out, lse = _int8_kernel_attention(q, k, v, **options, kernel_required=path is Path.KERNEL_REQUIRED)
+            out, lse = _int8_kernel_attention(
+                q, k, v, *lengths, **options, kernel_required=path is Path.KERNEL_REQUIRED
+            )
         return (out, lse) if return_lse else out
     _validation.check_causal(causal)
     window = _validation.check_window(window)
@@ -489,13 +503,20 @@ def flash_attention_varlen(
     _validation.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     max_seqlen_q = _validation.check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     max_seqlen_k = _validation.check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
-    if precision == "int8":  # each sequence in a right-padded slot of max_seqlen tokens
-        options, _ = _int8_options(q, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k, causal=causal,
-                                   window=window, softmax_scale=softmax_scale, implementation=implementation,
-                                   lean_p=True, rotate=rotate, softcap=softcap)  # fmt: skip
+    if precision == "int8":
+        options, path = _int8_options(q, k, v, layout="varlen", seq_q=max_seqlen_q, seq_k=max_seqlen_k,
+                                      causal=causal, window=window, softmax_scale=softmax_scale,
+                                      implementation=implementation, lean_p=True, rotate=rotate, softcap=softcap,
+                                      num_seqs=cu_seqlens_q.shape[0] - 1)  # fmt: skip
         cu = [jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k)]
-        attend = functools.partial(_int8_attention, **options)
-        out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)
+        if path is Path.REFERENCE:  # each sequence in a right-padded slot of max_seqlen tokens
+            attend = functools.partial(_int8_attention, **options)
+            out, lse = through_slots(attend, q, k, v, *cu, max_seqlen_q, max_seqlen_k)
+        else:
+            out, lse = _int8_kernel_attention(
+                q, k, v, *cu, **options, kernel_required=path is Path.KERNEL_REQUIRED,
+                varlen=(max_seqlen_q, max_seqlen_k),
+            )  # fmt: skip
         # Slots hold max_seqlen tokens: traced offsets with a longer sequence give NaN, as the kernels do.
         fits = _fits_on_device(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if fits is not None:

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jzyfa import _extension, _validation, fp8_emulation, int8_quant
+from jzyfa import _extension, _validation, fp8_emulation, int8_quant, varlen
 from jzyfa.fp8_emulation import Fp8Options
 
 # The depth up to which int8 dot products sum exactly in float32: 127^2 * 1040 < 2^24.
@@ -151,6 +151,37 @@ def attention_int8_emulated(*args, **kwargs) -> tuple[jax.Array, jax.Array]:
     """
     trace = trace_attention_int8_emulated(*args, **kwargs)
     return trace.out, trace.lse
+
+
+def attention_int8_varlen_emulated(
+    q8: jax.Array,
+    k8: jax.Array,
+    v8: jax.Array,
+    cu_seqlens_q: jax.Array,
+    cu_seqlens_k: jax.Array,
+    q_scale: jax.Array,
+    k_scale: jax.Array,
+    descale_v: jax.Array,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    window: tuple[int, int],
+    softmax_scale: float,
+    lean_p: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """`attention_int8_emulated` of a packed batch as the INT8 varlen kernel computes it: packed codes
+    (q8 [Tq, Hq, D], k8 and v8 [Tk, Hkv, D]) with per-sequence scales (`jzyfa.int8_quant
+    .int8_quantize_packed`), each sequence in a right-padded slot of the maxima (its scale blocks and
+    key blocks from its first token, as the kernel's). window: the effective (left, right) mask.
+    Returns (out bf16 [Tq, Hq, Dv], lse float32 [Hq, Tq]); tokens of no sequence give 0 and -inf."""
+
+    def attend_slots(q, k, v, seqlens_q, seqlens_k):
+        return attention_int8_emulated(
+            q, k, v, q_scale, k_scale, descale_v, causal=False, window=window, softmax_scale=softmax_scale,
+            seqlens_q=seqlens_q, seqlens_k=seqlens_k, out_dtype=jnp.bfloat16, lean_p=lean_p,
+        )  # fmt: skip
+
+    return varlen.through_slots(attend_slots, q8, k8, v8, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
 
 
 # One program for the quantization, the emulation and the LSE correction (not dispatched op by op).

@@ -37,8 +37,8 @@ def pack(x: jax.Array) -> jax.Array:
 
 
 def per_sequence(d: jax.Array) -> jax.Array:
-    """A [B, Hkv] per-(batch, KV head) descale as the packed batch's [2B, Hkv]: the padding sequence
-    takes its row's."""
+    """A per-batch-row descale or scale ([B, Hkv], INT8's [B, H, blocks]) as the packed batch's [2B, ...]:
+    the padding sequence takes its row's."""
     return jnp.repeat(d, 2, axis=0)
 
 
@@ -62,10 +62,11 @@ PackedAttend = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def attention(attend_packed: PackedAttend, q, k, v, seqlens_q, seqlens_k, *descales):
-    """A padded dense call through a packed one; descales ([B, Hkv] or scalars) follow their rows."""
+    """A padded dense call through a packed one; descales and scales ([B, ...] or scalars) follow their
+    rows."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     cu_q, cu_k = packed_offsets(seqlens_q, seq_q), packed_offsets(seqlens_k, seq_k)
-    descales = [per_sequence(d) if d.ndim == 2 else d for d in descales]
+    descales = [per_sequence(d) if d.ndim >= 2 else d for d in descales]
     out, lse = attend_packed(pack(q), pack(k), pack(v), cu_q, cu_k, *descales)
     return unpack_results(out, lse, batch, seqlens_q)
 

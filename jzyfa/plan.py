@@ -64,7 +64,9 @@ KERNELS: frozenset[Config] = frozenset(
 # passed. Calls with these configurations run the pure-JAX path; their GPU tests add the rows for
 # themselves (tests/plan_rows.py). docs/benchmarks.md says what ran of them.
 BUILT_AWAITING_GPU_TESTS: frozenset[Config] = frozenset(
-    _rows("fp8", [(256, 256)], MASKS, ("varlen",)) + _rows("int8", [(256, 256)], MASKS, ("dense",))
+    _rows("fp8", [(256, 256)], MASKS, ("varlen",))
+    + _rows("int8", [(256, 256)], MASKS, ("dense",))
+    + _rows("int8", [(128, 128)], MASKS, ("varlen",))
 )
 
 # Exact probabilities (lean_p=False) exist for dense FP8 calls; varlen FP8 calls always use lean P.

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jzyfa import fp8_layout, int8_quant, padded, plan, sharding
 from jzyfa._validation import NO_WINDOW, Window, mask_window
 from jzyfa.fp8_emulation import attention_fp8_emulated
-from jzyfa.int8_emulation import attention_int8_emulated
+from jzyfa.int8_emulation import attention_int8_emulated, attention_int8_varlen_emulated
 from jzyfa.quantize import rotation_signs
 from jzyfa.reference import attention_bwd_reference, attention_reference
 from jzyfa.varlen import (
@@ -69,9 +69,11 @@ class AttentionSpec:
     `softcap`: c > 0 caps each scaled score s to c * tanh(s / c) (16-bit calls); 0 for none.
     `int8`: int8 q and k with one float32 scale per 128 tokens and head, e4m3 v (precision="int8"'s
     operands, `jzyfa.int8_quant.Int8Inputs`); extras end with q_scale [B, Hq, ceil(Sq / 128)], k_scale
-    [B, Hkv, ceil(Sk / 128)] and descale_v [B, Hkv]. Dense calls only; out is bf16.
-    `int8_in_call`: precision="int8" on 16-bit q, k, v (no extras): each shard quantizes its q, k, v
-    (`rotate`: Hadamard-rotated q and k), runs the `int8` call and returns the unsmoothed keys' LSE.
+    [B, Hkv, ceil(Sk / 128)] and descale_v [B, Hkv] (varlen: num_seqs for B, the maxima for the
+    lengths, `jzyfa.int8_quant.int8_quantize_packed`); out is bf16.
+    `int8_in_call`: precision="int8" on 16-bit q, k, v (no scale extras): each shard quantizes its q, k, v
+    (`rotate`: Hadamard-rotated q and k; packed and padded batches per sequence), runs the `int8` call and
+    returns the unsmoothed keys' LSE.
     """
 
     softmax_scale: float
@@ -283,11 +285,19 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         packed = spec.as_packed(q.shape[1], k.shape[1])
         return padded.attention(functools.partial(attention_shard, spec=packed), q, k, v, *extras)
     if spec.int8_in_call:
-        signs = rotation_signs(q.shape[-1])
-        q8, q_scale, k8, k_scale, v8, descale_v, key_mean = int8_quantize_p.bind(q, k, v, signs, rotate=spec.rotate)
         quantized = dataclasses.replace(spec, int8_in_call=False, rotate=False, int8=True)
-        out, lse = attention_shard(q8, k8, v8, q_scale, k_scale, descale_v, spec=quantized)
-        shift = int8_quant.lse_shift(q, key_mean, spec.softmax_scale)
+        if spec.varlen:  # packed: XLA ops, each sequence its own key mean and scale blocks
+            cu_q, cu_k = extras
+            x = int8_quant.int8_quantize_packed(q, k, v, cu_q, cu_k, *spec.varlen, rotate=spec.rotate)
+            out, lse = attention_shard(x.q8, x.k8, x.v8, cu_q, cu_k, *x[3:6], spec=quantized)
+            shift = int8_quant.lse_shift_packed(q, x.key_mean, cu_q, spec.softmax_scale)
+        else:
+            signs = rotation_signs(q.shape[-1])
+            q8, q_scale, k8, k_scale, v8, descale_v, key_mean = int8_quantize_p.bind(
+                q, k, v, signs, rotate=spec.rotate
+            )
+            out, lse = attention_shard(q8, k8, v8, q_scale, k_scale, descale_v, spec=quantized)
+            shift = int8_quant.lse_shift(q, key_mean, spec.softmax_scale)
         return out, jnp.where(jnp.isfinite(lse), lse + shift, lse)
     extras = list(extras)
     if spec.fp8:
@@ -324,8 +334,11 @@ def attention_shard(q, k, v, *extras, spec: AttentionSpec) -> tuple[jax.Array, j
         extras[-3:] = [d.reshape(-1) for d in extras[-3:]]
         spec = dataclasses.replace(spec, v_transposed=v_transposed, key_block=key_block)
     # INT8: V as it is or V^T (the layout kernel's), by the FP8 rule on the shard's rows.
-    int8_layout = spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2], head_dim=q.shape[3])
-    if int8_layout == "transposed":
+    if spec.int8 and spec.varlen:
+        if plan.fp8_varlen_value_layout(spec.varlen[0], q.shape[1], k.shape[1], head_dim=q.shape[-1]) == "transposed":
+            v = fp8_layout.fp8_varlen_value_operand(v, extras[1], value_operand=fp8_value_operand_p.bind)
+            spec = dataclasses.replace(spec, v_transposed=True)
+    elif spec.int8 and plan.int8_value_layout(q.shape[1], q.shape[2], k.shape[2], head_dim=q.shape[3]) == "transposed":
         v = fp8_value_operand_p.bind(v)
         spec = dataclasses.replace(spec, v_transposed=True)
     out, lse = attention_fwd_shard_p.bind(q, k, v, *extras, spec=spec)
@@ -347,6 +360,13 @@ def _pure_jax_fallback(q, k, v, *extras, spec: AttentionSpec):
     them."""
     refuse_required_kernel(spec.kernel_required)
     window = mask_window(spec.causal, spec.window)
+    if spec.varlen and spec.int8:
+        cu_q, cu_k = extras[:2]
+        if spec.v_transposed:
+            v = fp8_layout.varlen_value_from_operand(v, cu_k, k.shape[0])
+        return attention_int8_varlen_emulated(
+            q, k, v, *extras, *spec.varlen, window=window, softmax_scale=spec.softmax_scale, lean_p=spec.lean_p,
+        )  # fmt: skip
     if spec.varlen:
         cu_q, cu_k = extras[:2]
         max_q, max_k = spec.varlen

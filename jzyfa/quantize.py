@@ -15,7 +15,7 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 GRANULARITIES = ("tensor", "head")
 
 
-def _power_of_two_descale(amax: jax.Array) -> jax.Array:
+def power_of_two_descale(amax: jax.Array) -> jax.Array:
     """Smallest power of two d with amax / d <= FP8_MAX; 1 where amax is 0."""
     # frexp is exact: ratio = mantissa * 2^exponent with mantissa in [0.5, 1), so 2^exponent >= ratio,
     # and 2^(exponent - 1) suffices when the ratio is itself a power of two (mantissa 0.5).
@@ -50,14 +50,14 @@ def fp8_quantize(
     if granularity == "tensor":
         if kv_heads is not None:
             raise ValueError('kv_heads applies only to granularity="head"')
-        descale = _power_of_two_descale(jnp.max(jnp.abs(xf)))
+        descale = power_of_two_descale(jnp.max(jnp.abs(xf)))
         scaled = xf / descale
     else:
         if xf.ndim != 4:
             raise ValueError(f'granularity="head" needs x of rank 4 [B, S, H, D], got shape {xf.shape}')
         grouped = _group_heads(xf, kv_heads)
         # initial=0: no tokens (seq 0) is amax 0, descale 1
-        descale = _power_of_two_descale(jnp.max(jnp.abs(grouped), axis=(1, 3, 4), initial=0.0))
+        descale = power_of_two_descale(jnp.max(jnp.abs(grouped), axis=(1, 3, 4), initial=0.0))
         scaled = (grouped / descale[:, None, :, None, None]).reshape(xf.shape)
     # amax / descale <= FP8_MAX already; the clip only guards against NaN from an e4m3fn overflow.
     return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), descale
@@ -99,6 +99,16 @@ def hadamard_matrix(n: int) -> np.ndarray:
     return h / np.sqrt(n)
 
 
+def _traced_hadamard_matrix(n: int) -> jax.Array:
+    """`hadamard_matrix(n)` in float32 (the same values), built from iotas rather than captured as a
+    constant: the primitives trace the rotation inside custom_partitioning, which takes no constants.
+    Sylvester's entry (i, j) is (-1)^popcount(i & j)."""
+    hadamard_matrix(n)  # checks n
+    rows, cols = (jax.lax.broadcasted_iota(jnp.int32, (n, n), axis) for axis in (0, 1))
+    odd = jax.lax.population_count(rows & cols) & 1
+    return jnp.where(odd == 1, -1.0, 1.0).astype(jnp.float32) * np.float32(1 / np.sqrt(n))
+
+
 def rotation_signs(head_dim: int, key: jax.Array | int | None = None) -> jax.Array:
     """The random signs of `hadamard_rotate`'s rotation, float32 [head_dim] of +-1 (key None: seed 0)."""
     if key is None or isinstance(key, int):
@@ -118,7 +128,7 @@ def hadamard_rotate(
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise ValueError(f"q and k must share head_dim, got {head_dim} and {k.shape[-1]}")
-    rotation = rotation_signs(head_dim, key)[:, None] * jnp.asarray(hadamard_matrix(head_dim), jnp.float32)
+    rotation = rotation_signs(head_dim, key)[:, None] * _traced_hadamard_matrix(head_dim)
 
     def rotate(x: jax.Array) -> jax.Array:
         return jnp.matmul(x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST).astype(

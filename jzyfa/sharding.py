@@ -74,9 +74,10 @@ def rule_for(spec, direction: str = "fwd") -> SdyShardingRule:
         operands += [descale] * 3
         if spec.varlen:
             replicated += ("n",)
-    if spec.int8:  # q_scale [b, hq, q blocks], k_scale [b, h, key blocks], descale_v [b, h] (dense only)
-        operands += [ArrayMapping("b", "hq", "qb"), ArrayMapping("b", "h", "kb"), descale]
-        replicated += ("qb", "kb")
+    if spec.int8:  # q_scale [b, hq, q blocks], k_scale [b, h, key blocks], descale_v [b, h] (varlen: n for b)
+        rows = "n" if spec.varlen else "b"
+        operands += [ArrayMapping(rows, "hq", "qb"), ArrayMapping(rows, "h", "kb"), descale]
+        replicated += ("qb", "kb") + (("n",) if spec.varlen else ())
     # Special factors are listed in order of first appearance.
     order = [f for mapping in operands for f in mapping if f in replicated]
     replicated = tuple(dict.fromkeys(order))

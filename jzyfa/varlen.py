@@ -45,7 +45,7 @@ def _pad(x: jax.Array, starts: jax.Array, max_len: int) -> jax.Array:
     return jnp.take(x, index, axis=0, mode="fill", fill_value=0)
 
 
-def _token_slots(cu_seqlens: jax.Array, total: int, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def token_slots(cu_seqlens: jax.Array, total: int, max_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """For each packed token: its sequence, its position in it, and whether it belongs to one.
 
     Tokens past cu_seqlens[-1] (padding at the end of the packed buffer) belong to none. Empty
@@ -104,8 +104,8 @@ def poison_unless(fits: jax.Array, *arrays: jax.Array) -> tuple[jax.Array, ...]:
 def _token_positions(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     """Per packed token, with no maxima: (query sequence, bottom-right aligned position, valid) of each
     query token and (sequence, position, valid) of each key token."""
-    seq_q, pos_q, valid_q = _token_slots(cu_seqlens_q, total_q, max(total_q, 1))
-    seq_k, pos_k, valid_k = _token_slots(cu_seqlens_k, total_k, max(total_k, 1))
+    seq_q, pos_q, valid_q = token_slots(cu_seqlens_q, total_q, max(total_q, 1))
+    seq_k, pos_k, valid_k = token_slots(cu_seqlens_k, total_k, max(total_k, 1))
     lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     return (seq_q, pos_q + (lens_k - lens_q)[seq_q], valid_q), (seq_k, pos_k, valid_k)
@@ -209,7 +209,7 @@ def _slot_attention(
 def _unslot(out_pad, lse_pad, cu_seqlens_q, total_q: int, max_seqlen_q: int):
     """Slotted (out [num_seqs, max_q, Hq, Dv], lse [num_seqs, Hq, max_q]) -> packed (out [total_q, Hq, Dv],
     lse [Hq, total_q]); tokens of no sequence give out = 0 and lse = -inf."""
-    seq, pos, valid = _token_slots(cu_seqlens_q, total_q, max_seqlen_q)
+    seq, pos, valid = token_slots(cu_seqlens_q, total_q, max_seqlen_q)
     out = jnp.where(valid[:, None, None], out_pad[seq, pos], 0).astype(out_pad.dtype)
     lse = jnp.where(valid[:, None], lse_pad[seq, :, pos], -jnp.inf)
     return out, lse.T
@@ -348,7 +348,7 @@ def _slot_attention_bwd(
     )
 
     def unpad(grad_pad, cu_seqlens, total, max_len, like):
-        seq, pos, valid = _token_slots(cu_seqlens, total, max_len)
+        seq, pos, valid = token_slots(cu_seqlens, total, max_len)
         return jnp.where(valid[:, None, None], grad_pad[seq, pos], 0).astype(like.dtype)
 
     return (

@@ -65,6 +65,7 @@ BUILT_KERNELS = {
     ("fp8", 192, 128, "none", "dense", "fwd"),
     ("fp8", 192, 128, "causal", "dense", "fwd"),
     *(("int8", d, d, mask, "dense", "fwd") for d in (128, 256) for mask in ("none", "causal", "window")),
+    *(("int8", 128, 128, mask, "varlen", "fwd") for mask in ("none", "causal", "window")),
     *(("int8", 192, 128, mask, "dense", "fwd") for mask in ("none", "causal")),
     *(
         ("16bit", qk, v, mask, layout, "bwd")

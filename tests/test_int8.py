@@ -405,6 +405,133 @@ def test_other_head_dims_kernel_path_lowers_and_is_the_emulation(rng, primitive_
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+# --- packed and padded batches: the INT8 varlen kernel's program -------------------------------------
+
+
+def packed_qkv(rng, lengths_q, lengths_k, *, heads_q=4, heads_kv=2, head_dim=128, pad_q=0):
+    """bf16 packed q, k (with a shared offset to smooth away), v and int32 offsets."""
+    cu_q, cu_k = (jnp.asarray(offsets(lengths), jnp.int32) for lengths in (lengths_q, lengths_k))
+    total_q, total_k = int(cu_q[-1]) + pad_q, int(cu_k[-1])
+    q = jnp.asarray(rng.standard_normal((total_q, heads_q, head_dim)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)) + rng.standard_normal(head_dim), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((total_k, heads_kv, head_dim)), jnp.bfloat16)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_packed_quantization_is_each_sequence_alone(rng, rotate):
+    """int8_quantize_packed: each sequence's codes, scales, v descale and key mean are the dense
+    quantization's of that sequence alone (scale blocks from its first token); tokens of no sequence get
+    zero codes; blocks without tokens (and empty sequences) scale 1."""
+    lengths = [130, 0, 257, 5]
+    q, k, v, cu_q, cu_k = packed_qkv(rng, lengths, lengths, pad_q=3)
+    x = int8_quant.int8_quantize_packed(q, k[:392], v[:392], cu_q, cu_k, 300, 300, rotate=rotate)
+    assert x.q_scale.shape == (4, 4, 3) and x.k_scale.shape == (4, 2, 3) and x.descale_v.shape == (4, 2)
+    assert x.q8.shape == q.shape and x.key_mean.shape == (4, 2, 128)
+    for s, (start, end) in enumerate(zip(np.asarray(cu_q[:-1]), np.asarray(cu_q[1:]))):
+        if start == end:
+            np.testing.assert_array_equal(np.asarray(x.q_scale[s]), 1.0)
+            np.testing.assert_array_equal(np.asarray(x.descale_v[s]), 1.0)
+            continue
+        alone = int8_quant.int8_quantize_qkv(*(t[None, start:end] for t in (q, k, v)), rotate=rotate)
+        blocks = -(-(end - start) // 128)
+        for name in ("q8", "k8", "v8"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(x, name)[start:end], np.float32), np.asarray(getattr(alone, name)[0], np.float32)
+            )
+        np.testing.assert_array_equal(np.asarray(x.q_scale[s, :, :blocks]), np.asarray(alone.q_scale[0]))
+        np.testing.assert_array_equal(np.asarray(x.q_scale[s, :, blocks:]), 1.0)
+        np.testing.assert_array_equal(np.asarray(x.k_scale[s, :, :blocks]), np.asarray(alone.k_scale[0]))
+        np.testing.assert_array_equal(np.asarray(x.descale_v[s]), np.asarray(alone.descale_v[0]))
+        np.testing.assert_allclose(np.asarray(x.key_mean[s]), np.asarray(alone.key_mean[0]), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(x.q8[392:], np.int32), 0)
+
+
+def varlen_rows(monkeypatch):
+    add_rows(monkeypatch, "int8", (128, 128), layouts=("varlen",))  # built, planned or not yet
+
+
+@pytest.mark.parametrize("v_layout", ["staged", "transposed"])
+@pytest.mark.parametrize(
+    "causal, window, heads_q, heads_kv, rotate",
+    [(True, None, 4, 2, False), (False, None, 4, 4, True), (False, (100, 20), 4, 1, False)],
+    ids=["causal-gqa", "none-rotated", "window-mqa"],
+)
+def test_varlen_kernel_path_is_the_emulation_path(rng, primitive_path, monkeypatch, causal, window, heads_q,
+                                                  heads_kv, rotate, v_layout):  # fmt: skip
+    """flash_attention_varlen(precision="int8") on the kernel's program (quantized on the packed tokens,
+    the varlen int8 operands, V as it is or the varlen V^T, the LSE shift; the CPU lowering emulates each
+    sequence in a slot) gives what the emulation path (each sequence in a slot from the start) gives: out
+    bit for bit, the LSE to its shift's float32 rounding."""
+    del primitive_path
+    varlen_rows(monkeypatch)
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, v_layout)
+    lengths_q, lengths_k = [130, 0, 257, 5, 1], [200, 9, 257, 0, 129]
+    q, k, v, cu_q, cu_k = packed_qkv(rng, lengths_q, lengths_k, heads_q=heads_q, heads_kv=heads_kv, pad_q=4)
+
+    def call(q, k, v, cu_q, cu_k, implementation=None):
+        return jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 257, 257, causal=causal, window=window,
+                                            precision="int8", rotate=rotate, return_lse=True,
+                                            implementation=implementation)  # fmt: skip
+
+    kernel = jax.jit(call)
+    assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v, cu_q, cu_k))
+    got_out, got_lse = kernel(q, k, v, cu_q, cu_k)
+    want_out, want_lse = call(q, k, v, cu_q, cu_k, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got_out, np.float32), np.asarray(want_out, np.float32))
+    np.testing.assert_array_equal(np.isfinite(got_lse), np.isfinite(want_lse))
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_allclose(np.asarray(got_lse)[finite], np.asarray(want_lse)[finite], rtol=1e-6)
+
+
+def test_padded_kernel_path_is_the_emulation_path(rng, primitive_path, monkeypatch):
+    """Padded dense batches take the varlen kernel's program (each row's valid tokens a sequence, its
+    padding another, `jzyfa.padded`): the emulation path's out bit for bit, padded rows 0 and -inf."""
+    del primitive_path
+    varlen_rows(monkeypatch)
+    q, k, v = random_qkv(rng, batch=3, seq_q=300, seq_k=260, heads_q=4, heads_kv=2, head_dim=128)
+    lengths_q, lengths_k = jnp.asarray([300, 1, 150], jnp.int32), jnp.asarray([260, 129, 0], jnp.int32)
+
+    def call(q, k, v, lq, lk, implementation=None):
+        return jzyfa.flash_attention(q, k, v, causal=True, precision="int8", seqlens_q=lq, seqlens_k=lk,
+                                     return_lse=True, implementation=implementation)  # fmt: skip
+
+    kernel = jax.jit(call)
+    assert "jzyfa_attention_fwd" in str(jax.make_jaxpr(kernel)(q, k, v, lengths_q, lengths_k))
+    got_out, got_lse = kernel(q, k, v, lengths_q, lengths_k)
+    want_out, want_lse = call(q, k, v, lengths_q, lengths_k, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got_out, np.float32), np.asarray(want_out, np.float32))
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(got_lse), finite)
+    assert not finite[1, :, 1:].any() and not finite[2].any()  # padded rows, and a row with no keys
+    np.testing.assert_allclose(np.asarray(got_lse)[finite], np.asarray(want_lse)[finite], rtol=1e-6)
+
+
+@pytest.mark.parametrize("v_layout", ["staged", "transposed"])
+def test_cuda_lowering_of_varlen_int8(primitive_path, monkeypatch, v_layout):
+    """Lowered for CUDA: one varlen forward custom call on packed int8 q and k, e4m3 v (or the varlen
+    V^T), the offsets, then q_scale and k_scale per (sequence, head) over the maxima's 128-token blocks
+    and descale_v per (sequence, KV head); no device quantization call (XLA ops quantize packed tokens)."""
+    del primitive_path
+    varlen_rows(monkeypatch)
+    monkeypatch.setenv(FP8_V_LAYOUT_ENV, v_layout)
+    q = jax.ShapeDtypeStruct((700, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((600, 2, 128), jnp.bfloat16)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+    fn = lambda q, k, v, cu_q, cu_k: jzyfa.flash_attention_varlen(q, k, v, cu_q, cu_k, 400, 300, causal=True,
+                                                                  precision="int8", rotate=True)  # fmt: skip
+    text = jax.jit(fn).trace(q, kv, kv, cu, cu).lower(lowering_platforms=("cuda",)).as_text(dialect="hlo")
+    (call,) = [line for line in text.splitlines() if 'custom_call_target="jzyfa_attention_fwd"' in line]
+    transposed = v_layout == "transposed"
+    v_operand = "f8e4m3fn[2,128,736]" if transposed else "f8e4m3fn[600,2,128]"  # roundup32(600) + 32 * 4 keys
+    for operand in ("s8[700,8,128]", "s8[600,2,128]", v_operand, "s32[4]", "f32[3,8,4]", "f32[3,2,3]", "f32[3,2]",
+                    "bf16[700,8,128]"):  # fmt: skip
+        assert operand in call, (operand, call)
+    assert "varlen = true" in call and "max_seqlen_q = 400" in call
+    assert f"v_transposed = {str(transposed).lower()}" in call
+    assert 'custom_call_target="jzyfa_int8_quantize"' not in text
+
+
 def test_kernel_path_refusals(rng):
     """implementation="kernel" with lean_p=False or off CUDA says why; padded calls run the emulation."""
     q, k, v = random_qkv(rng, seq_q=64, heads_q=2, head_dim=128)

@@ -299,7 +299,7 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
     64 per block and thread, in each of the loop's three softmax sites), P V as the FP8 kernel's (QGMMA
     64x136x32), lean P without MUFU.EX2, no local memory."""
     _, sass = compiled
-    found = select(sass, family="int8", qk=128)
+    found = select(sass, family="int8", qk=128, varlen=False)
     kinds = sorted((info(name)["staged"], info(name)["windowed"]) for name in found)
     assert kinds == [(False, False), (False, True), (True, False), (True, True)], list(found)
     for name, text in found.items():
@@ -312,6 +312,26 @@ def test_int8_kernels_use_igmma_and_convert_the_scores_exactly(compiled):
         assert not re.search(r"\bMUFU\.EX2\b", text), name
         assert "USETMAXREG" in text and not re.search(r"\b(LDL|STL)\b", text), name
         assert len(re.findall(r"\bUTMASTG\.4D\b", text)) == 2, name  # O through the TMA store, as FP8's
+
+
+def test_int8_varlen_kernels_are_the_fp8_varlen_tile_on_igmma(compiled):
+    """The INT8 varlen instantiations (fwd_int8_hd128_varlen.cu: lean P, V staged or V^T loaded, plain and
+    windowed): the dense INT8 kernels' IGMMA Q K^T and exact I2FP conversions on the FP8 varlen tile,
+    which stores O from registers (a store box would reach into the next sequence), the FP8 kernels'
+    registers."""
+    _, sass = compiled
+    found = select(sass, family="int8", qk=128, varlen=True)
+    kinds = sorted((info(name)["staged"], info(name)["windowed"]) for name in found)
+    assert kinds == [(False, False), (False, True), (True, False), (True, True)], list(found)
+    for name, text in found.items():
+        assert info(name)["lean"] and info(name)["n"] == 128, name
+        assert len(re.findall(r"\bIGMMA\.64x128x32\.S8\.S8\b", text)) >= 12, name
+        assert not re.search(r"\bQGMMA\.64x128x32", text), name
+        assert len(re.findall(r"\bQGMMA\.64x136x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", text)) >= 4, name
+        assert len(re.findall(r"\bI2FP\.F32\.S32\b", text)) >= 3 * 64, name
+        assert not re.search(r"\bMUFU\.EX2\b", text), name
+        assert "UTMASTG" not in text, name
+        check_fp8_registers(name, text)
 
 
 def test_int8_hd256_kernels_are_the_fp8_hd256_tile_on_igmma(compiled):
@@ -573,9 +593,9 @@ def test_fp8_producer_transposes_v_within_its_40_registers(compiled):
     # FP8: plain, window, MLA (lean, exact; V staged, V^T), varlen (plain, window; V staged, V^T), the
     # 192-key plain kernel (lean, exact; V^T), head dims 64 and 256 (each dense plain, window: lean, exact;
     # varlen plain, window; V^T only); INT8: plain, window (head dim 128: V staged, V^T; 256: V^T), MLA
-    # plain (V staged, V^T)
-    assert len(found) == 38, list(found)
-    assert sum(staged_v(name) for name in found) == 11, list(found)
+    # plain (V staged, V^T), varlen plain, window (V staged, V^T)
+    assert len(found) == 42, list(found)
+    assert sum(staged_v(name) for name in found) == 13, list(found)
     for name, text in found.items():
         ops = producer_ops(text)
         if not staged_v(name):  # V^T's tiles come by TMA: no transposing code (only the tile index's STS)

@@ -40,10 +40,12 @@ EXPECTED_ROWS = (
 def test_kernels_are_the_rows_that_passed_their_gpu_tests():
     assert plan.KERNELS == EXPECTED_ROWS
     assert len(plan.KERNELS) == 4 * 3 * 2 + 2 * 3 * 2 + 3 + 2 + 4 * 3 * 2 + 3 + 2
-    # Built, not served: FP8 varlen at head dim 256 and INT8 at head dim 256.
-    assert plan.BUILT_AWAITING_GPU_TESTS == {Config("fp8", (256, 256), m, "varlen") for m in plan.MASKS} | {
-        Config("int8", (256, 256), m, "dense") for m in plan.MASKS
-    }
+    # Built, not served: FP8 varlen at head dim 256, INT8 at head dim 256 and INT8 varlen at 128.
+    assert plan.BUILT_AWAITING_GPU_TESTS == (
+        {Config("fp8", (256, 256), m, "varlen") for m in plan.MASKS}
+        | {Config("int8", (256, 256), m, "dense") for m in plan.MASKS}
+        | {Config("int8", (128, 128), m, "varlen") for m in plan.MASKS}
+    )
     assert not plan.BUILT_AWAITING_GPU_TESTS & plan.KERNELS
     assert plan.MLA_HEAD_DIMS == (192, 128)
 

@@ -486,6 +486,51 @@ def test_fp8_varlen_head_sharding_matches_unsharded(rng, per_head):
     np.testing.assert_allclose(got[1], want[1], atol=1e-5, rtol=1e-6)
 
 
+def int8_varlen_operands(rng, heads_q, heads_kv):
+    from jzyfa import int8_quant
+
+    (q, k, v), cu_q, cu_k = packed_f16(rng, heads_q, heads_kv)
+    q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, 64))) for x in (q, k, v))  # head dim 128, the kernel's
+    x = int8_quant.int8_quantize_packed(q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), 30, 30)
+    return (q, k, v), cu_q, cu_k, x
+
+
+def int8_varlen_call(*operands, in_call=False):
+    spec = primitives.make_spec(softmax_scale=0.2, causal=True, varlen=(30, 30), int8=not in_call, int8_in_call=in_call)
+    return primitives.attention_fwd(*operands, spec=spec)
+
+
+@pytest.mark.parametrize("mesh_kind", MESH_KINDS)
+@pytest.mark.parametrize("mesh_shape,axes,q_spec,kv_spec,heads_q,heads_kv", VARLEN_HEADS)
+def test_int8_varlen_head_sharding_matches_unsharded(rng, mesh_shape, axes, q_spec, kv_spec, heads_q, heads_kv,
+                                                     mesh_kind):  # fmt: skip
+    """INT8 packed batches, quantized (q_scale follows q's heads, k_scale and descale_v the KV heads') or
+    quantized in the call (each shard its own heads): heads shard with no collective, bit for bit."""
+    _, cu_q, cu_k, x = int8_varlen_operands(rng, heads_q, heads_kv)
+    scale_kv = P(None, kv_spec[1]) if len(kv_spec) > 1 else P()
+    with mesh_of_kind(mesh_kind, mesh_shape, axes) as mesh:
+        specs = (q_spec, kv_spec, kv_spec, P(), P(), P(None, "tensor"), scale_kv, scale_kv)
+        operands = (x.q8, x.k8, x.v8, cu_q, cu_k, x.q_scale, x.k_scale, x.descale_v)
+        sharded = jax.jit(int8_varlen_call, in_shardings=[NamedSharding(mesh, s) for s in specs])
+        assert collective_counts(compiled_hlo(sharded, *operands)) == NO_COLLECTIVES
+        got = sharded(*operands)
+    want = jax.jit(int8_varlen_call)(*operands)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_int8_varlen_quantizing_in_the_call_shards_heads(rng):
+    (q, k, v), cu_q, cu_k, _ = int8_varlen_operands(rng, 8, 4)
+    call = functools.partial(int8_varlen_call, in_call=True)
+    mesh = cpu_mesh((4,), ("tensor",))
+    heads = NamedSharding(mesh, P(None, "tensor"))
+    sharded = jax.jit(call, in_shardings=(heads, heads, heads, NamedSharding(mesh, P()), NamedSharding(mesh, P())))
+    assert collective_counts(compiled_hlo(sharded, q, k, v, cu_q, cu_k)) == NO_COLLECTIVES
+    got, want = sharded(q, k, v, cu_q, cu_k), jax.jit(call)(q, k, v, cu_q, cu_k)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_cuda_lowering_of_sharded_varlen_call_carries_the_rule():
     mesh = cpu_mesh((4,), ("tensor",))
     named = lambda *spec: NamedSharding(mesh, P(*spec))
